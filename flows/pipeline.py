@@ -1,0 +1,127 @@
+"""The whole pipeline as one Prefect flow: ``dvc repro`` under one parent MLflow run.
+
+DVC decides what is stale (params, code and data hashes in ``dvc.lock``) and runs each stale
+stage's flow (``flows.stages``) in its own process; this flow opens the parent MLflow run that those
+stage runs nest under, streams their output into the Prefect log, collects every stage's metrics into
+a table artifact and a markdown summary, and pushes the versioned data to the DVC remote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows.stages import STAGE_FLOWS, metrics_path
+from foresight.config import Config, load_config
+from foresight.tracking import PARENT_RUN_ENV, pipeline_run
+from tasks.data import GPU_TAG
+
+# Metrics shown in the stage table, per stage (everything is in MLflow and data/metrics/ anyway).
+HEADLINE = {
+    "prepare_policy": [],
+    "prepare_prompts": ["num_train", "num_eval"],
+    "generate": ["num_samples", "generation_tokens_per_s", "mean_response_tokens"],
+    "label": ["sample_accuracy", "mean_reward"],
+    "validate": ["num_pairs", "pair_yield", "dropped_no_spread"],
+}
+
+
+def _prefect_api_url() -> str | None:
+    """URL of the Prefect API this process talks to (also the temporary server's, when one was started)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return str(client.api_url).rstrip("/") or None
+
+
+def _run_streaming(cmd: list[str], cwd: Path, env: dict, what: str) -> list[str]:
+    """Run a command, forward each output line to the Prefect log, fail with its last lines."""
+    logger = get_run_logger()
+    lines: list[str] = []
+    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            line = line.rstrip()
+            lines.append(line)
+            logger.info("%s", line)
+    if proc.returncode != 0:
+        tail = "\n".join(lines[-25:])
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+    return lines
+
+
+@task(name="dvc-repro", tags=[GPU_TAG], cache_policy=NO_CACHE)
+def reproduce_task(root: Path, parent_run_id: str, targets: list[str], force: bool) -> list[str]:
+    """``dvc repro`` the stale stages; returns the names of the stages that ran."""
+    # TQDM_MININTERVAL: progress bars redraw every 10 s instead of flooding the log with lines.
+    env = dict(os.environ, **{PARENT_RUN_ENV: parent_run_id, "TQDM_MININTERVAL": "10"})
+    api_url = _prefect_api_url()
+    if api_url:  # stage processes report to the same Prefect server instead of starting their own
+        env["PREFECT_API_URL"] = api_url
+    cmd = [sys.executable, "-m", "dvc", "repro", *targets, *(["--force"] if force else [])]
+    lines = _run_streaming(cmd, root, env, "dvc repro")
+    return [m.group(1) for line in lines if (m := re.match(r"Running stage '([^']+)'", line))]
+
+
+@task(name="dvc-push", retries=1, cache_policy=NO_CACHE)
+def push_task(root: Path) -> None:
+    """Copy the versioned outputs to the default DVC remote."""
+    _run_streaming([sys.executable, "-m", "dvc", "push"], root, dict(os.environ), "dvc push")
+
+
+def stage_table(cfg: Config, ran: list[str]) -> list[dict]:
+    """One row per stage: whether it ran now, its wall time and headline metrics."""
+    rows = []
+    for stage in STAGE_FLOWS:
+        path = metrics_path(cfg, stage)
+        metrics = json.loads(path.read_text()) if path.is_file() else {}
+        row = {"stage": stage, "status": "ran" if stage in ran else "up to date",
+               "seconds": round(metrics.get("stage_seconds", float("nan")), 1)}
+        for key in HEADLINE[stage]:
+            value = metrics.get(key)
+            row[key] = round(value, 3) if isinstance(value, float) else value
+        rows.append(row)
+    return rows
+
+
+def _markdown(rows: list[dict], run_id: str, cfg: Config) -> str:
+    lines = [f"# Foresight pipeline\n\nMLflow parent run `{run_id}` in `{cfg.mlflow_uri()}`\n",
+             "| stage | status | seconds | metrics |", "|---|---|---|---|"]
+    for row in rows:
+        extra = ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("stage", "status", "seconds"))
+        lines.append(f"| {row['stage']} | {row['status']} | {row['seconds']} | {extra} |")
+    lines.append(f"\nData Docs: `{cfg.path(cfg.paths.reports_dir) / 'datadocs' / 'index.html'}`")
+    return "\n".join(lines)
+
+
+@flow(name="pipeline", log_prints=True)
+def pipeline_flow(params_path: str = "params.yaml", targets: list[str] | None = None, force: bool = False,
+                  push: bool = True) -> dict:
+    """Reproduce the DVC pipeline (all stages, or ``targets`` and what they depend on).
+
+    ``force`` re-runs stages even when DVC finds them up to date; ``push`` sends the outputs to the
+    default DVC remote afterwards.
+    """
+    cfg = load_config(params_path)  # fail on malformed params before anything runs
+    root = Path(params_path).resolve().parent
+    with pipeline_run(cfg) as run_id:
+        ran = reproduce_task(root, run_id, targets or [], force)
+        rows = stage_table(cfg, ran)
+        import mlflow
+
+        mlflow.log_dict({"stages": rows}, "pipeline_stages.json")
+        mlflow.log_metrics({f"{r['stage']}.seconds": r["seconds"] for r in rows if r["status"] == "ran"})
+    create_table_artifact(key="pipeline-stages", table=rows, description="Stages of this pipeline run")
+    create_markdown_artifact(key="pipeline-summary", markdown=_markdown(rows, run_id, cfg),
+                             description="Pipeline run summary")
+    if push:
+        push_task(root)
+    get_run_logger().info("pipeline done: %s ran", ", ".join(ran) or "nothing (all stages up to date)")
+    return {"mlflow_run_id": run_id, "ran": ran, "stages": rows}

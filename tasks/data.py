@@ -1,0 +1,180 @@
+"""Prefect tasks of the data stages: prepare policy → prompts → generate → label → validate + pairs.
+
+Thin wrappers: the work lives in ``models/`` and ``foresight/``. Each task writes its outputs
+atomically (nothing half-written survives a failure) and returns a :class:`StageResult` of metrics
+and paths, never models or tensors. Tasks that run a neural network are tagged ``gpu`` so a Prefect
+concurrency limit (``prefect concurrency-limit create gpu 1``) can guard the GPUs. DVC decides what
+is stale, so Prefect's own result caching is off.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from tqdm.auto import tqdm
+
+from foresight.config import Config
+from foresight.pairs import SAMPLE_COLUMNS, SCORE_COLUMNS, make_pairs
+from foresight.storage import read_table, write_table
+
+GPU_TAG = "gpu"
+
+
+@dataclass
+class StageResult:
+    """What a stage reports: scalar metrics, tables to preview in MLflow, folders to attach."""
+
+    metrics: dict
+    tables: dict[str, Path] = field(default_factory=dict)
+    artifacts: dict[str, Path] = field(default_factory=dict)
+
+
+def _prompt_split_path(cfg: Config, split: str) -> Path:
+    return cfg.path(cfg.paths.prompts_dir) / f"{split}.jsonl"
+
+
+@task(name="prepare-policy", retries=2, retry_delay_seconds=10, cache_policy=NO_CACHE)
+def prepare_policy_task(cfg: Config) -> StageResult:
+    """Make the configured policy available locally (retried: a hub download can fail transiently)."""
+    from models.policy import prepare_policy
+
+    started = time.perf_counter()
+    manifest = prepare_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
+    get_run_logger().info("policy ready: %s", manifest)
+    return StageResult(metrics={"wall_seconds": time.perf_counter() - started})
+
+
+@task(name="prepare-prompts", cache_policy=NO_CACHE)
+def prepare_prompts_task(cfg: Config) -> StageResult:
+    """Read the prompt source and write the deterministic train / eval splits."""
+    from foresight.prompts import load_prompts
+
+    started = time.perf_counter()
+    train, held_out = load_prompts(cfg.prompts, cfg.root)
+    paths = {split: _prompt_split_path(cfg, split) for split in ("train", "eval")}
+    write_table(train, paths["train"])
+    write_table(held_out, paths["eval"])
+    metrics = {
+        "num_train": len(train),
+        "num_eval": len(held_out),
+        "with_answer": float(train["answer"].notna().mean()),
+        "wall_seconds": time.perf_counter() - started,
+    }
+    get_run_logger().info("prompts: %d train, %d eval from source '%s'", len(train), len(held_out), cfg.prompts.source)
+    return StageResult(metrics=metrics, tables=paths)
+
+
+@task(name="generate-samples", tags=[GPU_TAG], cache_policy=NO_CACHE)
+def generate_task(cfg: Config) -> StageResult:
+    """Sample N responses per training prompt from the policy."""
+    from models.generation import chat_prompts, sample
+    from models.policy import load_policy
+
+    logger = get_run_logger()
+    started = time.perf_counter()
+    prompts_df = read_table(_prompt_split_path(cfg, "train"), "training prompts")
+    policy = load_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
+    prompts = chat_prompts(policy.tokenizer, prompts_df["question"].tolist(), cfg.prompts.system_prompt)
+    logger.info("sampling %d × %d on %s", len(prompts), cfg.generate.num_samples, policy.device)
+
+    progress_id = create_progress_artifact(progress=0.0, key="generate-progress",
+                                           description="Batches of prompts sampled")
+    bar = tqdm(total=-(-len(prompts) // cfg.generate.batch_size), desc="generate", unit="batch")
+
+    def on_batch(done: int, total: int) -> None:
+        bar.update(1)
+        update_progress_artifact(progress_id, progress=100.0 * done / total)
+
+    completions, stats = sample(policy, prompts, cfg.generate, on_batch=on_batch)
+    bar.close()
+    g = cfg.generate
+    rows = []
+    for c in completions:
+        src = prompts_df.iloc[c.prompt_index]
+        rows.append({
+            "sample_id": f"{src['prompt_id']}/{c.sample_index}", "prompt_id": src["prompt_id"],
+            "sample_index": c.sample_index, "question": src["question"], "prompt": prompts[c.prompt_index],
+            "response": c.response, "answer": src["answer"], "prompt_tokens": c.prompt_tokens,
+            "response_tokens": c.response_tokens, "finish_reason": c.finish_reason,
+            "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
+            "max_new_tokens": g.max_new_tokens, "seed": g.seed, "model": cfg.policy.model,
+        })
+    samples = pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
+    out = write_table(samples, cfg.path(cfg.paths.samples))
+    metrics = {
+        "num_samples": len(samples),
+        "generation_tokens_per_s": stats["tokens_per_s"],
+        "generation_seconds": stats["seconds"],
+        "new_tokens": stats["new_tokens"],
+        "mean_response_tokens": float(samples["response_tokens"].mean()),
+        "truncated_share": float((samples["finish_reason"] == "length").mean()),
+        "wall_seconds": time.perf_counter() - started,
+    }
+    logger.info("generated %d samples at %.1f tok/s", len(samples), stats["tokens_per_s"])
+    return StageResult(metrics=metrics, tables={"samples": out})
+
+
+@task(name="label-samples", tags=[GPU_TAG], cache_policy=NO_CACHE)
+def label_task(cfg: Config) -> StageResult:
+    """Score every sample with the configured labeler; record correctness wherever the answer is known."""
+    from models.labelers import build_labeler, extract_answer, is_correct
+
+    logger = get_run_logger()
+    started = time.perf_counter()
+    samples = read_table(cfg.path(cfg.paths.samples), "samples")
+    if samples.empty:
+        raise ValueError(f"{cfg.path(cfg.paths.samples)} has no rows: nothing to label")
+    labeler = build_labeler(cfg.label)
+    logger.info("labeling %d samples with '%s'", len(samples), labeler.name)
+    answers = [None if pd.isna(a) else a for a in samples["answer"]]
+    scores = labeler.score(samples["question"].tolist(), samples["response"].tolist(), answers)
+    labeled = samples.copy()
+    labeled["score"] = scores
+    labeled["correct"] = pd.array([is_correct(r, a) for r, a in zip(labeled["response"], answers)], dtype="boolean")
+    labeled["extracted_answer"] = [extract_answer(r) for r in labeled["response"]]
+    labeled["labeler"] = labeler.name
+    out = write_table(labeled[SCORE_COLUMNS], cfg.path(cfg.paths.scores))
+    metrics = {"num_scored": len(labeled), "mean_reward": float(labeled["score"].mean()),
+               "wall_seconds": time.perf_counter() - started}
+    known = labeled["correct"].dropna()
+    if len(known):
+        metrics["sample_accuracy"] = float(known.astype(float).mean())
+    return StageResult(metrics=metrics, tables={"scores": out})
+
+
+@task(name="validate-and-pair", cache_policy=NO_CACHE)
+def validate_task(cfg: Config) -> StageResult:
+    """Run the GX suites on samples and scores, build preference pairs, validate them, then write them.
+
+    A failed suite raises before the pairs file is replaced, so downstream stages never see bad data.
+    """
+    from foresight.validation import pairs_suite, samples_suite, scores_suite, validate_tables
+
+    logger = get_run_logger()
+    started = time.perf_counter()
+    samples = read_table(cfg.path(cfg.paths.samples), "samples")
+    scores = read_table(cfg.path(cfg.paths.scores), "scores")
+    pairs, pair_stats = make_pairs(scores, cfg.validate_.min_score_gap)
+    docs_dir = cfg.path(cfg.paths.reports_dir) / "datadocs"
+    summary = validate_tables(
+        {
+            "samples": (samples, samples_suite(cfg.validate_, cfg.generate.max_new_tokens)),
+            "scores": (scores, scores_suite(cfg.validate_)),
+            "pairs": (pairs, pairs_suite(cfg.validate_)),
+        },
+        docs_dir,
+    )
+    out = write_table(pairs, cfg.path(cfg.paths.pairs))
+    logger.info("validation passed; %d pairs from %d prompts (Data Docs: %s)",
+                pair_stats["num_pairs"], pair_stats["num_prompts"], summary["docs_index"])
+    metrics = dict(pair_stats)
+    for name, suite in summary["suites"].items():
+        metrics[f"{name}_expectations_passed"] = suite["successful"]
+    metrics["wall_seconds"] = time.perf_counter() - started
+    return StageResult(metrics=metrics, tables={"pairs": out}, artifacts={"datadocs": docs_dir})

@@ -1,0 +1,69 @@
+"""Shared fixtures: offline environment, tiny models, and config factories."""
+
+from __future__ import annotations
+
+import os
+
+# Set before anything imports huggingface_hub / prefect / mlflow: no network, no telemetry.
+os.environ.update({
+    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+    "GX_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1", "TOKENIZERS_PARALLELISM": "false",
+})
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.tiny import build_tiny_armorm, build_tiny_classifier, build_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier(tmp_path_factory) -> Path:
+    return build_tiny_classifier(tmp_path_factory.mktemp("tiny-classifier"))
+
+
+@pytest.fixture(scope="session")
+def tiny_armorm(tmp_path_factory) -> Path:
+    return build_tiny_armorm(tmp_path_factory.mktemp("tiny-armorm"))
+
+
+def tiny_params(root: Path, model: Path, **sections) -> dict:
+    """A params dict for a fast run on the tiny model under ``root`` (a small, complete pipeline)."""
+    params = {
+        "policy": {"model": str(model), "device": "cpu"},
+        "prompts": {"num_train": 6, "num_eval": 2, "seed": 0},
+        "generate": {"num_samples": 3, "max_new_tokens": 12, "batch_size": 4, "seed": 0},
+        "tracking": {"mlflow_uri": f"sqlite:///{root / 'mlflow.db'}", "experiment": "test"},
+    }
+    for name, values in sections.items():
+        params.setdefault(name, {}).update(values)
+    return params
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory) -> str:
+    """A temporary Prefect API (``prefect_test_harness``) with its own ``PREFECT_HOME``; yields the API URL.
+
+    ``PREFECT_HOME`` goes both into ``os.environ`` (the harness's server subprocess and any process a test
+    starts inherit it) and into the in-process settings (prefect read its settings at import time), so
+    result storage, profiles and the memo store live in a temp dir, not in ``~/.prefect``.
+    """
+    import prefect.settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREFECT_HOME", str(home))
+        mp.delenv("PREFECT_API_URL", raising=False)
+        with prefect.settings.temporary_settings(updates={prefect.settings.PREFECT_HOME: home}):
+            with prefect_test_harness(server_startup_timeout=60):
+                url = prefect.settings.PREFECT_API_URL.value()
+                assert url and prefect.settings.PREFECT_HOME.value() == home
+                assert prefect.settings.get_current_settings().results.local_storage_path == home / "storage"
+                yield url

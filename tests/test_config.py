@@ -1,0 +1,82 @@
+"""params.yaml validation: errors name the key and what is allowed."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from foresight.config import ConfigError, load_config, parse_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_repo_params_file_is_valid():
+    cfg = load_config(REPO / "params.yaml")
+    assert cfg.policy.model == "smollm2-135m-instruct"
+    assert cfg.generate.num_samples == 5 and cfg.generate.temperature == 0.8
+    assert cfg.path(cfg.paths.samples) == REPO / "data/samples/samples.parquet"
+
+
+def test_defaults_parse_from_empty():
+    cfg = parse_config({})
+    assert cfg.prompts.source == "arithmetic" and cfg.label.labeler == "verifiable"
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        ({"generate": {"num_samples": 0}}, ["generate.num_samples", "greater than or equal to 1"]),
+        ({"generate": {"temperature": "hot"}}, ["generate.temperature", "'hot'"]),
+        ({"label": {"labeler": "gpt4"}}, ["label.labeler", "'verifiable', 'armorm' or 'hf-classifier'", "'gpt4'"]),
+        ({"generate": {"num_sample": 5}}, ["generate.num_sample: unknown key", "allowed keys here are", "num_samples"]),
+        ({"polcy": {}}, ["polcy: unknown key", "policy"]),
+        ({"prompts": {"arithmetic": {"operations": ["/"]}}}, ["prompts.arithmetic.operations.0", "'+', '-' or '*'"]),
+        ({"prompts": {"source": "file"}}, ["prompts", "'file' section is missing"]),
+        ({"label": {"labeler": "armorm"}}, ["labeler 'armorm' needs 'model'"]),
+        ({"policy": {"dtype": "int4"}}, ["policy.dtype", "'float32'"]),
+    ],
+)
+def test_bad_values_fail_naming_the_key(params, expected):
+    with pytest.raises(ConfigError) as err:
+        parse_config(params)
+    for fragment in expected:
+        assert fragment in str(err.value)
+
+
+def test_overrides_and_file_errors(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"generate": {"num_samples": 2}}))
+    cfg = load_config(path, {"generate.seed": 7, "prompts.arithmetic.max_number": 20})
+    assert (cfg.generate.num_samples, cfg.generate.seed, cfg.prompts.arithmetic.max_number) == (2, 7, 20)
+    assert cfg.root == tmp_path.resolve()
+
+    with pytest.raises(ConfigError, match="params file not found"):
+        load_config(tmp_path / "missing.yaml")
+    path.write_text("generate: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        load_config(path)
+
+
+def test_relative_sqlite_uri_resolves_against_params_folder(tmp_path):
+    cfg = parse_config({"tracking": {"mlflow_uri": "sqlite:///runs/mlflow.db"}}, root=tmp_path)
+    assert cfg.mlflow_uri() == f"sqlite:///{tmp_path.resolve()}/runs/mlflow.db"
+    cfg = parse_config({"tracking": {"mlflow_uri": "sqlite:////abs/mlflow.db"}}, root=tmp_path)
+    assert cfg.mlflow_uri() == "sqlite:////abs/mlflow.db"
+
+
+def test_every_field_is_documented():
+    from pydantic import BaseModel
+
+    from foresight.config import Config
+
+    def walk(model: type[BaseModel]):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no docstring"
+            for arg in (field.annotation, *getattr(field.annotation, "__args__", ())):
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    walk(arg)
+
+    walk(Config)

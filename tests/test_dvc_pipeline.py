@@ -1,0 +1,265 @@
+"""The DVC pipeline for real: a temporary git + DVC repository, the tiny model, a temporary Prefect API.
+
+One module-scoped run of ``flows.pipeline.pipeline_flow`` (parent MLflow run → ``dvc repro`` → every
+stage's flow in its own process → artifacts → ``dvc push``) pays the cost of the stage processes once;
+the tests then check its outputs, that a second ``dvc repro`` does nothing, that changing one param
+re-runs exactly the stages downstream of it, and ``dvc metrics show``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from foresight.config import parse_config
+from tests.conftest import tiny_params
+
+REPO = Path(__file__).resolve().parent.parent
+STAGES = ["prepare_policy", "prepare_prompts", "generate", "label", "validate"]
+NUM_TRAIN, NUM_SAMPLES = 6, 3
+RUNNING = re.compile(r"Running stage '([^']+)'")
+
+
+def _run(cmd: list[str], cwd: Path, env: dict, timeout: float = 300) -> str:
+    """Run a command; fail the test with its output when it fails; return stdout + stderr."""
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{out[-4000:]}"
+    return out
+
+
+def _dvc(*args: str, repo: Path, env: dict) -> str:
+    return _run([sys.executable, "-m", "dvc", *args], repo, env)
+
+
+def _ran(output: str) -> list[str]:
+    return [m.group(1) for line in output.splitlines() if (m := RUNNING.search(line))]
+
+
+@pytest.fixture(scope="module")
+def dvc_repo(tmp_path_factory, tiny_llama, tiny_classifier, prefect_server):
+    """A committed git + DVC repo with this project's code, ``dvc.yaml`` and a tiny ``params.yaml``.
+
+    Yields ``(repo, remote, env)``: ``env`` is what subprocesses get (the temporary Prefect API, so stage
+    flows report to it instead of starting their own server; the venv first on PATH, so the stages'
+    ``python`` is this interpreter).
+    """
+    base = tmp_path_factory.mktemp("dvc")
+    repo, remote = base / "repo", base / "remote"
+    repo.mkdir()
+    for package in ("foresight", "models", "tasks", "flows"):
+        shutil.copytree(REPO / package, repo / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy(REPO / "dvc.yaml", repo / "dvc.yaml")
+    # A random tiny policy rarely states a right answer, so score with the tiny reward model: its scores
+    # differ between samples, which gives every prompt a spread and the validate stage its pairs.
+    # DVC reads params.yaml itself (``${paths.*}`` in dvc.yaml, and params deps such as
+    # ``prompts.system_prompt``): the config's defaults are invisible to it, so write the resolved config.
+    params = tiny_params(repo, tiny_llama,
+                         prompts={"num_train": NUM_TRAIN}, generate={"num_samples": NUM_SAMPLES},
+                         label={"labeler": "hf-classifier", "model": str(tiny_classifier), "device": "cpu"},
+                         validate={"min_response_chars": 0})
+    params = parse_config(params).model_dump(mode="json", by_alias=True)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (repo / ".gitignore").write_text("__pycache__/\nmlflow.db\nmlruns/\n")
+
+    env = dict(os.environ, PREFECT_API_URL=prefect_server,
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               GIT_AUTHOR_NAME="test", GIT_AUTHOR_EMAIL="test@example.com",
+               GIT_COMMITTER_NAME="test", GIT_COMMITTER_EMAIL="test@example.com")
+    env.pop("FORESIGHT_MLFLOW_PARENT_RUN_ID", None)
+    _run(["git", "init", "-q"], repo, env)
+    _run(["git", "config", "user.name", "test"], repo, env)
+    _run(["git", "config", "user.email", "test@example.com"], repo, env)
+    _dvc("init", "-q", repo=repo, env=env)
+    _dvc("remote", "add", "-d", "local", str(remote), repo=repo, env=env)
+    _run(["git", "add", "-A"], repo, env)
+    _run(["git", "commit", "-q", "-m", "tiny pipeline"], repo, env)
+    yield repo, remote, env
+
+
+@pytest.fixture(scope="module")
+def pipeline_result(dvc_repo):
+    """``pipeline_flow`` run in this process (inside the Prefect test harness), from the repo folder."""
+    from flows.pipeline import pipeline_flow
+
+    repo, _, env = dvc_repo
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(repo)  # MLflow puts a new experiment's artifacts under the working directory
+        mp.setenv("PATH", env["PATH"])  # reproduce_task passes os.environ on to dvc and the stages
+        started = time.perf_counter()
+        state = pipeline_flow(params_path=str(repo / "params.yaml"), push=True, return_state=True)
+        assert state.is_completed(), state
+        result = dict(state.result(), wall_seconds=time.perf_counter() - started,
+                      flow_run_id=state.state_details.flow_run_id)
+    print(f"pipeline_flow (all stages, push): {result['wall_seconds']:.1f} s")
+    return result
+
+
+def _read_artifacts(key: str, flow_run_id=None):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    flow_run = ArtifactFilterFlowRunId(any_=[flow_run_id]) if flow_run_id else None
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]),
+                                                                    flow_run_id=flow_run))
+
+
+def _stage_runs(repo: Path, parent_run_id: str) -> dict:
+    """The MLflow runs nested under the pipeline's parent run, by ``foresight.stage`` tag."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("test")
+    assert experiment is not None
+    children = client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'")
+    by_stage = {r.data.tags["foresight.stage"]: r for r in children}
+    assert len(by_stage) == len(children), [r.data.tags for r in children]
+    return by_stage
+
+
+def test_pipeline_flow_runs_every_stage_and_pushes(dvc_repo, pipeline_result):
+    import pandas as pd
+
+    repo, remote, _ = dvc_repo
+    assert pipeline_result["ran"] == STAGES
+    assert [row["stage"] for row in pipeline_result["stages"]] == STAGES
+    assert all(row["status"] == "ran" for row in pipeline_result["stages"])
+
+    samples = pd.read_parquet(repo / "data/samples/samples.parquet")
+    assert len(samples) == NUM_TRAIN * NUM_SAMPLES
+    scores = pd.read_parquet(repo / "data/labels/scores.parquet")
+    assert len(scores) == len(samples) and scores["score"].notna().all()
+    pairs = pd.read_parquet(repo / "data/pairs/pairs.parquet")
+    assert 1 <= len(pairs) <= NUM_TRAIN and (pairs["chosen_score"] > pairs["rejected_score"]).all()
+    assert (repo / "data/reports/datadocs").is_dir()
+    for stage in STAGES:
+        assert (repo / f"data/metrics/{stage}.json").is_file(), stage
+
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert sorted(lock["stages"]) == sorted(STAGES)
+    assert lock["stages"]["generate"]["params"]["params.yaml"]["generate"]["seed"] == 0
+
+    # dvc push copied every cached output into the remote (content-addressed under files/md5)
+    pushed = [p for p in (remote / "files" / "md5").rglob("*") if p.is_file()]
+    assert len(pushed) >= len(STAGES) * 2, pushed  # each stage: at least one output + its metrics file
+    samples_md5 = next(o["md5"] for o in lock["stages"]["generate"]["outs"] if o["path"].endswith("samples.parquet"))
+    assert (remote / "files" / "md5" / samples_md5[:2] / samples_md5[2:]).is_file()
+
+
+def test_pipeline_mlflow_runs_nest_under_one_parent(dvc_repo, pipeline_result):
+    from mlflow.tracking import MlflowClient
+
+    repo, _, _ = dvc_repo
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("test")
+    assert experiment is not None
+    parents = client.search_runs([experiment.experiment_id], "tags.`foresight.kind` = 'pipeline'")
+    assert [r.info.run_id for r in parents] == [pipeline_result["mlflow_run_id"]]
+    assert parents[0].info.status == "FINISHED"
+    assert parents[0].data.params["generate.seed"] == "0"
+
+    by_stage = _stage_runs(repo, pipeline_result["mlflow_run_id"])
+    assert sorted(by_stage) == sorted(STAGES)
+    assert all(r.info.status == "FINISHED" for r in by_stage.values())
+    assert by_stage["generate"].data.metrics["num_samples"] == NUM_TRAIN * NUM_SAMPLES
+    assert by_stage["validate"].data.metrics["num_pairs"] >= 1
+
+
+def test_pipeline_prefect_artifacts(dvc_repo, pipeline_result):
+    flow_run_id = pipeline_result["flow_run_id"]
+    table = _read_artifacts("pipeline-stages", flow_run_id)
+    assert len(table) == 1 and table[0].type == "table"
+    rows = table[0].data if isinstance(table[0].data, list) else json.loads(table[0].data)
+    assert [row["stage"] for row in rows] == STAGES and {row["status"] for row in rows} == {"ran"}
+    summary = _read_artifacts("pipeline-summary", flow_run_id)
+    assert len(summary) == 1 and summary[0].type == "markdown"
+    assert pipeline_result["mlflow_run_id"] in summary[0].data
+    # The stage flows ran in dvc's subprocesses and reported to the same Prefect API: each stage's
+    # summary names the MLflow run that is nested under this pipeline's parent run.
+    for stage, run in _stage_runs(dvc_repo[0], pipeline_result["mlflow_run_id"]).items():
+        artifacts = _read_artifacts(f"{stage.replace('_', '-')}-summary")
+        assert any(f"Stage `{stage}`" in a.data and run.info.run_id in a.data for a in artifacts), stage
+
+
+def test_dvc_metrics_show_lists_every_stage(dvc_repo, pipeline_result):
+    repo, _, env = dvc_repo
+    shown = json.loads(_dvc("metrics", "show", "--json", repo=repo, env=env))
+    assert len(shown) == 1, shown  # the workspace only (keyed "" when dvc.yaml is at the repo root)
+    files = next(iter(shown.values()))["data"]
+    for stage in STAGES:
+        assert f"data/metrics/{stage}.json" in files, (stage, sorted(files))
+        assert "stage_seconds" in files[f"data/metrics/{stage}.json"]["data"]
+    assert files["data/metrics/generate.json"]["data"]["num_samples"] == NUM_TRAIN * NUM_SAMPLES
+    assert files["data/metrics/prepare_prompts.json"]["data"]["num_train"] == NUM_TRAIN
+    table = _dvc("metrics", "show", repo=repo, env=env)
+    assert all(f"data/metrics/{stage}.json" in table for stage in STAGES), table
+
+
+def test_second_repro_is_a_noop(dvc_repo, pipeline_result):
+    repo, _, env = dvc_repo
+    out = _dvc("repro", repo=repo, env=env)
+    assert _ran(out) == [], out
+    assert "up to date" in out, out
+
+
+def test_changed_param_reruns_only_downstream_stages(dvc_repo, pipeline_result):
+    repo, _, env = dvc_repo
+    params_file = repo / "params.yaml"
+    params = yaml.safe_load(params_file.read_text())
+    params["generate"]["seed"] = 1
+    params_file.write_text(yaml.safe_dump(params, sort_keys=False))
+    before = {stage: (repo / f"data/metrics/{stage}.json").read_text() for stage in STAGES}
+
+    out = _dvc("repro", repo=repo, env=env)
+    assert _ran(out) == ["generate", "label", "validate"], out
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert lock["stages"]["generate"]["params"]["params.yaml"]["generate"]["seed"] == 1
+    # the upstream stages' outputs were not rewritten; the re-run stages' were
+    for stage in ("prepare_policy", "prepare_prompts"):
+        assert (repo / f"data/metrics/{stage}.json").read_text() == before[stage]
+    for stage in ("generate", "label", "validate"):
+        assert (repo / f"data/metrics/{stage}.json").read_text() != before[stage]
+    assert "Data and pipelines are up to date" in _dvc("status", repo=repo, env=env)
+
+    # run by the dvc CLI, not by the pipeline flow: the new stage runs are top-level MLflow runs
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("test")
+    runs = client.search_runs([experiment.experiment_id], "tags.`foresight.stage` = 'generate'")
+    top_level = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(runs) == 2 and len(top_level) == 1 and top_level[0].data.params["generate.seed"] == "1"
+
+
+def test_failing_stage_names_the_problem_and_keeps_earlier_outputs(dvc_repo, pipeline_result):
+    """A missing reward model: ``dvc repro`` fails with a message naming it; no output is lost or half-written."""
+    repo, _, env = dvc_repo
+    params_path = repo / "params.yaml"
+    original = params_path.read_text()
+    kept = {p: (repo / p).read_bytes() for p in ("data/labels/scores.parquet", "data/pairs/pairs.parquet",
+                                                 "data/samples/samples.parquet")}
+    params = yaml.safe_load(original)
+    params["label"]["model"] = str(repo / "no-such-reward-model")
+    params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=300)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0, out
+        assert _ran(out) == ["label"], out  # validate never ran on the failed stage's output
+        assert "ERROR: stage label failed" in out and "no-such-reward-model" in out, out[-3000:]
+        for path, content in kept.items():
+            assert (repo / path).read_bytes() == content, f"{path} changed after a failed run"
+    finally:
+        params_path.write_text(original)
+    assert _ran(_dvc("repro", repo=repo, env=env)) == [], "restoring the params must make everything up to date"

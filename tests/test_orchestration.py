@@ -1,0 +1,181 @@
+"""Prefect orchestration end to end: a real ``prefect server``, ``flows.serve`` serving every flow, and a
+run triggered through the API (what the UI's "Run" button does), executed by the served runner.
+
+Both processes run in their own process group and are killed by PID at teardown, children included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import tiny_params
+
+REPO = Path(__file__).resolve().parent.parent
+FLOW_NAMES = ["pipeline", "prepare-policy", "prepare-prompts", "generate", "label", "validate"]
+NUM_TRAIN, NUM_EVAL = 5, 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(cmd: list[str], cwd: Path, env: dict, log: Path) -> subprocess.Popen:
+    """Start a process in a new session (its own process group), output to ``log``."""
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process's group, then SIGKILL it if it has not exited within 15 s."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(log: Path, chars: int = 3000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.is_file() else "(no log)"
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 90) -> float:
+    """Poll ``GET {url}/health`` until it answers true; returns the seconds it took."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        assert proc.poll() is None, f"prefect server exited ({proc.returncode}):\n{_tail(log)}"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200 and json.loads(resp.read()) is True:
+                    return time.perf_counter() - started
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"prefect server not healthy after {timeout} s:\n{_tail(log)}")
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    """``prefect server start`` on a free port with its own PREFECT_HOME; yields ``(api_url, env)``."""
+    home = tmp_path_factory.mktemp("prefect-server-home")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_API_URL=url, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_RUNNER_POLL_FREQUENCY="1", DO_NOT_TRACK="true",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.pop("FORESIGHT_MLFLOW_PARENT_RUN_ID", None)
+    log = home / "server.log"
+    proc = _start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
+                   "--no-ui"], home, env, log)
+    try:
+        seconds = _wait_healthy(url, proc, log)
+        print(f"prefect server healthy after {seconds:.1f} s")
+        yield url, env
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture
+def api_client_settings(prefect_api):
+    """Point this process's Prefect client at the test server for the duration of a test."""
+    import prefect.settings
+
+    url, _ = prefect_api
+    with prefect.settings.temporary_settings(updates={prefect.settings.PREFECT_API_URL: url}):
+        yield url
+
+
+def _deployments() -> dict[str, object]:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return {f"{client.read_flow(d.flow_id).name}/{d.name}": d for d in client.read_deployments()}
+
+
+@pytest.fixture(scope="module")
+def served(prefect_api, tmp_path_factory, tiny_llama):
+    """``flows.serve.main(params)`` in a subprocess, cwd = a temp folder holding a tiny ``params.yaml``.
+
+    Yields the folder once every flow's deployment is registered.
+    """
+    import prefect.settings
+
+    url, env = prefect_api
+    work = tmp_path_factory.mktemp("served")
+    params = tiny_params(work, tiny_llama, prompts={"num_train": NUM_TRAIN, "num_eval": NUM_EVAL})
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    log = work / "serve.log"
+    code = "import sys; from pathlib import Path; from flows.serve import main; main(Path(sys.argv[1]))"
+    proc = _start([sys.executable, "-c", code, str(work / "params.yaml")], work, env, log)
+    try:
+        started = time.perf_counter()
+        with prefect.settings.temporary_settings(updates={prefect.settings.PREFECT_API_URL: url}):
+            while len(_deployments()) < len(FLOW_NAMES):
+                assert proc.poll() is None, f"serve exited ({proc.returncode}):\n{_tail(log)}"
+                assert time.perf_counter() - started < 120, f"deployments not registered in 120 s:\n{_tail(log)}"
+                time.sleep(0.5)
+        print(f"serve registered its deployments after {time.perf_counter() - started:.1f} s")
+        yield work, proc, log
+    finally:
+        _stop(proc)
+
+
+def test_every_flow_has_a_deployment(served, api_client_settings):
+    work = served[0]
+    deployments = _deployments()
+    assert sorted(deployments) == sorted(f"{name}/{name}" for name in FLOW_NAMES)
+    for deployment in deployments.values():
+        assert deployment.parameters == {"params_path": str(work / "params.yaml")}
+        assert "foresight" in deployment.tags
+        assert deployment.description  # the flow's docstring, shown in the UI
+
+
+def test_run_deployment_through_the_api(served, api_client_settings):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.deployments import run_deployment
+
+    work, proc, log = served
+    started = time.perf_counter()
+    flow_run = run_deployment("prepare-prompts/prepare-prompts", poll_interval=1, timeout=180)
+    seconds = time.perf_counter() - started
+    print(f"prepare-prompts deployment run: {seconds:.1f} s from trigger to final state")
+    assert flow_run.state is not None and flow_run.state.is_completed(), (
+        f"state {flow_run.state!r} after {seconds:.0f} s; serve log:\n{_tail(log)}")
+    assert flow_run.parameters == {"params_path": str(work / "params.yaml")}
+
+    # the run wrote into the folder of the deployment's params file
+    train = (work / "data/prompts/train.jsonl").read_text().splitlines()
+    held_out = (work / "data/prompts/eval.jsonl").read_text().splitlines()
+    assert len(train) == NUM_TRAIN and len(held_out) == NUM_EVAL
+    assert all(json.loads(line)["question"] for line in train)
+    metrics = json.loads((work / "data/metrics/prepare_prompts.json").read_text())
+    assert metrics["num_train"] == NUM_TRAIN and metrics["num_eval"] == NUM_EVAL
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["prepare-prompts-summary"]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]),
+        ))
+        flow = client.read_flow(flow_run.flow_id)
+    assert len(artifacts) == 1 and "Stage `prepare_prompts`" in artifacts[0].data
+    assert f"| num_train | {NUM_TRAIN} |" in artifacts[0].data
+    assert flow.name == "prepare-prompts"
+    assert proc.poll() is None, "the serve process must keep serving after a run"

@@ -1,0 +1,129 @@
+"""Prompt sources: arithmetic, local files (jsonl/parquet/csv), HF datasets; deterministic splits."""
+
+import json
+import re
+
+import pandas as pd
+import pytest
+
+from foresight.config import ArithmeticConfig, parse_config
+from foresight.prompts import PromptSourceError, arithmetic_prompts, load_prompts
+
+
+def _prompts_cfg(**prompts):
+    return parse_config({"prompts": prompts}).prompts
+
+
+def _evaluate(question: str) -> int:
+    """Recompute a word problem's answer from its text (independent of the generator)."""
+    numbers = [int(n) for n in re.findall(r"\d+", question)]
+    if "more" in question and "Then" not in question:
+        return numbers[0] + numbers[1]
+    if "gives" in question and "Then" not in question:
+        return numbers[0] - numbers[1]
+    if "bags" in question:
+        return numbers[0] * numbers[1]
+    value = numbers[0]
+    for step, n in zip(re.findall(r"Then [^.]*\.", question), numbers[1:]):
+        value = value + n if "finds" in step else value - n if "away" in step else value * n
+    return value
+
+
+def test_arithmetic_answers_are_right_and_in_range():
+    df = arithmetic_prompts(ArithmeticConfig(), 200, seed=3)
+    assert len(df) == 200 and df["question"].is_unique
+    for q, a in zip(df["question"], df["answer"]):
+        assert _evaluate(q) == int(a), q
+        assert int(a) >= 0
+        assert all(1 <= int(n) <= 10 for n in re.findall(r"\d+", q))
+
+
+def test_arithmetic_multi_step_and_knobs():
+    cfg = ArithmeticConfig(max_number=5, operations=["+", "-"], num_operations=3)
+    df = arithmetic_prompts(cfg, 50, seed=1)
+    for q, a in zip(df["question"], df["answer"]):
+        assert q.count("Then") == 3 and _evaluate(q) == int(a) and int(a) >= 0
+        assert "multiplied" not in q
+
+
+def test_arithmetic_too_many_requested_fails_clearly():
+    with pytest.raises(PromptSourceError, match="distinct arithmetic problems"):
+        arithmetic_prompts(ArithmeticConfig(max_number=1, operations=["+"]), 2000, seed=0)  # 132 name pairs × 8 items exist
+
+
+def test_splits_are_deterministic_and_disjoint(tmp_path):
+    cfg = _prompts_cfg(num_train=30, num_eval=10, seed=5)
+    train, held_out = load_prompts(cfg, tmp_path)
+    train2, held_out2 = load_prompts(cfg, tmp_path)
+    pd.testing.assert_frame_equal(train, train2)
+    pd.testing.assert_frame_equal(held_out, held_out2)
+    assert (len(train), len(held_out)) == (30, 10)
+    assert not set(train["prompt_id"]) & set(held_out["prompt_id"])
+    assert train["question"].str.endswith("End your answer with 'The answer is N.'").all()
+    other, _ = load_prompts(_prompts_cfg(num_train=30, num_eval=10, seed=6), tmp_path)
+    assert list(other["prompt_id"]) != list(train["prompt_id"])
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "csv"])
+def test_file_source(tmp_path, fmt):
+    df = pd.DataFrame({"text": [f"What is {i} + {i}?" for i in range(8)], "gold": [str(2 * i) for i in range(8)]})
+    path = tmp_path / f"prompts.{fmt}"
+    {"jsonl": lambda: df.to_json(path, orient="records", lines=True), "parquet": lambda: df.to_parquet(path),
+     "csv": lambda: df.to_csv(path, index=False)}[fmt]()
+    cfg = _prompts_cfg(source="file", num_train=5, num_eval=2,
+                       file={"path": path.name, "text_column": "text", "answer_column": "gold"})
+    train, held_out = load_prompts(cfg, tmp_path)
+    assert (len(train), len(held_out)) == (5, 2)
+    both = pd.concat([train, held_out])
+    assert set(both["question"]) <= set(df["text"])
+    for q, a in zip(both["question"], both["answer"]):
+        assert str(2 * int(q.split()[2])) == a
+
+
+def test_list_valued_column_uses_first_turn(tmp_path):
+    path = tmp_path / "mtbench.jsonl"
+    rows = [{"question_id": i, "turns": [f"First turn {i}", "Follow-up"]} for i in range(4)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = _prompts_cfg(source="file", num_train=3, num_eval=1, file={"path": str(path), "text_column": "turns"})
+    train, held_out = load_prompts(cfg, tmp_path)
+    assert sorted(pd.concat([train, held_out])["question"]) == [f"First turn {i}" for i in range(4)]
+    assert train["answer"].isna().all()
+
+
+def test_file_errors_are_clear(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(PromptSourceError, match="is empty"):
+        load_prompts(_prompts_cfg(source="file", file={"path": str(empty)}), tmp_path)
+
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"question": "hi"}\n{"question": "there"}\n')
+    with pytest.raises(PromptSourceError, match=r"no column 'prompt'.*question"):
+        load_prompts(_prompts_cfg(source="file", file={"path": str(wrong)}), tmp_path)
+
+    with pytest.raises(PromptSourceError, match="not found"):
+        load_prompts(_prompts_cfg(source="file", file={"path": "nope.jsonl"}), tmp_path)
+
+    few = tmp_path / "few.jsonl"
+    few.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    with pytest.raises(PromptSourceError, match="not enough for num_eval=5"):
+        load_prompts(_prompts_cfg(source="file", num_eval=5, file={"path": str(few)}), tmp_path)
+
+
+def test_hf_dataset_source_reads_a_local_dataset(tmp_path):
+    import datasets
+
+    folder = tmp_path / "gsm"
+    datasets.Dataset.from_dict({"question": [f"q{i}?" for i in range(6)], "answer": [str(i) for i in range(6)]}) \
+        .to_parquet(str(folder / "train.parquet"))
+    cfg = _prompts_cfg(source="dataset", num_train=4, num_eval=2,
+                       dataset={"name": str(folder), "split": "train", "text_column": "question",
+                                "answer_column": "answer"})
+    train, held_out = load_prompts(cfg, tmp_path)
+    assert (len(train), len(held_out)) == (4, 2) and set(train["source"]) == {"dataset"}
+
+
+def test_hf_dataset_offline_and_absent_is_a_clear_error(tmp_path):
+    cfg = _prompts_cfg(source="dataset", dataset={"name": "nobody/no-such-dataset-xyz"})
+    with pytest.raises(PromptSourceError, match="could not be loaded.*Offline"):
+        load_prompts(cfg, tmp_path)

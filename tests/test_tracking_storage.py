@@ -1,0 +1,73 @@
+"""MLflow runs in a temporary store; atomic writes never leave half-written outputs."""
+
+import json
+
+import mlflow
+import pandas as pd
+import pytest
+
+from foresight.config import parse_config
+from foresight.storage import atomic_path, read_table, write_json, write_table
+from foresight.tracking import PARENT_RUN_ENV, flatten, log_stage_outputs, pipeline_run, stage_run
+
+
+def test_parent_and_nested_stage_runs(tmp_path, monkeypatch):
+    cfg = parse_config({"tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "t"}}, root=tmp_path)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "index.html").write_text("<html></html>")
+    table = pd.DataFrame({"a": [1, 2], "ok": pd.array([True, None], dtype="boolean"), "x": [0.5, float("nan")]})
+    with pipeline_run(cfg) as parent:
+        monkeypatch.setenv(PARENT_RUN_ENV, parent)  # how dvc-run stage processes learn their parent
+        with stage_run(cfg, "generate", ["generate"]) as child:
+            log_stage_outputs(cfg, {"num_samples": 10, "tokens_per_s": 99.5, "flag": True}, {"samples": table},
+                              {"datadocs": docs})
+    monkeypatch.delenv(PARENT_RUN_ENV)
+    with stage_run(cfg, "label", ["label"]) as standalone:
+        pass
+
+    client = mlflow.tracking.MlflowClient(cfg.mlflow_uri())
+    run = client.get_run(child)
+    assert run.data.tags["mlflow.parentRunId"] == parent and run.data.tags["foresight.stage"] == "generate"
+    assert run.data.metrics == {"num_samples": 10.0, "tokens_per_s": 99.5}
+    assert run.data.params["generate.num_samples"] == "5"
+    artifacts = {a.path for a in client.list_artifacts(child)} | {a.path for a in client.list_artifacts(child, "tables")}
+    assert {"tables/samples.json", "datadocs"} <= artifacts
+    assert client.get_run(parent).data.params["label.labeler"] == "verifiable"
+    assert "mlflow.parentRunId" not in client.get_run(standalone).data.tags
+    assert client.get_run(parent).info.status == "FINISHED"
+    # artifacts live beside the params file, whatever the working folder
+    assert client.get_run(child).info.artifact_uri.startswith((tmp_path / "mlruns").resolve().as_uri())
+
+
+def test_flatten():
+    assert flatten({"a": {"b": 1, "c": {"d": None}}, "e": "x"}) == {"a.b": "1", "a.c.d": "None", "e": "x"}
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path):
+    target = tmp_path / "out" / "table.parquet"
+    write_table(pd.DataFrame({"a": [1]}), target)
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("crash mid-write")
+    assert read_table(target, "t")["a"].tolist() == [1]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["table.parquet"]  # no temporaries left
+
+
+def test_atomic_folder_replace_and_formats(tmp_path):
+    folder = tmp_path / "docs"
+    for version in ("one", "two"):
+        with atomic_path(folder) as tmp:
+            tmp.mkdir()
+            (tmp / "index.html").write_text(version)
+    assert (folder / "index.html").read_text() == "two"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs"]
+    df = pd.DataFrame({"a": [1, 2], "b": ["x", None]})
+    for ext in ("jsonl", "csv", "parquet"):
+        back = read_table(write_table(df, tmp_path / f"t.{ext}"), "t")
+        assert back["a"].tolist() == [1, 2]
+    write_json({"b": 1, "a": [1]}, tmp_path / "m.json")
+    assert json.loads((tmp_path / "m.json").read_text()) == {"a": [1], "b": 1}
+    with pytest.raises(FileNotFoundError, match="run the stage that produces it first"):
+        read_table(tmp_path / "missing.parquet", "samples")
