@@ -42,6 +42,12 @@ class PathsConfig(_Section):
     """Human-readable outputs: Great Expectations Data Docs, sample previews."""
     metrics_dir: Path = Path("data/metrics")
     """One JSON of metrics per stage, declared as DVC metrics."""
+    reward_dir: Path = Path("data/reward")
+    """Trained reward heads: ``base/`` (on the base policy) and ``dpo/`` (on the DPO policy), with curves."""
+    dpo_dir: Path = Path("data/dpo")
+    """The DPO-tuned policy (a Hugging Face folder)."""
+    benchmarks_dir: Path = Path("data/benchmarks")
+    """Benchmark tables, plots and reports."""
 
 
 class PolicyConfig(_Section):
@@ -190,6 +196,89 @@ class ValidateConfig(_Section):
     """Fewer pairs than this fails the pairs suite (nothing to train on)."""
 
 
+class RewardConfig(_Section):
+    """Token-level reward heads trained with the Bradley–Terry loss (stages ``train_reward*``; SLA §4.3)."""
+
+    hidden_size: int = Field(256, ge=1)
+    """Width of the reward channel (the paper uses 256 for an 8B policy)."""
+    learning_rate: float = Field(5e-5, gt=0.0)
+    """Adam learning rate (the paper's 5e-5)."""
+    epochs: int = Field(3, ge=1)
+    """Passes over the training pairs."""
+    batch_size: int = Field(4, ge=1)
+    """Pairs per optimizer step."""
+    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    """Share of steps with linear warm-up before the cosine decay."""
+    eval_fraction: float = Field(0.25, gt=0.0, lt=1.0)
+    """Share of the pairs held out (by prompt, deterministically) for pair accuracy and AuTRC."""
+    max_length: int = Field(512, ge=16)
+    """Truncate prompt + response to this many tokens."""
+    curve_points: int = Field(100, ge=2)
+    """Points x = 1..100 % of the response at which the token-level reward curve is evaluated."""
+    adapter_layers: list[int] = Field(default_factory=lambda: [1, 4])
+    """Adapter baselines to train for comparison: MLPs on the final hidden state with these depths."""
+    seed: int = 0
+    """Seed for initialisation, shuffling and the held-out split."""
+
+
+class DPOConfig(_Section):
+    """Direct preference optimisation of the policy on the same pairs (stage ``dpo``)."""
+
+    beta: float = Field(0.1, gt=0.0)
+    """DPO temperature β."""
+    learning_rate: float = Field(5e-6, gt=0.0)
+    """Learning rate."""
+    epochs: int = Field(2, ge=1)
+    """Passes over the training pairs."""
+    batch_size: int = Field(4, ge=1)
+    """Pairs per optimizer step."""
+    max_length: int = Field(512, ge=16)
+    """Truncate prompt + response to this many tokens."""
+    seed: int = 0
+    """Training seed."""
+
+
+class SLAConfig(_Section):
+    """Streaming Looking-Ahead decoding (Algorithm 2)."""
+
+    depth: int = Field(2, ge=0, le=6)
+    """Search depth d (0 = plain greedy)."""
+    width: int = Field(2, ge=1, le=16)
+    """Search width k: children per expanded node."""
+    step: int = Field(10, ge=1)
+    """Step size n: tokens decoded greedily per node."""
+
+
+class BenchmarkConfig(_Section):
+    """Decoder comparison on held-out prompts (stage ``benchmark_sla``)."""
+
+    num_prompts: int = Field(24, ge=1)
+    """Held-out prompts used for quality (the first ones of the eval split)."""
+    speed_prompts: int = Field(6, ge=1)
+    """Prompts decoded at batch 1 for speed (tokens/s, per-token latency)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest output per decoder."""
+    decoders: list[Literal["greedy", "temperature", "top_p", "top_k", "beam", "sla"]] = Field(
+        default_factory=lambda: ["greedy", "temperature", "top_p", "top_k", "beam", "sla"])
+    """Decoders to compare (greedy is always the reference)."""
+    temperature: float = Field(0.8, gt=0.0)
+    """Temperature of the ``temperature`` decoder (the paper's 0.8)."""
+    top_p: float = Field(0.9, gt=0.0, le=1.0)
+    """Threshold of the ``top_p`` decoder."""
+    top_k: int = Field(50, ge=1)
+    """k of the ``top_k`` decoder."""
+    num_beams: int = Field(4, ge=2)
+    """Beams of the ``beam`` decoder."""
+    seed: int = 0
+    """Seed of the sampling decoders."""
+    sweep_depth: list[int] = Field(default_factory=list)
+    """Optional SLA sweep (Figure 3): depths to try with the other settings at their defaults."""
+    sweep_width: list[int] = Field(default_factory=list)
+    """Optional SLA sweep: widths to try."""
+    sweep_step: list[int] = Field(default_factory=list)
+    """Optional SLA sweep: step sizes to try."""
+
+
 class TrackingConfig(_Section):
     """MLflow tracking."""
 
@@ -216,6 +305,14 @@ class Config(_Section):
     """Reward labeling."""
     validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
     """Validation and pairs."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Reward-head training."""
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+    """DPO."""
+    sla: SLAConfig = Field(default_factory=SLAConfig)
+    """Streaming Looking-Ahead decoding."""
+    benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
+    """Decoder benchmark."""
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     """MLflow."""
 

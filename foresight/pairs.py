@@ -8,6 +8,8 @@ worst are broken by sample index, so the result is deterministic.
 
 from __future__ import annotations
 
+import random
+
 import pandas as pd
 
 SAMPLE_COLUMNS = [
@@ -52,3 +54,16 @@ def make_pairs(scores: pd.DataFrame, min_score_gap: float = 0.0) -> tuple[pd.Dat
         "pair_yield": len(rows) / num_prompts if num_prompts else 0.0,
     }
     return pd.DataFrame(rows, columns=PAIR_COLUMNS), stats
+
+
+def split_pairs(pairs: pd.DataFrame, eval_fraction: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Deterministic (train, held-out) split by prompt; every stage that trains on pairs uses this one.
+
+    At least one pair lands on each side when there are two or more.
+    """
+    ids = sorted(pairs["prompt_id"].unique())
+    random.Random(seed).shuffle(ids)
+    num_eval = min(max(1, round(len(ids) * eval_fraction)), len(ids) - 1) if len(ids) > 1 else 0
+    held_out = set(ids[:num_eval])
+    mask = pairs["prompt_id"].isin(held_out)
+    return pairs[~mask].reset_index(drop=True), pairs[mask].reset_index(drop=True)

@@ -154,9 +154,15 @@ def policy_path(policy_dir: Path) -> Path:
 
 def load_policy(cfg: PolicyConfig, policy_dir: Path) -> Policy:
     """Load the prepared policy in eval mode on the configured device and dtype."""
+    return load_pretrained(policy_path(policy_dir), cfg)
+
+
+def load_pretrained(path: Path, cfg: PolicyConfig) -> Policy:
+    """Load a Hugging Face model folder (e.g. a fine-tuned policy) with the policy's device and dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = policy_path(policy_dir)
+    if not (Path(path) / "config.json").is_file():
+        raise PolicyNotFoundError(f"no model in {path}: run the stage that writes it first")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)

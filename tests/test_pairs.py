@@ -42,3 +42,17 @@ def test_min_score_gap_and_empty_result():
     assert list(pairs["prompt_id"]) == ["b"] and stats["dropped_no_spread"] == 1
     pairs, stats = make_pairs(frame, min_score_gap=5.0)
     assert pairs.empty and list(pairs.columns) == PAIR_COLUMNS and stats["num_pairs"] == 0
+
+
+def test_split_pairs_is_deterministic_disjoint_and_never_empty():
+    from foresight.pairs import split_pairs
+
+    frame = scores_frame([(f"p{i}", j, float(j)) for i in range(10) for j in range(2)])
+    pairs, _ = make_pairs(frame)
+    train, held_out = split_pairs(pairs, 0.25, seed=0)
+    again_train, again_held_out = split_pairs(pairs, 0.25, seed=0)
+    assert list(held_out["prompt_id"]) == list(again_held_out["prompt_id"]) and len(held_out) == 2
+    assert not set(train["prompt_id"]) & set(held_out["prompt_id"]) and len(train) + len(held_out) == 10
+    assert list(split_pairs(pairs, 0.25, seed=1)[1]["prompt_id"]) != list(held_out["prompt_id"])
+    one_each = split_pairs(pairs.head(2), 0.01, seed=0)
+    assert (len(one_each[0]), len(one_each[1])) == (1, 1)
