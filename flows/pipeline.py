@@ -31,6 +31,11 @@ HEADLINE = {
     "generate": ["num_samples", "generation_tokens_per_s", "mean_response_tokens"],
     "label": ["sample_accuracy", "mean_reward"],
     "validate": ["num_pairs", "pair_yield", "dropped_no_spread"],
+    "train_reward": ["pair_accuracy_channel", "autrc_channel", "autrc_adapter1", "autrc_adapter4"],
+    "dpo": ["heldout_accuracy_after"],
+    "train_reward_dpo": ["pair_accuracy_channel", "autrc_channel"],
+    "benchmark_sla": ["base_sla.win_rate", "dpo_sla_vs_dpo_greedy.win_rate", "base_sla.latency_vs_greedy",
+                      "base.reward_channel_overhead"],
 }
 
 
@@ -60,8 +65,9 @@ def _run_streaming(cmd: list[str], cwd: Path, env: dict, what: str) -> list[str]
 @task(name="dvc-repro", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def reproduce_task(root: Path, parent_run_id: str, targets: list[str], force: bool) -> list[str]:
     """``dvc repro`` the stale stages; returns the names of the stages that ran."""
-    # TQDM_MININTERVAL: progress bars redraw every 10 s instead of flooding the log with lines.
-    env = dict(os.environ, **{PARENT_RUN_ENV: parent_run_id, "TQDM_MININTERVAL": "10"})
+    # TQDM_MININTERVAL: progress bars redraw every 10 s instead of flooding the log with lines;
+    # PYTHONUNBUFFERED: stage output reaches the Prefect log as it happens, not in late blocks.
+    env = dict(os.environ, **{PARENT_RUN_ENV: parent_run_id, "TQDM_MININTERVAL": "10", "PYTHONUNBUFFERED": "1"})
     api_url = _prefect_api_url()
     if api_url:  # stage processes report to the same Prefect server instead of starting their own
         env["PREFECT_API_URL"] = api_url

@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from foresight.config import Config, load_config
 from foresight.storage import read_table, write_json
 from foresight.tracking import log_stage_outputs, stage_run
+from tasks.benchmark import benchmark_sla_task
 from tasks.data import (
     StageResult,
     generate_task,
@@ -26,6 +27,8 @@ from tasks.data import (
     prepare_prompts_task,
     validate_task,
 )
+from tasks.dpo import dpo_task
+from tasks.reward import train_reward_task
 
 
 def metrics_path(cfg: Config, stage: str):
@@ -99,12 +102,49 @@ def validate_flow(params_path: str = "params.yaml", overrides: dict | None = Non
     return run_stage("validate", validate_task, ["validate"], params_path, overrides, parent_run_id)
 
 
+def _train_reward_on(policy_source: str) -> Callable[[Config], StageResult]:
+    return lambda cfg: train_reward_task(cfg, policy_source, cfg.path(cfg.paths.reward_dir) / policy_source)
+
+
+@flow(name="train-reward", log_prints=True)
+def train_reward_flow(params_path: str = "params.yaml", overrides: dict | None = None,
+                      parent_run_id: str | None = None) -> dict:
+    """Train the reward channel (and the adapter baselines) on the base policy with the BT loss; AuTRC."""
+    return run_stage("train_reward", _train_reward_on("base"), ["reward"], params_path, overrides, parent_run_id)
+
+
+@flow(name="dpo", log_prints=True)
+def dpo_flow(params_path: str = "params.yaml", overrides: dict | None = None,
+             parent_run_id: str | None = None) -> dict:
+    """Fine-tune the policy with DPO on the preference pairs."""
+    return run_stage("dpo", dpo_task, ["dpo"], params_path, overrides, parent_run_id)
+
+
+@flow(name="train-reward-dpo", log_prints=True)
+def train_reward_dpo_flow(params_path: str = "params.yaml", overrides: dict | None = None,
+                          parent_run_id: str | None = None) -> dict:
+    """Train a reward channel on the DPO policy (the paper's "llama-DPO + SLA")."""
+    return run_stage("train_reward_dpo", _train_reward_on("dpo"), ["reward"], params_path, overrides, parent_run_id)
+
+
+@flow(name="benchmark-sla", log_prints=True)
+def benchmark_sla_flow(params_path: str = "params.yaml", overrides: dict | None = None,
+                       parent_run_id: str | None = None) -> dict:
+    """Compare greedy, sampling, beam and SLA decoding for the base and DPO policies (Table 1)."""
+    return run_stage("benchmark_sla", benchmark_sla_task, ["sla", "benchmark", "label"], params_path, overrides,
+                     parent_run_id)
+
+
 STAGE_FLOWS = {
     "prepare_policy": prepare_policy_flow,
     "prepare_prompts": prepare_prompts_flow,
     "generate": generate_flow,
     "label": label_flow,
     "validate": validate_flow,
+    "train_reward": train_reward_flow,
+    "dpo": dpo_flow,
+    "train_reward_dpo": train_reward_dpo_flow,
+    "benchmark_sla": benchmark_sla_flow,
 }
 
 

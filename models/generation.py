@@ -30,6 +30,14 @@ def chat_prompts(tokenizer, questions: Sequence[str], system_prompt: str | None 
     ]
 
 
+def end_token_ids(policy: Policy) -> set[int]:
+    """Every token id that ends a response: the generation config's eos ids and the tokenizer's."""
+    configured = policy.model.generation_config.eos_token_id
+    ids = {configured} if isinstance(configured, int) else set(configured or [])
+    ids.add(policy.tokenizer.eos_token_id)
+    return {i for i in ids if i is not None}
+
+
 @dataclass
 class Completion:
     """One sampled response."""
@@ -42,7 +50,7 @@ class Completion:
     finish_reason: str  # "eos" or "length"
 
 
-def _response_lengths(new_tokens: torch.Tensor, eos_ids: set[int]) -> tuple[list[int], list[str]]:
+def response_lengths(new_tokens: torch.Tensor, eos_ids: set[int]) -> tuple[list[int], list[str]]:
     """Tokens up to and including the first end token, per row; rows without one ran out of length."""
     is_end = torch.zeros_like(new_tokens, dtype=torch.bool)
     for eos in eos_ids:
@@ -67,9 +75,7 @@ def sample(
     """
     tok, model = policy.tokenizer, policy.model
     tok.padding_side = "left"
-    eos_ids = {i for i in ([model.generation_config.eos_token_id] if isinstance(
-        model.generation_config.eos_token_id, int) else (model.generation_config.eos_token_id or [])) if i is not None}
-    eos_ids.add(tok.eos_token_id)
+    eos_ids = end_token_ids(policy)
     completions: list[Completion] = []
     new_tokens_total, started = 0, time.perf_counter()
     batches = range(0, len(prompts), cfg.batch_size)
@@ -88,7 +94,7 @@ def sample(
             pad_token_id=tok.pad_token_id,
         )
         new = out[:, enc["input_ids"].shape[1] :]  # (B*N, T_new)
-        lengths, reasons = _response_lengths(new, eos_ids)
+        lengths, reasons = response_lengths(new, eos_ids)
         prompt_lengths = enc["attention_mask"].sum(dim=1).tolist()
         for row, (length, reason) in enumerate(zip(lengths, reasons)):
             p = row // cfg.num_samples

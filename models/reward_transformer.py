@@ -116,11 +116,13 @@ class RewardTransformer(nn.Module):
     The policy is frozen by default: its forward then runs without autograd and only the head trains.
     """
 
-    def __init__(self, policy: nn.Module, head_config: RewardHeadConfig | None = None, freeze_policy: bool = True):
+    def __init__(self, policy: nn.Module, head_config: RewardHeadConfig | None = None, freeze_policy: bool = True,
+                 head: nn.Module | None = None):
         super().__init__()
         self.policy = policy
         self.head_config = head_config or RewardHeadConfig()
-        self.head = build_reward_head(self.head_config, policy.config)
+        # ``head``: an already built head (e.g. trained jointly with others); else one from ``head_config``
+        self.head = head if head is not None else build_reward_head(self.head_config, policy.config)
         self.head.to(device=policy.device, dtype=next(policy.parameters()).dtype)
         self.freeze_policy = freeze_policy
         if freeze_policy:

@@ -14,8 +14,13 @@ os.environ.update({
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tests.tiny import build_tiny_armorm, build_tiny_classifier, build_tiny_llama  # noqa: E402
+
+# Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine two threads contend
+# badly (forwards measured 10-40x slower); subprocesses the tests start keep torch's default.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +45,10 @@ def tiny_params(root: Path, model: Path, **sections) -> dict:
         "prompts": {"num_train": 6, "num_eval": 2, "seed": 0},
         "generate": {"num_samples": 3, "max_new_tokens": 12, "batch_size": 4, "seed": 0},
         "tracking": {"mlflow_uri": f"sqlite:///{root / 'mlflow.db'}", "experiment": "test"},
+        "reward": {"hidden_size": 16, "epochs": 1, "batch_size": 2, "max_length": 128, "learning_rate": 1e-3},
+        "dpo": {"epochs": 1, "batch_size": 2, "max_length": 128},
+        "sla": {"depth": 2, "width": 2, "step": 3},
+        "benchmark": {"num_prompts": 2, "speed_prompts": 1, "max_new_tokens": 8},
     }
     for name, values in sections.items():
         params.setdefault(name, {}).update(values)

@@ -24,7 +24,8 @@ from foresight.config import parse_config
 from tests.conftest import tiny_params
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ["prepare_policy", "prepare_prompts", "generate", "label", "validate"]
+STAGES = ["prepare_policy", "prepare_prompts", "generate", "label", "validate", "train_reward", "dpo",
+          "train_reward_dpo", "benchmark_sla"]
 NUM_TRAIN, NUM_SAMPLES = 6, 3
 RUNNING = re.compile(r"Running stage '([^']+)'")
 
@@ -213,22 +214,24 @@ def test_second_repro_is_a_noop(dvc_repo, pipeline_result):
 
 
 def test_changed_param_reruns_only_downstream_stages(dvc_repo, pipeline_result):
+    """``reward.epochs`` is read by both reward trainings; the benchmark uses their heads; DPO reads only
+    ``reward.eval_fraction`` / ``reward.seed`` and the data stages none of it: exactly three stages re-run."""
     repo, _, env = dvc_repo
     params_file = repo / "params.yaml"
     params = yaml.safe_load(params_file.read_text())
-    params["generate"]["seed"] = 1
+    params["reward"]["epochs"] += 1
     params_file.write_text(yaml.safe_dump(params, sort_keys=False))
     before = {stage: (repo / f"data/metrics/{stage}.json").read_text() for stage in STAGES}
+    rerun = ["train_reward", "train_reward_dpo", "benchmark_sla"]
 
     out = _dvc("repro", repo=repo, env=env)
-    assert _ran(out) == ["generate", "label", "validate"], out
+    assert _ran(out) == rerun, out
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert lock["stages"]["generate"]["params"]["params.yaml"]["generate"]["seed"] == 1
-    # the upstream stages' outputs were not rewritten; the re-run stages' were
-    for stage in ("prepare_policy", "prepare_prompts"):
-        assert (repo / f"data/metrics/{stage}.json").read_text() == before[stage]
-    for stage in ("generate", "label", "validate"):
-        assert (repo / f"data/metrics/{stage}.json").read_text() != before[stage]
+    assert lock["stages"]["train_reward"]["params"]["params.yaml"]["reward"]["epochs"] == params["reward"]["epochs"]
+    # the other stages' outputs were not rewritten; the re-run stages' were
+    for stage in STAGES:
+        changed = (repo / f"data/metrics/{stage}.json").read_text() != before[stage]
+        assert changed == (stage in rerun), stage
     assert "Data and pipelines are up to date" in _dvc("status", repo=repo, env=env)
 
     # run by the dvc CLI, not by the pipeline flow: the new stage runs are top-level MLflow runs
@@ -236,9 +239,10 @@ def test_changed_param_reruns_only_downstream_stages(dvc_repo, pipeline_result):
 
     client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("test")
-    runs = client.search_runs([experiment.experiment_id], "tags.`foresight.stage` = 'generate'")
+    runs = client.search_runs([experiment.experiment_id], "tags.`foresight.stage` = 'train_reward'")
     top_level = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    assert len(runs) == 2 and len(top_level) == 1 and top_level[0].data.params["generate.seed"] == "1"
+    assert len(runs) == 2 and len(top_level) == 1
+    assert top_level[0].data.params["reward.epochs"] == str(params["reward"]["epochs"])
 
 
 def test_failing_stage_names_the_problem_and_keeps_earlier_outputs(dvc_repo, pipeline_result):

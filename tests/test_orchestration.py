@@ -22,7 +22,8 @@ import yaml
 from tests.conftest import tiny_params
 
 REPO = Path(__file__).resolve().parent.parent
-FLOW_NAMES = ["pipeline", "prepare-policy", "prepare-prompts", "generate", "label", "validate"]
+FLOW_NAMES = ["pipeline", "prepare-policy", "prepare-prompts", "generate", "label", "validate", "train-reward", "dpo",
+              "train-reward-dpo", "benchmark-sla"]
 NUM_TRAIN, NUM_EVAL = 5, 3
 
 

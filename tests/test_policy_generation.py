@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from foresight.config import GenerateConfig, PolicyConfig
-from models.generation import _response_lengths, chat_prompts, sample
+from models.generation import response_lengths, chat_prompts, sample
 from models.policy import (
     MANIFEST,
     PolicyNotFoundError,
@@ -69,9 +69,9 @@ def test_dtype_auto():
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
 
 
-def test_response_lengths_stop_at_first_end_token():
+def testresponse_lengths_stop_at_first_end_token():
     new = torch.tensor([[5, 6, 2, 2], [5, 6, 7, 8], [2, 2, 2, 2]])
-    lengths, reasons = _response_lengths(new, {2})
+    lengths, reasons = response_lengths(new, {2})
     assert lengths == [3, 4, 1] and reasons == ["eos", "length", "eos"]
 
 

@@ -1,0 +1,106 @@
+"""Benchmark machinery shared by every decoder comparison (SLA now; Medusa, COrAL, MTP later).
+
+- :func:`win_tie_loss`: per-prompt comparison of a decoder's rewards with a reference decoder's,
+  summarised as the SLA paper does: win rate = win + tie / 2.
+- :class:`DecodeTimer` / :func:`speed_row`: tokens/s and per-token latency measured in the same run,
+  as ratios to the reference decoder.
+- :func:`markdown_table`, :func:`bar_plot`: the human-readable outputs (report, PNG).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def win_tie_loss(rewards: Sequence[float], reference: Sequence[float], tolerance: float = 1e-9) -> dict:
+    """Share of prompts where ``rewards`` beat, tie or lose to ``reference``; ``win_rate`` = win + tie/2."""
+    if len(rewards) != len(reference) or not rewards:
+        raise ValueError(f"need two equally long, non-empty reward lists (got {len(rewards)} and {len(reference)})")
+    wins = sum(r > ref + tolerance for r, ref in zip(rewards, reference))
+    losses = sum(r < ref - tolerance for r, ref in zip(rewards, reference))
+    n = len(rewards)
+    ties = n - wins - losses
+    return {"win": wins / n, "tie": ties / n, "loss": losses / n, "win_rate": (wins + ties / 2) / n}
+
+
+@dataclass
+class DecodeTimer:
+    """Accumulates wall time and generated tokens of batch-1 decoding calls."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+    calls: int = 0
+    _started: float = field(default=0.0, repr=False)
+
+    def __enter__(self) -> DecodeTimer:
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds += time.perf_counter() - self._started
+        self.calls += 1
+
+    def add_tokens(self, count: int) -> None:
+        self.tokens += count
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000 * self.seconds / self.tokens if self.tokens else float("nan")
+
+
+def speed_row(timer: DecodeTimer, reference: DecodeTimer) -> dict:
+    """Speed of a decoder and its ratios to the reference (latency ratio > 1 = slower per token)."""
+    return {
+        "tokens_per_s": timer.tokens_per_s,
+        "ms_per_token": timer.ms_per_token,
+        "latency_vs_reference": timer.ms_per_token / reference.ms_per_token,
+        "speedup_vs_reference": timer.tokens_per_s / reference.tokens_per_s,
+    }
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return "–" if value != value else f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """A GitHub-markdown table of ``rows`` (floats to 3 significant digits, NaN as –)."""
+    columns = columns or list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def bar_plot(groups: dict[str, dict[str, float]], title: str, ylabel: str, path: Path,
+             reference_line: float | None = None) -> Path:
+    """Grouped bars: ``groups[group][bar] = value`` (e.g. win rate per decoder, per policy)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(bar for bars in groups.values() for bar in bars))  # first-seen order
+    width = 0.8 / max(len(groups), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names)), 4))
+    for i, (group, bars) in enumerate(groups.items()):
+        xs = [j + i * width for j in range(len(names))]
+        ax.bar(xs, [bars.get(n, float("nan")) for n in names], width, label=group)
+    ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(names))], names)
+    if reference_line is not None:
+        ax.axhline(reference_line, color="grey", linestyle="--", linewidth=1)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,56 @@
+"""The classical decoders the SLA paper compares against (§2.2, §5): greedy, temperature, top-p,
+top-k sampling and beam search, all through Hugging Face ``generate`` with the paper's settings
+(temperature 0.8, p = 0.9, k = 50, 4 beams).
+
+Outputs are token lists cut after the first end token (kept, as HF greedy output keeps it), so every
+decoder's output can be scored, compared and counted the same way as SLA's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from foresight.config import BenchmarkConfig
+from models.generation import response_lengths
+from models.policy import Policy
+
+HF_DECODERS = ("greedy", "temperature", "top_p", "top_k", "beam")
+
+
+def generate_kwargs(decoder: str, cfg: BenchmarkConfig) -> dict:
+    """``generate`` arguments of one classical decoder. Unused knobs are set to their no-op values
+    explicitly, because unset ones fall back to the model's generation_config (e.g. top_k = 50)."""
+    neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    return {
+        "greedy": {"do_sample": False},
+        "temperature": {"do_sample": True, **neutral, "temperature": cfg.temperature},
+        "top_p": {"do_sample": True, **neutral, "top_p": cfg.top_p},
+        "top_k": {"do_sample": True, **neutral, "top_k": cfg.top_k},
+        "beam": {"do_sample": False, "num_beams": cfg.num_beams, "early_stopping": True},
+    }[decoder]
+
+
+@torch.no_grad()
+def hf_decode(policy: Policy, prompt_ids: Sequence[Sequence[int]], decoder: str, cfg: BenchmarkConfig,
+              eos_ids: set[int], batch_size: int, seed: int = 0) -> list[list[int]]:
+    """Decode each prompt (token ids) with a classical decoder; batches are left-padded.
+
+    Batch ``b`` of a sampling decoder is seeded with ``seed + b``, so results are reproducible.
+    """
+    tok, model = policy.tokenizer, policy.model
+    outputs: list[list[int]] = []
+    for b, start in enumerate(range(0, len(prompt_ids), batch_size)):
+        chunk = [list(p) for p in prompt_ids[start : start + batch_size]]
+        width = max(len(p) for p in chunk)
+        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in chunk], device=policy.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=policy.device)
+        torch.manual_seed(seed + b)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=cfg.max_new_tokens,
+                             pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids),
+                             **generate_kwargs(decoder, cfg))
+        new = out[:, width:]  # (B, T_new)
+        lengths, _ = response_lengths(new, eos_ids)
+        outputs += [new[row, :length].tolist() for row, length in enumerate(lengths)]
+    return outputs

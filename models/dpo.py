@@ -1,0 +1,215 @@
+"""Direct Preference Optimization of the policy on the pipeline's preference pairs ("DPO on top").
+
+Rafailov et al., "Direct Preference Optimization: Your Language Model is Secretly a Reward Model"
+(NeurIPS 2023). DPO fits the policy π_θ to pairs (x, y_w, y_l) without a separate reward model by
+minimising
+
+    L_DPO = −log σ( β·log π_θ(y_w|x)/π_ref(y_w|x) − β·log π_θ(y_l|x)/π_ref(y_l|x) )
+
+where π_ref is a frozen copy of the initial policy and β·log π_θ/π_ref is the *implicit reward*.
+The SLA paper (Zhang, Hong & Yu, "Streaming Looking Ahead with Token-level Self-reward";
+papers/sla-streaming-looking-ahead.txt) uses DPO as an orthogonal way to improve the policy and
+shows that SLA decoding still adds on top of a DPO-tuned policy; the pipeline reproduces that by
+training DPO on exactly the pairs (and the same held-out split) that the reward heads train on.
+
+Training is TRL's ``DPOTrainer`` (sigmoid loss = the equation above), which runs on accelerate: the
+same code trains on CPU, on one GPU, or on several under ``accelerate launch``.
+
+Sequence log-probabilities ``chosen_logps`` / ``rejected_logps`` are sums over the response tokens
+only (the prompt is context), and every response ends with the tokenizer's end token, so the policy
+is also taught where to stop.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pandas as pd
+import torch
+from torch import nn
+
+from foresight.config import DPOConfig
+from foresight.storage import atomic_path
+from models.policy import Policy
+
+if TYPE_CHECKING:  # trl and datasets are imported where used: importing them costs seconds
+    from datasets import Dataset
+    from trl import DPOTrainer
+
+MIN_TRAIN_PAIRS = 2
+"""Fewer pairs give no meaningful optimisation (one pair = one step, nothing to shuffle or average)."""
+
+
+def with_eos(response: str, eos_token: str) -> str:
+    """The response followed by exactly one end token.
+
+    Responses are stored decoded without special tokens, so the end token the policy emitted is gone;
+    it is put back so DPO also learns to stop. The rule (append only when missing) is the one TRL
+    applies to standard-format data, so TRL leaves these strings alone and the end token is never doubled.
+    """
+    return response if response.endswith(eos_token) else response + eos_token
+
+
+def preference_dataset(pairs: pd.DataFrame, eos_token: str) -> Dataset:
+    """Pairs as a ``datasets.Dataset`` in TRL's standard (non-conversational) preference format.
+
+    ``prompt`` is the already chat-templated prompt (ending with the assistant header) exactly as the
+    policy saw it when sampling, so DPO trains on the same context; ``chosen`` / ``rejected`` are the
+    response texts with the end token.
+    """
+    from datasets import Dataset
+
+    return Dataset.from_dict({
+        "prompt": pairs["prompt"].tolist(),
+        "chosen": [with_eos(r, eos_token) for r in pairs["chosen"]],
+        "rejected": [with_eos(r, eos_token) for r in pairs["rejected"]],
+    })
+
+
+def build_trainer(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOConfig, output_dir: Path) -> DPOTrainer:
+    """A TRL ``DPOTrainer`` over a float32 copy of the policy; the reference is a second, frozen copy.
+
+    - Copies, so the caller's policy object stays the untouched initial model (TRL patches the forward,
+      disables dropout and moves the models it is given). The reference is copied from the policy object
+      rather than reloaded by TRL from ``config._name_or_path``, so it is exactly the initial policy
+      (also for remote-code models, and with no second read from disk).
+    - float32 master weights: at DPO learning rates (~5e-6) bfloat16 weights (3 significant digits)
+      would round most updates away. On a GPU with bfloat16 support the forward runs under bf16 autocast.
+    - No gradient checkpointing (TRL's default): a ~135M policy fits easily and recomputation costs ~20 %.
+    - Device follows the policy: a policy configured on CPU trains on CPU even when CUDA is visible.
+    """
+    from trl import DPOConfig as TRLDPOConfig
+    from trl import DPOTrainer
+
+    model = copy.deepcopy(policy.model).float()
+    reference = copy.deepcopy(policy.model).float().eval().requires_grad_(False)
+    on_cuda = policy.device.type == "cuda"
+    args = TRLDPOConfig(
+        output_dir=str(output_dir),
+        beta=cfg.beta,
+        learning_rate=cfg.learning_rate,
+        num_train_epochs=cfg.epochs,
+        per_device_train_batch_size=cfg.batch_size,
+        max_length=cfg.max_length,
+        seed=cfg.seed,
+        loss_type=["sigmoid"],  # the DPO loss of Rafailov et al.
+        eval_strategy="no",
+        save_strategy="no",
+        logging_steps=1,
+        report_to="none",
+        use_cpu=not on_cuda,
+        bf16=on_cuda and torch.cuda.is_bf16_supported(),
+        activation_checkpointing=False,  # TRL turns it on by default
+        dataloader_num_workers=0,
+    )
+    return DPOTrainer(model=model, ref_model=reference, args=args,
+                      train_dataset=preference_dataset(train_pairs, policy.tokenizer.eos_token),
+                      processing_class=policy.tokenizer)
+
+
+def _first_last(history: list[dict], key: str, name: str) -> dict[str, float]:
+    values = [entry[key] for entry in history if key in entry]
+    return {f"{name}_first": float(values[0]), f"{name}_last": float(values[-1])} if values else {}
+
+
+def train_dpo(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOConfig, out_dir: Path) -> dict:
+    """Fine-tune a copy of ``policy`` with DPO on ``train_pairs``; save it with its tokenizer to ``out_dir``.
+
+    The folder appears whole or not at all (written to a temporary sibling and renamed). Under several
+    processes the state dict is gathered collectively and only the main process writes. Returns metrics
+    from the trainer's per-step logs: DPO loss, ``rewards/accuracies`` (share of pairs with a positive
+    implicit-reward margin) and ``rewards/margins``, first and last step, plus wall time and counts.
+    """
+    if len(train_pairs) < MIN_TRAIN_PAIRS:
+        raise ValueError(f"DPO needs at least {MIN_TRAIN_PAIRS} training pairs, got {len(train_pairs)}: "
+                         "sample more prompts or samples per prompt, lower validate.min_score_gap or "
+                         "reward.eval_fraction (the held-out share of the pairs)")
+    # The Trainer creates its output_dir up front (nothing is saved there: save_strategy "no"); a scratch
+    # folder keeps a failed run from leaving an empty out_dir behind.
+    with tempfile.TemporaryDirectory(prefix="dpo-trainer-") as scratch:
+        trainer = build_trainer(policy, train_pairs, cfg, Path(scratch))
+        started = time.perf_counter()
+        result = trainer.train()
+        train_seconds = time.perf_counter() - started
+
+    accelerator = trainer.accelerator
+    state_dict = accelerator.get_state_dict(trainer.model)  # collective under FSDP / DeepSpeed
+    if accelerator.is_main_process:
+        with atomic_path(Path(out_dir)) as tmp:
+            accelerator.unwrap_model(trainer.model).save_pretrained(tmp, state_dict=state_dict)
+            policy.tokenizer.save_pretrained(tmp)
+    accelerator.wait_for_everyone()
+
+    history = trainer.state.log_history
+    return {
+        "num_pairs": len(train_pairs),
+        "steps": trainer.state.global_step,
+        "train_loss": float(result.training_loss),
+        **_first_last(history, "loss", "loss"),
+        **_first_last(history, "rewards/accuracies", "reward_accuracy"),
+        **_first_last(history, "rewards/margins", "reward_margin"),
+        "train_seconds": train_seconds,
+    }
+
+
+def tokenize_pair(tokenizer, prompt: str, chosen: str, rejected: str) -> dict[str, list[int]]:
+    """``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` of one pair exactly as TRL builds them for training.
+
+    Responses get their end token; the prompt ends where the tokenized prompt and the tokenized prompt +
+    response stop agreeing (the shorter of the two agreements), so evaluation scores the very tokens DPO
+    trained on.
+    """
+    from trl.data_utils import common_prefix_length
+
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    chosen_full = tokenizer(prompt + with_eos(chosen, tokenizer.eos_token))["input_ids"]
+    rejected_full = tokenizer(prompt + with_eos(rejected, tokenizer.eos_token))["input_ids"]
+    start = min(common_prefix_length(prompt_ids, chosen_full), common_prefix_length(prompt_ids, rejected_full))
+    return {"prompt_ids": prompt_ids[:start], "chosen_ids": chosen_full[start:], "rejected_ids": rejected_full[start:]}
+
+
+@torch.no_grad()
+def pair_logps(model: nn.Module, tokenizer, pairs: pd.DataFrame, max_length: int | None = None,
+               batch_size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(chosen_logps, rejected_logps)``: log π(y|x) summed over each response's tokens, end token included.
+
+    Batches go through TRL's preference collator (same right padding and ``keep_start`` truncation to
+    ``max_length`` as in training); log-probabilities are plain softmax over the model's logits.
+    """
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    collate = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_length)
+    device = next(model.parameters()).device
+    chosen_logps, rejected_logps = [], []
+    for start in range(0, len(pairs), batch_size):
+        examples = [tokenize_pair(tokenizer, row.prompt, row.chosen, row.rejected)
+                    for row in pairs.iloc[start:start + batch_size].itertuples()]
+        batch = {k: v.to(device) for k, v in collate(examples).items()}  # rows: chosen..., rejected...
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+        labels = batch["input_ids"][:, 1:]
+        token_logps = logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        logps = (token_logps * batch["completion_mask"][:, 1:]).sum(-1)
+        chosen, rejected = logps.chunk(2)
+        chosen_logps.append(chosen.cpu())
+        rejected_logps.append(rejected.cpu())
+    return torch.cat(chosen_logps), torch.cat(rejected_logps)
+
+
+def preference_accuracy(policy: nn.Module, reference: nn.Module, tokenizer, pairs: pd.DataFrame, *,
+                        beta: float, max_length: int | None = None) -> dict[str, float]:
+    """How often DPO's implicit reward r(x, y) = β·log π(y|x)/π_ref(y|x) prefers the chosen response.
+
+    ``accuracy`` counts an exact tie as half (the win + tie/2 convention of the benchmarks), so the
+    untrained policy (``policy is reference``: every margin is exactly 0) scores 0.5; ``margin`` is the
+    mean of r(x, y_w) − r(x, y_l). When ``policy is reference`` the log-probs are computed once.
+    """
+    chosen_logps, rejected_logps = pair_logps(policy, tokenizer, pairs, max_length)
+    reference_chosen_logps, reference_rejected_logps = (
+        (chosen_logps, rejected_logps) if reference is policy else pair_logps(reference, tokenizer, pairs, max_length))
+    margins = beta * ((chosen_logps - reference_chosen_logps) - (rejected_logps - reference_rejected_logps))
+    wins = (margins > 0).float() + 0.5 * (margins == 0).float()
+    return {"accuracy": float(wins.mean()), "margin": float(margins.mean()), "num_pairs": len(pairs)}

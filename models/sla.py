@@ -1,0 +1,267 @@
+"""Streaming Looking-Ahead (SLA) decoding with a Reward Transformer's token-level self-reward.
+
+Zhang, Hong & Yu, "Streaming Looking Ahead with Token-level Self-reward"
+(papers/sla-streaming-looking-ahead.txt): Algorithm 2 (one step of the search) and §4.1 (streaming,
+batched expansion, cost O(t_p + T_max · d · t_d) instead of MCTS's k^d trajectories per action).
+
+One prompt (batch size 1). Below the committed text C sits a balanced tree of depth d:
+
+* **Expansion** — every unfinished leaf forks k children from its top-k next tokens; each child then
+  decodes greedily until its segment holds n tokens (the forked token + n − 1 greedy ones), or stops
+  early on an end token (it is then *finished*: never extended again, its segment is shorter).
+* **Self-evaluation** — a leaf's score is the mean reward R' over its whole response so far (every
+  token generated since the prompt, committed ones included, up to the leaf's last token). This is
+  what the authors' code does (NOTES.md); Algorithm 2's text says "R' at the last token".
+* **Backup** — Q(node) = max over the leaves of its subtree (a finished node is a leaf of its own).
+* **Action** — the first-level child with the largest Q; ties go to the lower index, i.e. the more
+  probable forked token, so decoding is deterministic.
+* **Streaming** — the chosen child's segment is committed and yielded at once; its already generated
+  subtree is kept and becomes levels 1..d−1, so each step expands just ONE new level (§4.1: "we could
+  utilize batch computing to compute all children in parallel").
+
+How the KV cache is shared. All nodes of one level are decoded as ONE batch: row i of the level's
+``DynamicCache`` holds the keys/values of [prompt + committed text + node i's whole path]. Because a
+node is extended only when its segment is full (n tokens), every expandable row has the same length,
+so rows stay left-aligned with no padding, no attention mask and HF's default position ids
+(``cache_len + arange``). To expand the next level the cache is re-indexed in one
+``DynamicCache.reorder_cache`` (an ``index_select`` over the batch): each unfinished leaf's row is
+repeated k times and rows of pruned or finished nodes are dropped. The root starts from the prompt's
+prefill cache (one row). Nothing is ever recomputed: every forward after the prefill feeds one token
+per row, and a committed prefix's keys/values are simply the shared first columns of the kept rows.
+Rows that hit an end token before the others keep being fed (their own last token) until the level
+finishes; what they compute afterwards is ignored and such rows are never expanded.
+
+``depth = 0`` means no search: n greedy tokens per step, identical to greedy decoding (as is k = 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from foresight.config import SLAConfig
+from models.reward_transformer import RewardTransformer
+
+
+@dataclass
+class SLAStats:
+    """Work counters of one decoding run."""
+
+    forward_calls: int = 0  # model forwards (prefill included)
+    tokens_processed: int = 0  # Σ batch × new tokens over all forwards
+    committed_tokens: int = 0  # response tokens emitted
+    steps: int = 0  # committed segments (SLA actions)
+
+
+@dataclass(eq=False)
+class Node:
+    """A node of the search tree: one segment of ≤ n tokens below its parent."""
+
+    tokens: list[int]  # the segment (empty for the initial root)
+    reward_sum: float  # Σ R' over the whole response up to the segment's last token
+    reward_count: int  # how many response tokens that sum covers
+    finished: bool = False  # the segment ended with an end token
+    parent: Node | None = None
+    children: list[Node] = field(default_factory=list)
+    row: int | None = None  # row of the current level's cache (deepest level only)
+    next_tokens: list[int] = field(default_factory=list)  # top-k next tokens after the segment (unfinished only)
+
+    @property
+    def score(self) -> float:
+        """Mean R' over the response so far (the leaf score)."""
+        return self.reward_sum / max(self.reward_count, 1)
+
+
+@dataclass
+class Level:
+    """The deepest level of the tree: its nodes and the batched KV cache whose rows they index."""
+
+    cache: object | None  # DynamicCache with one row per node (None when the level is empty)
+    nodes: list[Node]
+
+
+# ---------------------------------------------------------------------------------------------------
+# model calls
+
+
+def _forward(model: RewardTransformer, input_ids: torch.Tensor, cache, stats: SLAStats):
+    """One cached forward over ``input_ids`` (B, T): last-position logits (B, V), rewards (B, T), cache."""
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    stats.forward_calls += 1
+    stats.tokens_processed += input_ids.numel()
+    return out.logits[:, -1, :], out.rewards, out.past_key_values
+
+
+@torch.inference_mode()
+def prefill(model: RewardTransformer, input_ids: torch.Tensor, width: int, stats: SLAStats) -> tuple[Node, Level]:
+    """Process the prompt (1, T): the root node (no tokens, top-k next tokens) and its one-row level."""
+    logits, _, cache = _forward(model, input_ids, None, stats)  # (1, V)
+    root = Node(tokens=[], reward_sum=0.0, reward_count=0, row=0,
+                next_tokens=logits[0].topk(width).indices.tolist())
+    return root, Level(cache, [root])
+
+
+@torch.inference_mode()
+def decode_segments(model: RewardTransformer, cache, first_tokens: list[int], step: int, width: int,
+                    eos_token_ids: set[int], stats: SLAStats) -> list[tuple[list[int], list[float], list[int]]]:
+    """Greedy-decode one segment per cache row, all rows as one batch, starting from ``first_tokens``.
+
+    Each segment gets ``step`` tokens unless it reaches an end token (included, then it stops). Every
+    token of a segment is fed, so its reward is known and the row's cache covers the whole segment.
+    Returns, per row, (tokens, their rewards, top-``width`` next tokens — empty when finished);
+    ``cache`` is extended in place.
+    """
+    device = next(model.parameters()).device
+    tokens = [[t] for t in first_tokens]
+    rewards: list[list[float]] = [[] for _ in first_tokens]
+    next_tokens: list[list[int]] = [[] for _ in first_tokens]
+    active = [True] * len(first_tokens)  # the row's last token still has to be fed
+    while True:
+        feed = torch.tensor([[row[-1]] for row in tokens], device=device)  # (B, 1); done rows repeat their last
+        logits, step_rewards, cache = _forward(model, feed, cache, stats)  # (B, V), (B, 1)
+        step_rewards = step_rewards[:, -1].tolist()
+        greedy = logits.argmax(dim=-1).tolist()  # (B,)
+        complete = []
+        for i, row in enumerate(tokens):
+            if not active[i]:
+                continue
+            rewards[i].append(step_rewards[i])
+            if row[-1] in eos_token_ids:
+                active[i] = False  # finished: never extended
+            elif len(row) == step:
+                active[i] = False
+                complete.append(i)  # full segment: remember how to fork it
+            else:
+                row.append(greedy[i])
+        if complete:
+            top = logits[complete].topk(width, dim=-1).indices.tolist()  # (len(complete), k)
+            for i, t in zip(complete, top, strict=True):
+                next_tokens[i] = t
+        if not any(active):
+            return list(zip(tokens, rewards, next_tokens, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------
+# tree operations
+
+
+@torch.inference_mode()
+def expand(model: RewardTransformer, level: Level, width: int, step: int, eos_token_ids: set[int],
+           stats: SLAStats) -> Level:
+    """Fork every unfinished node of ``level`` into ``width`` children and decode them as one batch."""
+    parents = [node for node in level.nodes if not node.finished]
+    if not parents:
+        return Level(None, [])
+    rows = torch.tensor([p.row for p in parents for _ in range(width)])  # (B,) parent row of each child
+    cache = level.cache
+    cache.reorder_cache(rows)  # (B, H, L, D) per layer: each parent's row repeated k times, others dropped
+    first = [t for p in parents for t in p.next_tokens]  # (B,) forked tokens, top-1 first
+    segments = decode_segments(model, cache, first, step, width, eos_token_ids, stats)
+    children = []
+    for b, (tokens, rewards, next_tokens) in enumerate(segments):
+        parent = parents[b // width]
+        child = Node(tokens=tokens, reward_sum=parent.reward_sum + sum(rewards),
+                     reward_count=parent.reward_count + len(rewards), finished=tokens[-1] in eos_token_ids,
+                     parent=parent, row=b, next_tokens=next_tokens)
+        parent.children.append(child)
+        children.append(child)
+    for parent in parents:
+        parent.row = None  # rows now belong to the children
+    return Level(cache, children)
+
+
+def backup(node: Node) -> float:
+    """Q(node): the best leaf score in its subtree (a leaf's Q is its own score)."""
+    if not node.children:
+        return node.score
+    return max(backup(child) for child in node.children)
+
+
+def select_action(root: Node) -> int:
+    """Index of the first-level child with the largest Q; ties → the lowest index (the likelier token)."""
+    q = [backup(child) for child in root.children]
+    return max(range(len(q)), key=q.__getitem__)  # max keeps the first of equal values
+
+
+def prune(level: Level, new_root: Node) -> Level:
+    """Keep only the level's nodes below ``new_root`` (or the root itself); their cache rows stay put."""
+
+    def below(node: Node | None) -> bool:
+        while node is not None:
+            if node is new_root:
+                return True
+            node = node.parent
+        return False
+
+    new_root.parent = None  # detach: the committed path no longer matters
+    return Level(level.cache, [node for node in level.nodes if below(node)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# public API
+
+
+def sla_stream(model: RewardTransformer, input_ids: torch.LongTensor, cfg: SLAConfig, max_new_tokens: int,
+               eos_token_ids: set[int], stats: SLAStats | None = None) -> Iterator[list[int]]:
+    """Decode one prompt ``input_ids`` (1, T) with SLA(d, k, n); yield each committed segment as it is decided.
+
+    Stops after a segment that contains an end token (kept, like HF greedy output) or once
+    ``max_new_tokens`` tokens are out (the last chunk is truncated to that). ``stats`` is updated live.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"SLA decodes one prompt at a time: input_ids must be (1, T), got {tuple(input_ids.shape)}")
+    stats = stats if stats is not None else SLAStats()
+    if max_new_tokens <= 0:
+        return
+    eos = set(eos_token_ids)
+    depth, width = (cfg.depth, cfg.width) if cfg.depth > 0 else (1, 1)  # d = 0: plain greedy, n per step
+    step = cfg.step
+
+    root, level = prefill(model, input_ids, width, stats)
+    for _ in range(depth):  # build the initial tree
+        level = expand(model, level, width, step, eos, stats)
+    while True:
+        chosen = root.children[select_action(root)]
+        chunk = chosen.tokens[: max_new_tokens - stats.committed_tokens]
+        stats.committed_tokens += len(chunk)
+        stats.steps += 1
+        yield chunk
+        if chosen.finished or stats.committed_tokens >= max_new_tokens:
+            return
+        root = chosen  # streaming: keep its subtree, levels 1..d−1
+        level = expand(model, prune(level, root), width, step, eos, stats)  # restore depth d
+
+
+def sla_generate(model: RewardTransformer, input_ids: torch.LongTensor, cfg: SLAConfig, max_new_tokens: int,
+                 eos_token_ids: set[int]) -> tuple[list[int], SLAStats]:
+    """The whole SLA response (token ids) and the run's counters."""
+    stats = SLAStats()
+    tokens = [t for chunk in sla_stream(model, input_ids, cfg, max_new_tokens, eos_token_ids, stats) for t in chunk]
+    return tokens, stats
+
+
+@torch.inference_mode()
+def greedy_generate(model: RewardTransformer, input_ids: torch.LongTensor, max_new_tokens: int,
+                    eos_token_ids: set[int], stats: SLAStats | None = None) -> tuple[list[int], list[float]]:
+    """Greedy decoding with a KV cache, as HF ``generate(do_sample=False)``; also the reward of every token.
+
+    Every generated token is fed once (the last one too, to get its reward): ``max_new_tokens`` cached
+    one-token forwards after the prefill.
+    """
+    stats = stats if stats is not None else SLAStats()
+    tokens: list[int] = []
+    rewards: list[float] = []
+    if max_new_tokens <= 0:
+        return tokens, rewards
+    logits, _, cache = _forward(model, input_ids, None, stats)  # (1, V)
+    while True:
+        token = int(logits[0].argmax())
+        tokens.append(token)
+        logits, step_rewards, cache = _forward(model, input_ids.new_tensor([[token]]), cache, stats)
+        rewards.append(float(step_rewards[0, -1]))
+        stats.committed_tokens += 1
+        stats.steps += 1
+        if token in eos_token_ids or len(tokens) >= max_new_tokens:
+            return tokens, rewards

@@ -1,0 +1,235 @@
+"""Prefect task: the SLA paper's decoder comparison (Table 1, Figure 3) on held-out prompts.
+
+For the base and the DPO policy, each with its own trained reward channel: greedy, temperature,
+top-p, top-k, beam search and SLA. Quality is judged by the configured labeler (win/tie/loss against
+base greedy, win rate = win + tie/2, mean reward, accuracy where answers are known), plus the
+paper's extra row "DPO + SLA vs DPO + greedy". Speed is measured in the same run at batch 1: tokens/s
+and per-token latency of each decoder relative to greedy, and the reward channel's forward overhead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pandas as pd
+import torch
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from tqdm.auto import tqdm
+
+from foresight.benchmark import DecodeTimer, bar_plot, markdown_table, speed_row, win_tie_loss
+from foresight.config import Config, SLAConfig
+from foresight.storage import atomic_path, read_table, write_table
+from tasks.data import GPU_TAG, StageResult
+
+TABLE_COLUMNS = ["policy", "decoder", "versus", "win", "tie", "loss", "win_rate", "mean_reward", "accuracy",
+                 "tokens_per_s", "ms_per_token", "latency_vs_reference"]
+
+
+def _load(cfg: Config, which: str):
+    """(policy, reward transformer) for ``base`` or ``dpo``, each with the reward head trained on it."""
+    from models.policy import load_policy, load_pretrained
+    from models.reward_transformer import RewardTransformer
+
+    if which == "base":
+        policy = load_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
+    else:
+        policy = load_pretrained(cfg.path(cfg.paths.dpo_dir), cfg.policy)
+    head = cfg.path(cfg.paths.reward_dir) / which / "channel"
+    return policy, RewardTransformer.from_head(policy.model, head).eval()
+
+
+def _ids(policy, prompt: str) -> torch.Tensor:
+    return policy.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(policy.device)
+
+
+@torch.no_grad()
+def forward_overhead(reward_model, input_ids: torch.Tensor, repeats: int = 5) -> dict:
+    """Wall time of one forward of the policy alone vs the policy + reward channel (median of repeats).
+
+    Both ask for hidden states off/on as they would in use: the policy alone does not need them.
+    """
+    def median_time(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return sorted(times)[len(times) // 2]
+
+    policy_s = median_time(lambda: reward_model.policy(input_ids=input_ids))
+    joint_s = median_time(lambda: reward_model(input_ids=input_ids))
+    return {"policy_forward_ms": 1000 * policy_s, "reward_transformer_forward_ms": 1000 * joint_s,
+            "reward_channel_overhead": joint_s / policy_s - 1}
+
+
+def _decode_all(cfg: Config, which: str, prompts: list[str], sla_settings: dict[str, SLAConfig]) -> tuple[list[dict], dict]:
+    """Every decoder on every prompt for one policy; returns output records and speed/overhead stats."""
+    from models.decoding import HF_DECODERS, hf_decode
+    from models.generation import end_token_ids
+    from models.sla import greedy_generate, sla_generate
+
+    b = cfg.benchmark
+    policy, reward_model = _load(cfg, which)
+    eos = end_token_ids(policy)
+    prompt_ids = [_ids(policy, p) for p in prompts]
+    records, timers = [], {}
+
+    def record(decoder: str, i: int, tokens: list[int]) -> None:
+        records.append({"policy": which, "decoder": decoder, "prompt_index": i, "new_tokens": len(tokens),
+                        "response": policy.tokenizer.decode(tokens, skip_special_tokens=True).strip()})
+
+    # Greedy (the reference) and SLA run at batch 1 anyway: time every call; speed uses the first prompts.
+    for name, sla_cfg in {"greedy": None, **sla_settings}.items():
+        timer = timers[name] = DecodeTimer()
+        for i, ids in enumerate(tqdm(prompt_ids, desc=f"{which} {name}", unit="prompt")):
+            timed = i < b.speed_prompts
+            with timer if timed else contextlib.nullcontext():
+                if sla_cfg is None:
+                    tokens, _ = greedy_generate(reward_model, ids, b.max_new_tokens, eos)
+                else:
+                    tokens, _ = sla_generate(reward_model, ids, sla_cfg, b.max_new_tokens, eos)
+            if timed:
+                timer.add_tokens(len(tokens))
+            record(name, i, tokens)
+
+    # The classical decoders: quality batched over all prompts, speed at batch 1 on the first ones.
+    plain = [ids[0].tolist() for ids in prompt_ids]
+    for decoder in (d for d in b.decoders if d in HF_DECODERS and d != "greedy"):
+        for i, tokens in enumerate(hf_decode(policy, plain, decoder, b, eos, batch_size=len(plain), seed=b.seed)):
+            record(decoder, i, tokens)
+        timer = timers[decoder] = DecodeTimer()
+        for i, ids in enumerate(plain[: b.speed_prompts]):
+            with timer:
+                (tokens,) = hf_decode(policy, [ids], decoder, b, eos, batch_size=1, seed=b.seed + i)
+            timer.add_tokens(len(tokens))
+    # greedy's speed reference: HF greedy on the policy alone (what SLA is an alternative to)
+    hf_greedy = timers["hf_greedy"] = DecodeTimer()
+    for ids in plain[: b.speed_prompts]:
+        with hf_greedy:
+            (tokens,) = hf_decode(policy, [ids], "greedy", b, eos, batch_size=1)
+        hf_greedy.add_tokens(len(tokens))
+    overhead = forward_overhead(reward_model, prompt_ids[0])
+    return records, {"timers": timers, "overhead": overhead}
+
+
+def _sla_settings(cfg: Config) -> dict[str, SLAConfig]:
+    """The main SLA setting plus the optional sweep (Figure 3: vary one of d, k, n at a time)."""
+    main = cfg.sla
+    settings = {"sla": main} if "sla" in cfg.benchmark.decoders else {}
+    for field, values in (("depth", cfg.benchmark.sweep_depth), ("width", cfg.benchmark.sweep_width),
+                          ("step", cfg.benchmark.sweep_step)):
+        for value in values:
+            variant = main.model_copy(update={field: value})
+            settings[f"sla_d{variant.depth}_k{variant.width}_n{variant.step}"] = variant
+    return settings
+
+
+def _table(outputs: pd.DataFrame, speed: dict) -> list[dict]:
+    """Table 1: each (policy, decoder) against base greedy, plus DPO+SLA against DPO+greedy."""
+    by = {key: group.sort_values("prompt_index") for key, group in outputs.groupby(["policy", "decoder"])}
+    reference = by[("base", "greedy")]["score"].tolist()
+    rows = []
+    comparisons = [(p, d, ("base", "greedy")) for (p, d) in by]
+    if ("dpo", "sla") in by and ("dpo", "greedy") in by:
+        comparisons.append(("dpo", "sla", ("dpo", "greedy")))
+    for policy, decoder, versus in comparisons:
+        group = by[(policy, decoder)]
+        versus_scores = reference if versus == ("base", "greedy") else by[versus]["score"].tolist()
+        row = {"policy": policy, "decoder": decoder, "versus": "+".join(versus),
+               **win_tie_loss(group["score"].tolist(), versus_scores),
+               "mean_reward": float(group["score"].mean()),
+               "accuracy": float(group["correct"].astype(float).mean()) if group["correct"].notna().all() else float("nan")}
+        timers = speed[policy]["timers"]
+        if decoder in timers:
+            row.update(speed_row(timers[decoder], timers["hf_greedy"]))
+        rows.append(row)
+    return rows
+
+
+@task(name="benchmark-sla", tags=[GPU_TAG], cache_policy=NO_CACHE)
+def benchmark_sla_task(cfg: Config) -> StageResult:
+    """Decode the held-out prompts with every decoder for the base and the DPO policy; score; compare."""
+    from models.generation import chat_prompts
+    from models.labelers import build_labeler, is_correct
+    from models.policy import load_policy
+
+    logger = get_run_logger()
+    started = time.perf_counter()
+    b = cfg.benchmark
+    held_out = read_table(cfg.path(cfg.paths.prompts_dir) / "eval.jsonl", "held-out prompts").head(b.num_prompts)
+    if held_out.empty:
+        raise ValueError("no held-out prompts: set prompts.num_eval > 0")
+    tokenizer = load_policy(cfg.policy, cfg.path(cfg.paths.policy_dir)).tokenizer
+    prompts = chat_prompts(tokenizer, held_out["question"].tolist(), cfg.prompts.system_prompt)
+    settings = _sla_settings(cfg)
+    records, speed = [], {}
+    for which in ("base", "dpo"):
+        logger.info("decoding %d held-out prompts with the %s policy", len(prompts), which)
+        policy_records, speed[which] = _decode_all(cfg, which, prompts, settings if which == "base" else
+                                                   {k: v for k, v in settings.items() if k == "sla"})
+        records += policy_records
+    outputs = pd.DataFrame(records)
+    answers = [None if pd.isna(a) else a for a in held_out["answer"]]
+    outputs["question"] = [held_out["question"].iloc[i] for i in outputs["prompt_index"]]
+    outputs["answer"] = [answers[i] for i in outputs["prompt_index"]]
+    labeler = build_labeler(cfg.label)
+    outputs["score"] = labeler.score(outputs["question"].tolist(), outputs["response"].tolist(),
+                                     outputs["answer"].tolist())
+    outputs["correct"] = pd.array([is_correct(r, a) for r, a in zip(outputs["response"], outputs["answer"])],
+                                  dtype="boolean")
+    rows = _table(outputs[~outputs["decoder"].str.startswith("sla_")], speed)
+    sweep_rows = _table(outputs[outputs["policy"] == "base"], speed) if len(settings) > 1 else []
+    out_dir = cfg.path(cfg.paths.benchmarks_dir) / "sla"
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        write_table(outputs, tmp / "outputs.parquet")
+        write_table(pd.DataFrame(rows), tmp / "table.csv")
+        bar_plot({p: {r["decoder"]: r["win_rate"] for r in rows if r["policy"] == p and r["versus"] == "base+greedy"}
+                  for p in ("base", "dpo")}, "Win rate against base greedy (win + tie/2)", "win rate",
+                 tmp / "win_rate.png", reference_line=0.5)
+        bar_plot({p: {r["decoder"]: r["latency_vs_reference"] for r in rows if r["policy"] == p and "latency_vs_reference" in r}
+                  for p in ("base", "dpo")}, "Per-token latency relative to greedy (batch 1)", "× greedy",
+                 tmp / "latency.png", reference_line=1.0)
+        if sweep_rows:
+            bar_plot({"base": {r["decoder"]: r["win_rate"] for r in sweep_rows if r["decoder"].startswith("sla")}},
+                     "SLA settings (Figure 3): win rate against greedy", "win rate", tmp / "sweep.png", 0.5)
+        (tmp / "report.md").write_text(_report(rows, sweep_rows, speed, cfg))
+    metrics = _metrics(rows, speed)
+    metrics["benchmark_seconds"] = time.perf_counter() - started
+    logger.info("\n%s", markdown_table(rows, TABLE_COLUMNS))
+    return StageResult(metrics=metrics, tables={"sla_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
+
+
+def _metrics(rows: list[dict], speed: dict) -> dict:
+    metrics = {}
+    for r in rows:
+        key = f"{r['policy']}_{r['decoder']}" + ("_vs_dpo_greedy" if r["versus"] == "dpo+greedy" else "")
+        metrics[f"{key}.win_rate"] = r["win_rate"]
+        metrics[f"{key}.accuracy"] = r["accuracy"]
+        if "latency_vs_reference" in r:
+            metrics[f"{key}.latency_vs_greedy"] = r["latency_vs_reference"]
+    for which, s in speed.items():
+        metrics[f"{which}.reward_channel_overhead"] = s["overhead"]["reward_channel_overhead"]
+        metrics[f"{which}.greedy_tokens_per_s"] = s["timers"]["hf_greedy"].tokens_per_s
+    return metrics
+
+
+def _report(rows: list[dict], sweep_rows: list[dict], speed: dict, cfg: Config) -> str:
+    s = cfg.sla
+    lines = [
+        "# SLA benchmark (the shape of the SLA paper's Table 1)",
+        f"\n{cfg.benchmark.num_prompts} held-out prompts, max {cfg.benchmark.max_new_tokens} new tokens, "
+        f"labeler `{cfg.label.labeler}`, SLA(d={s.depth}, k={s.width}, n={s.step}). Win rate = win + tie/2 "
+        "against the row's reference; speed at batch 1 on the first "
+        f"{cfg.benchmark.speed_prompts} prompts, latency relative to HF greedy on the same policy.\n",
+        markdown_table(rows, TABLE_COLUMNS),
+        "\n## Reward channel overhead (one forward over the first prompt)\n",
+        markdown_table([{"policy": w, **v["overhead"]} for w, v in speed.items()]),
+    ]
+    if sweep_rows:
+        lines += ["\n## SLA sweep (base policy, against base greedy)\n",
+                  markdown_table([r for r in sweep_rows if r["decoder"].startswith("sla")], TABLE_COLUMNS)]
+    return "\n".join(lines) + "\n"

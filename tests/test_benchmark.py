@@ -1,0 +1,74 @@
+"""Shared benchmark machinery (win/tie/loss, speed ratios, tables) and the classical decoders."""
+
+import math
+
+import pytest
+import torch
+
+from foresight.benchmark import DecodeTimer, markdown_table, speed_row, win_tie_loss
+from foresight.config import BenchmarkConfig, PolicyConfig
+from models.decoding import generate_kwargs, hf_decode
+from models.generation import chat_prompts, end_token_ids
+from models.policy import load_pretrained
+
+
+def test_win_tie_loss_hand_worked():
+    result = win_tie_loss([1.0, 0.0, 0.5, 0.2], [0.0, 0.0, 0.7, 0.2])
+    assert result == {"win": 0.25, "tie": 0.5, "loss": 0.25, "win_rate": 0.5}
+    assert win_tie_loss([1, 1], [0, 0])["win_rate"] == 1.0
+    with pytest.raises(ValueError, match="equally long"):
+        win_tie_loss([1.0], [1.0, 2.0])
+
+
+def test_speed_ratios_hand_worked():
+    fast, slow = DecodeTimer(seconds=2.0, tokens=100), DecodeTimer(seconds=6.0, tokens=100)
+    row = speed_row(slow, fast)
+    assert row["tokens_per_s"] == pytest.approx(100 / 6) and row["ms_per_token"] == pytest.approx(60.0)
+    assert row["latency_vs_reference"] == pytest.approx(3.0) and row["speedup_vs_reference"] == pytest.approx(1 / 3)
+    timer = DecodeTimer()
+    with timer:
+        pass
+    timer.add_tokens(3)
+    assert timer.calls == 1 and timer.tokens == 3 and timer.seconds >= 0
+    assert math.isnan(DecodeTimer().tokens_per_s)
+
+
+def test_markdown_table():
+    table = markdown_table([{"a": 1, "b": 0.123456, "c": float("nan")}, {"a": "x", "b": 12345.6}])
+    assert table.splitlines() == ["| a | b | c |", "|---|---|---|", "| 1 | 0.123 | – |", "| x | 12346 |  |"]
+
+
+def test_unused_sampling_knobs_are_neutralised():
+    cfg = BenchmarkConfig()
+    assert generate_kwargs("temperature", cfg) == {"do_sample": True, "temperature": 0.8, "top_p": 1.0, "top_k": 0}
+    assert generate_kwargs("top_k", cfg)["top_k"] == 50 and generate_kwargs("top_k", cfg)["temperature"] == 1.0
+    assert generate_kwargs("beam", cfg)["num_beams"] == 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    return load_pretrained(tiny_llama, PolicyConfig(device="cpu"))
+
+
+def test_hf_decode_greedy_matches_generate_and_cuts_at_eos(tiny):
+    cfg = BenchmarkConfig(max_new_tokens=10)
+    prompts = [tiny.tokenizer(p, add_special_tokens=False).input_ids
+               for p in chat_prompts(tiny.tokenizer, ["Ben has 4 apples.", "What is 2 + 3 and then more?"])]
+    eos = end_token_ids(tiny)
+    batched = hf_decode(tiny, prompts, "greedy", cfg, eos, batch_size=2)
+    for ids, out in zip(prompts, batched):
+        alone = tiny.model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
+                                    pad_token_id=tiny.tokenizer.pad_token_id)[0, len(ids):].tolist()
+        assert out == alone[: len(out)] and 1 <= len(out) <= 10
+        assert all(t not in eos for t in out[:-1])
+
+
+def test_hf_decode_sampling_is_seeded(tiny):
+    cfg = BenchmarkConfig(max_new_tokens=8)
+    prompts = [tiny.tokenizer(p, add_special_tokens=False).input_ids for p in chat_prompts(tiny.tokenizer, ["a", "b"])]
+    eos = end_token_ids(tiny)
+    first = hf_decode(tiny, prompts, "temperature", cfg, eos, batch_size=2, seed=3)
+    assert first == hf_decode(tiny, prompts, "temperature", cfg, eos, batch_size=2, seed=3)
+    assert first != hf_decode(tiny, prompts, "temperature", cfg, eos, batch_size=2, seed=4)
+    beams = hf_decode(tiny, prompts, "beam", cfg, eos, batch_size=2)
+    assert len(beams) == 2 and all(1 <= len(b) <= 8 for b in beams)

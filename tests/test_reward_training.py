@@ -1,0 +1,252 @@
+"""Reward-head training and evaluation (models/reward_training.py) and the Prefect task (tasks/reward.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from foresight.config import PolicyConfig, RewardConfig, parse_config
+from foresight.pairs import PAIR_COLUMNS
+from foresight.storage import write_table
+from models.policy import load_pretrained, prepare_policy
+from models.reward_training import (
+    PairRewards,
+    autrc,
+    collate_pairs,
+    evaluate_reward_head,
+    pair_accuracy,
+    token_reward_curve,
+    tokenize_pairs,
+    train_reward_heads,
+)
+from models.reward_transformer import RewardHeadConfig, RewardTransformer
+from tests.conftest import tiny_params
+
+CHANNEL = RewardHeadConfig(kind="channel", hidden_size=16)
+# A fast, deterministic setting for the tiny model: a high rate, since it must learn within a few steps.
+FAST = dict(hidden_size=16, learning_rate=1e-2, batch_size=4, epochs=4, warmup_ratio=0.0, max_length=64,
+            curve_points=10, seed=0)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_llama):
+    return load_pretrained(tiny_llama, PolicyConfig(device="cpu"))
+
+
+def toy_pairs(tokenizer, count: int, start: int = 0) -> pd.DataFrame:
+    """Separable pairs: every chosen response mentions apples, no rejected one does (it says cookies)."""
+    names = ["Ben", "Ava", "Ivy", "Omar"]
+    rows = []
+    for i in range(start, start + count):
+        name, n = names[i % len(names)], i % 9 + 1
+        question = f"{name} has {n} apples. How many apples does {name} have?"
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                               add_generation_prompt=True)
+        rows.append({"prompt_id": f"p{i}", "question": question, "prompt": prompt, "answer": str(n),
+                     "chosen": f"{name} has {n} apples. The answer is {n}.",
+                     "rejected": f"The answer is {n + 1} cookies.",
+                     "chosen_score": 1.0, "rejected_score": 0.0, "score_gap": 1.0,
+                     "chosen_sample_id": f"p{i}/0", "rejected_sample_id": f"p{i}/1"})
+    return pd.DataFrame(rows, columns=PAIR_COLUMNS)
+
+
+def test_tokenize_masks_exactly_the_response_and_end_token(policy):
+    tok = policy.tokenizer
+    pairs = toy_pairs(tok, 2)
+    for item, (_, pair) in zip(tokenize_pairs(tok, pairs, max_length=128), pairs.iterrows(), strict=True):
+        for side in ("chosen", "rejected"):
+            ids, mask = item[f"{side}_input_ids"], item[f"{side}_response_mask"]
+            assert len(ids) == len(mask) and mask == sorted(mask)  # prompt zeros, then response ones
+            assert tok.decode([t for t, m in zip(ids, mask) if m]) == pair[side] + tok.eos_token
+            assert tok.decode([t for t, m in zip(ids, mask) if not m]) == pair["prompt"]
+
+
+def test_truncation_cuts_the_response_end_first(policy):
+    tok = policy.tokenizer
+    pairs = toy_pairs(tok, 1)
+    prompt_len = len(tok(pairs["prompt"][0], add_special_tokens=False)["input_ids"])
+    item = tokenize_pairs(tok, pairs, max_length=prompt_len + 3)[0]
+    assert len(item["chosen_input_ids"]) == prompt_len + 3 and sum(item["chosen_response_mask"]) == 3
+    assert tok.eos_token_id not in item["chosen_input_ids"][prompt_len:]
+    # a prompt longer than max_length keeps its end and still scores one response token
+    short = tokenize_pairs(tok, pairs, max_length=16)[0]
+    assert len(short["rejected_input_ids"]) == 16 and short["rejected_response_mask"] == [0] * 15 + [1]
+
+
+def test_collate_right_pads_and_padding_leaves_rewards_unchanged(policy):
+    tok = policy.tokenizer
+    items = tokenize_pairs(tok, toy_pairs(tok, 3), max_length=128)
+    batch = collate_pairs(items, pad_token_id=tok.pad_token_id)
+    lengths = [len(p["chosen_input_ids"]) for p in items] + [len(p["rejected_input_ids"]) for p in items]
+    assert batch["input_ids"].shape == (6, max(lengths))
+    assert batch["attention_mask"].sum(1).tolist() == lengths
+    assert ((batch["response_mask"] == 1) <= (batch["attention_mask"] == 1)).all()  # padding is never response
+    assert (batch["input_ids"][batch["attention_mask"] == 0] == tok.pad_token_id).all()
+    torch.manual_seed(0)
+    model = RewardTransformer(policy.model, CHANNEL)
+    with torch.no_grad():
+        padded = model(batch["input_ids"], attention_mask=batch["attention_mask"]).rewards  # (2B, T)
+        for row, length in enumerate(lengths):
+            alone = model(batch["input_ids"][row: row + 1, :length]).rewards[0]  # (T_row,)
+            torch.testing.assert_close(padded[row, :length], alone, atol=1e-5, rtol=0)
+
+
+def test_one_step_trains_the_head_and_leaves_the_policy_bit_identical(policy):
+    pairs = toy_pairs(policy.tokenizer, 4)
+    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    torch.manual_seed(FAST["seed"])  # train_reward_heads seeds the same way: the same initial head
+    initial_head = {k: v.clone() for k, v in RewardTransformer(policy.model, CHANNEL).head.state_dict().items()}
+    cfg = RewardConfig(**{**FAST, "epochs": 1})
+    models, histories = train_reward_heads(policy, pairs, cfg, {"channel": CHANNEL})
+    model, history = models["channel"], histories["channel"]
+    assert len(history["loss"]) == 1 and len(history["train_pair_accuracy"]) == 1
+    assert history["learning_rate"] == [cfg.learning_rate]
+    trained = model.head.state_dict()
+    assert trained.keys() == initial_head.keys()
+    assert not torch.equal(trained["layer_projs.0.weight"], initial_head["layer_projs.0.weight"])
+    assert not torch.equal(trained["head.weight"], initial_head["head.weight"])
+    after = policy.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert not any(p.requires_grad for p in policy.model.parameters())
+
+
+def test_half_precision_policy_trains_float32_master_weights(tiny_llama):
+    """At the paper's lr 5e-5, Adam's steps are below bfloat16's resolution of the weights: a bf16 head would
+    keep ~75 % of its weights at their initial value. The head trains in float32 and is cast back at the end."""
+    policy = load_pretrained(tiny_llama, PolicyConfig(device="cpu", dtype="bfloat16"))
+    head_config = RewardHeadConfig(kind="channel", hidden_size=256)
+    torch.manual_seed(0)
+    initial = RewardTransformer(policy.model, head_config).head.state_dict()
+    cfg = RewardConfig(**{**FAST, "learning_rate": 5e-5, "batch_size": 2, "epochs": 3})  # 12 steps
+    models, histories = train_reward_heads(policy, toy_pairs(policy.tokenizer, 8), cfg, {"channel": head_config})
+    model, history = models["channel"], histories["channel"]
+    trained = model.head.state_dict()
+    assert all(v.dtype == torch.bfloat16 for v in trained.values())
+    changed = sum((trained[k] != v).sum().item() for k, v in initial.items())
+    assert changed / sum(v.numel() for v in initial.values()) > 0.6  # measured: 0.83 (0.25 when trained in bf16)
+    assert all(math.isfinite(loss) for loss in history["loss"])
+
+
+@pytest.mark.parametrize("head", [CHANNEL, RewardHeadConfig(kind="adapter", adapter_layers=1)],
+                         ids=["channel", "adapter-1"])
+def test_learns_a_separable_toy_preference(policy, head):
+    tok = policy.tokenizer
+    train, held_out = toy_pairs(tok, 8), toy_pairs(tok, 6, start=100)
+    cfg = RewardConfig(**FAST)
+    models, histories = train_reward_heads(policy, train, cfg, {"head": head})
+    model, history = models["head"], histories["head"]
+    assert history["loss"][-1] < history["loss"][0]
+    evaluation = evaluate_reward_head(model, tok, held_out, cfg)
+    assert evaluation["pair_accuracy"] > 0.5
+    assert len(evaluation["x"]) == len(evaluation["accuracy"]) == cfg.curve_points
+    assert 0.0 <= evaluation["autrc"] <= 1.0
+
+
+def test_joint_training_equals_training_each_head_alone(policy):
+    """One shared policy pass per batch: each head gets exactly its own gradient, Adam is element-wise."""
+    pairs = toy_pairs(policy.tokenizer, 6)
+    cfg = RewardConfig(**{**FAST, "epochs": 2})
+    adapter = RewardHeadConfig(kind="adapter", adapter_layers=2, hidden_size=8)
+    joint, joint_histories = train_reward_heads(policy, pairs, cfg, {"channel": CHANNEL, "adapter": adapter})
+    alone, alone_histories = train_reward_heads(policy, pairs, cfg, {"channel": CHANNEL})
+    for key, value in alone["channel"].head.state_dict().items():
+        torch.testing.assert_close(joint["channel"].head.state_dict()[key], value, atol=1e-6, rtol=1e-5)
+    assert joint_histories["channel"]["loss"] == pytest.approx(alone_histories["channel"]["loss"], abs=1e-6)
+    assert joint["adapter"].head is not joint["channel"].head and joint["adapter"].policy is policy.model
+
+
+def test_reward_curve_and_autrc_by_hand():
+    scored = PairRewards(
+        chosen=[torch.tensor([0.0, 1.0, 2.0, 3.0]), torch.tensor([5.0])],
+        rejected=[torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0, 9.0, 0.0])],
+    )
+    xs, accuracies = token_reward_curve(scored, points=4)
+    assert xs == [0.25, 0.5, 0.75, 1.0]
+    # prefix lengths ⌈x·T⌉: pair 1 chosen 1,2,3,4 vs rejected 1,1,2,2 → 0>1 F, 1>1 F, 2>1 T, 3>1 T
+    #                       pair 2 chosen 1,1,1,1 vs rejected 1,2,3,4 → 5>0 T, 5>0 T, 5>9 F, 5>0 T
+    assert accuracies == [0.5, 0.5, 0.5, 1.0]
+    # trapezoid: 0.25 · (0.5 + 0.5 + 0.75) = 0.4375 over the width 0.75
+    assert autrc(xs, accuracies) == pytest.approx(0.4375 / 0.75)
+    assert pair_accuracy(scored) == 1.0  # means 1.5 > 1.0 and 5.0 > 2.25
+    tie = PairRewards(chosen=[torch.tensor([1.0, 2.0])], rejected=[torch.tensor([1.0, 2.0])])
+    assert pair_accuracy(tie) == 0.0 and token_reward_curve(tie, points=3)[1] == [0.0, 0.0, 0.0]
+    assert autrc([0.01, 1.0], [1.0, 1.0]) == pytest.approx(1.0)
+
+
+@pytest.fixture()
+def reward_cfg(tiny_llama, tmp_path):
+    """A tiny project under tmp_path: prepared policy and 8 toy pairs."""
+    cfg = parse_config(tiny_params(tmp_path, tiny_llama, reward={**FAST, "epochs": 1},
+                                   paths={"dpo_dir": str(tiny_llama)}), root=tmp_path)
+    prepare_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
+    tokenizer = load_pretrained(tiny_llama, cfg.policy).tokenizer
+    write_table(toy_pairs(tokenizer, 8), cfg.path(cfg.paths.pairs))
+    return cfg
+
+
+@pytest.fixture()
+def task_logger(monkeypatch):
+    """Run the task's function outside a Prefect run (no API needed): its run logger becomes a plain logger."""
+    import tasks.reward
+
+    monkeypatch.setattr(tasks.reward, "get_run_logger", lambda: logging.getLogger("test-reward"))
+
+
+def test_task_writes_heads_curves_plots_and_metrics(reward_cfg, task_logger):
+    from tasks.reward import train_reward_task
+
+    out_dir = reward_cfg.path(reward_cfg.paths.reward_dir) / "base"
+    result = train_reward_task.fn(reward_cfg, "base", out_dir)
+    heads = ["channel", "adapter-1", "adapter-4"]
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(
+        heads + ["curves.json", "history.json", "autrc.png", "loss.png"])
+    m = result.metrics
+    assert (m["num_train_pairs"], m["num_eval_pairs"]) == (6, 2)  # eval_fraction 0.25 of 8 prompts
+    for key in ("channel", "adapter1", "adapter4"):
+        assert 0.0 <= m[f"pair_accuracy_{key}"] <= 1.0 and 0.0 <= m[f"autrc_{key}"] <= 1.0
+        assert m[f"{key}_params"] > 0
+    assert m["train_seconds"] > 0  # all heads train in one pass
+    assert m["adapter1_params"] == 32 + 1 and m["channel_params"] > m["adapter1_params"]  # tiny Llama: d = 32
+    curves = json.loads((out_dir / "curves.json").read_text())
+    assert set(curves) == set(heads) and len(curves["channel"]["accuracy"]) == reward_cfg.reward.curve_points
+    assert set(json.loads((out_dir / "history.json").read_text())) == set(heads)
+    assert result.artifacts == {"reward": out_dir}
+    policy = load_pretrained(reward_cfg.policy.model, reward_cfg.policy)
+    assert RewardTransformer.from_head(policy.model, out_dir / "adapter-4").head_config.adapter_layers == 4
+
+
+def test_task_on_the_dpo_policy_writes_all_or_nothing(reward_cfg, task_logger, monkeypatch):
+    import models.reward_training
+    from tasks.reward import train_reward_task
+
+    out_dir = reward_cfg.path(reward_cfg.paths.reward_dir) / "dpo"
+    out_dir.mkdir(parents=True)
+    (out_dir / "previous.txt").write_text("the last good result")
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(models.reward_training, "plot_losses", fail)  # the last write: everything else is done
+    with pytest.raises(RuntimeError, match="disk full"):
+        train_reward_task.fn(reward_cfg.model_copy(update={"reward": reward_cfg.reward.model_copy(
+            update={"adapter_layers": []})}), "dpo", out_dir)
+    assert [p.name for p in out_dir.iterdir()] == ["previous.txt"]
+    assert not [p for p in out_dir.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_task_fails_clearly_on_too_few_pairs_or_an_unknown_source(reward_cfg, task_logger):
+    from tasks.reward import train_reward_task
+
+    out_dir = reward_cfg.path(reward_cfg.paths.reward_dir) / "base"
+    with pytest.raises(ValueError, match="policy_source"):
+        train_reward_task.fn(reward_cfg, "sft", out_dir)
+    pairs_path = reward_cfg.path(reward_cfg.paths.pairs)
+    write_table(pd.read_parquet(pairs_path).head(1), pairs_path)
+    with pytest.raises(ValueError, match="needs at least 2"):
+        train_reward_task.fn(reward_cfg, "base", out_dir)
+    assert not out_dir.exists()
