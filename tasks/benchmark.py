@@ -15,6 +15,7 @@ import time
 import pandas as pd
 import torch
 from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
@@ -129,7 +130,8 @@ def _sla_settings(cfg: Config) -> dict[str, SLAConfig]:
 
 def _table(outputs: pd.DataFrame, speed: dict) -> list[dict]:
     """Table 1: each (policy, decoder) against base greedy, plus DPO+SLA against DPO+greedy."""
-    by = {key: group.sort_values("prompt_index") for key, group in outputs.groupby(["policy", "decoder"])}
+    # in decoding order: greedy, SLA, then the classical decoders as configured
+    by = {key: group.sort_values("prompt_index") for key, group in outputs.groupby(["policy", "decoder"], sort=False)}
     reference = by[("base", "greedy")]["score"].tolist()
     rows = []
     comparisons = [(p, d, ("base", "greedy")) for (p, d) in by]
@@ -200,7 +202,16 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
     metrics = _metrics(rows, speed)
     metrics["benchmark_seconds"] = time.perf_counter() - started
     logger.info("\n%s", markdown_table(rows, TABLE_COLUMNS))
+    create_table_artifact(key="sla-benchmark", table=[{c: _json_cell(row.get(c)) for c in TABLE_COLUMNS} for row in rows],
+                          description="Decoders against greedy (the SLA paper's Table 1)")
+    create_markdown_artifact(key="sla-benchmark-report", markdown=(out_dir / "report.md").read_text(),
+                             description="SLA benchmark report")
     return StageResult(metrics=metrics, tables={"sla_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
+
+
+def _json_cell(value):
+    """NaN (e.g. accuracy without known answers) as null: artifacts are JSON."""
+    return None if isinstance(value, float) and value != value else value
 
 
 def _metrics(rows: list[dict], speed: dict) -> dict:

@@ -185,6 +185,12 @@ def test_pipeline_prefect_artifacts(dvc_repo, pipeline_result):
     summary = _read_artifacts("pipeline-summary", flow_run_id)
     assert len(summary) == 1 and summary[0].type == "markdown"
     assert pipeline_result["mlflow_run_id"] in summary[0].data
+    # the benchmark's Table 1 as a table artifact: every (policy, decoder) row plus DPO+SLA vs DPO greedy
+    (benchmark,) = _read_artifacts("sla-benchmark")
+    rows = benchmark.data if isinstance(benchmark.data, list) else json.loads(benchmark.data)
+    decoders = {(row["policy"], row["decoder"], row["versus"]) for row in rows}
+    assert ("base", "sla", "base+greedy") in decoders and ("dpo", "sla", "dpo+greedy") in decoders
+    assert all(0.0 <= row["win_rate"] <= 1.0 for row in rows)
     # The stage flows ran in dvc's subprocesses and reported to the same Prefect API: each stage's
     # summary names the MLflow run that is nested under this pipeline's parent run.
     for stage, run in _stage_runs(dvc_repo[0], pipeline_result["mlflow_run_id"]).items():
