@@ -4,7 +4,7 @@
   summarised as the SLA paper does: win rate = win + tie / 2.
 - :class:`DecodeTimer` / :func:`speed_row`: tokens/s and per-token latency measured in the same run,
   as ratios to the reference decoder.
-- :func:`markdown_table`, :func:`bar_plot`: the human-readable outputs (report, PNG).
+- :func:`markdown_table`: the human-readable report table (plots: :mod:`foresight.plots`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 
 def win_tie_loss(rewards: Sequence[float], reference: Sequence[float], tolerance: float = 1e-9) -> dict:
@@ -77,30 +76,3 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def bar_plot(groups: dict[str, dict[str, float]], title: str, ylabel: str, path: Path,
-             reference_line: float | None = None) -> Path:
-    """Grouped bars: ``groups[group][bar] = value`` (e.g. win rate per decoder, per policy)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(bar for bars in groups.values() for bar in bars))  # first-seen order
-    width = 0.8 / max(len(groups), 1)
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names)), 4))
-    for i, (group, bars) in enumerate(groups.items()):
-        xs = [j + i * width for j in range(len(names))]
-        ax.bar(xs, [bars.get(n, float("nan")) for n in names], width, label=group)
-    ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(names))], names)
-    if reference_line is not None:
-        ax.axhline(reference_line, color="grey", linestyle="--", linewidth=1)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from foresight.config import RewardConfig
+from foresight.plots import line_plot
 from models.policy import Policy
 from models.reward_transformer import (
     RewardHeadConfig,
@@ -273,46 +274,17 @@ def evaluate_reward_head(model: RewardTransformer, tokenizer, pairs: pd.DataFram
     return {"pair_accuracy": pair_accuracy(scored), "x": xs, "accuracy": accuracies, "autrc": autrc(xs, accuracies)}
 
 
-def _pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (stages run headless), imported only when plotting."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_reward_curves(curves: dict[str, tuple[Sequence[float], Sequence[float]]], path: Path) -> Path:
     """One token-level reward curve per head (Figure 4 of the paper), AuTRC in the legend."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, (xs, accuracies) in curves.items():
-        ax.plot([100 * x for x in xs], accuracies, label=f"{name} (AuTRC {autrc(xs, accuracies):.3f})")
-    ax.axhline(0.5, color="grey", linestyle=":", linewidth=1, label="chance")
-    ax.set_xlabel("share of the response read (%)")
-    ax.set_ylabel("held-out accuracy of\nR'(chosen prefix) > R'(rejected prefix)")
-    ax.set_ylim(0, 1)
-    ax.set_title("Token-level reward curve")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    series = {f"{name} (AuTRC {autrc(xs, accuracies):.3f})": ([100 * x for x in xs], accuracies)
+              for name, (xs, accuracies) in curves.items()}
+    return line_plot(series, "Token-level reward curve", "share of the response read (%)",
+                     "held-out accuracy of\nR'(chosen prefix) > R'(rejected prefix)", path,
+                     reference=(0.5, "chance"), ylim=(0, 1))
 
 
 def plot_losses(histories: dict[str, dict[str, list[float]]], path: Path) -> Path:
     """Training loss per optimizer step of each head; ln 2 marks an untrained (indifferent) head."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, history in histories.items():
-        ax.plot(range(1, len(history["loss"]) + 1), history["loss"], label=name)
-    ax.axhline(math.log(2), color="grey", linestyle=":", linewidth=1, label="ln 2 (margin 0)")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("Bradley–Terry loss (eq. 17)")
-    ax.set_title("Reward-head training")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    series = {name: (range(1, len(h["loss"]) + 1), h["loss"]) for name, h in histories.items()}
+    return line_plot(series, "Reward-head training", "optimizer step", "Bradley–Terry loss (eq. 17)", path,
+                     reference=(math.log(2), "ln 2 (margin 0)"))

@@ -19,8 +19,9 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
-from foresight.benchmark import DecodeTimer, bar_plot, markdown_table, speed_row, win_tie_loss
+from foresight.benchmark import DecodeTimer, markdown_table, speed_row, win_tie_loss
 from foresight.config import Config, SLAConfig
+from foresight.plots import bar_plot
 from foresight.storage import atomic_path, read_table, write_table
 from tasks.data import GPU_TAG, StageResult
 
