@@ -113,7 +113,16 @@ class SequenceClassifierLabeler:
                     "label.trust_remote_code: true in params.yaml"
                 ) from err
             raise LabelerError(f"reward model {cfg.model!r} could not be loaded: {err}") from err
-        except (OSError, ImportError) as err:
+        except ImportError as err:
+            import transformers
+
+            raise LabelerError(
+                f"reward model {cfg.model!r}: its own modeling code does not import under transformers "
+                f"{transformers.__version__}: {err}. Code written for transformers 4.x (ArmoRM's imports "
+                "LLAMA_INPUTS_DOCSTRING, removed in 5.x) needs a transformers 4.x environment for labeling, "
+                "or a patched copy of the model folder."
+            ) from err
+        except OSError as err:
             raise LabelerError(
                 f"reward model {cfg.model!r} could not be loaded: {err}. Offline? Put the model in the Hugging Face "
                 "cache or a local folder first and point label.model at it."

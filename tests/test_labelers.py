@@ -91,3 +91,15 @@ def test_failing_reward_model_names_the_rows(tiny_classifier, monkeypatch):
     monkeypatch.setattr(labeler, "model", broken)
     with pytest.raises(LabelerError, match=r"failed on rows 0\.\.1: CUDA out of memory"):
         labeler.score(QUESTIONS, RESPONSES, [None] * 4)
+
+
+def test_remote_code_written_for_older_transformers_is_named(tiny_armorm, tmp_path):
+    """ArmoRM's published code imports LLAMA_INPUTS_DOCSTRING, which transformers 5 removed: say so."""
+    import shutil
+
+    folder = tmp_path / "old-armo"
+    shutil.copytree(tiny_armorm, folder)
+    code = folder / "modeling_tiny_armo.py"
+    code.write_text("from transformers.models.llama.modeling_llama import LLAMA_INPUTS_DOCSTRING\n" + code.read_text())
+    with pytest.raises(LabelerError, match=r"does not import under transformers 5\..*LLAMA_INPUTS_DOCSTRING"):
+        build_labeler(LabelConfig(labeler="armorm", model=str(folder), trust_remote_code=True, device="cpu"))
