@@ -23,7 +23,7 @@ from foresight.benchmark import DecodeTimer, markdown_table, speed_row, win_tie_
 from foresight.config import Config, SLAConfig
 from foresight.plots import bar_plot
 from foresight.storage import atomic_path, read_table, write_table
-from tasks.data import GPU_TAG, StageResult
+from tasks.data import GPU_TAG, StageResult, load_stage_policy
 
 TABLE_COLUMNS = ["policy", "decoder", "versus", "win", "tie", "loss", "win_rate", "mean_reward", "accuracy",
                  "tokens_per_s", "ms_per_token", "latency_vs_reference"]
@@ -31,13 +31,9 @@ TABLE_COLUMNS = ["policy", "decoder", "versus", "win", "tie", "loss", "win_rate"
 
 def _load(cfg: Config, which: str):
     """(policy, reward transformer) for ``base`` or ``dpo``, each with the reward head trained on it."""
-    from models.policy import load_policy, load_pretrained
     from models.reward_transformer import RewardTransformer
 
-    if which == "base":
-        policy = load_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
-    else:
-        policy = load_pretrained(cfg.path(cfg.paths.dpo_dir), cfg.policy)
+    policy = load_stage_policy(cfg, which)
     head = cfg.path(cfg.paths.reward_dir) / which / "channel"
     return policy, RewardTransformer.from_head(policy.model, head).eval()
 
@@ -67,16 +63,18 @@ def forward_overhead(reward_model, input_ids: torch.Tensor, repeats: int = 5) ->
             "reward_channel_overhead": joint_s / policy_s - 1}
 
 
-def _decode_all(cfg: Config, which: str, prompts: list[str], sla_settings: dict[str, SLAConfig]) -> tuple[list[dict], dict]:
-    """Every decoder on every prompt for one policy; returns output records and speed/overhead stats."""
+def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dict[str, SLAConfig]
+                ) -> tuple[list[dict], dict]:
+    """Every decoder on every question for one policy (chat template of its own tokenizer); returns output
+    records and speed/overhead stats."""
     from models.decoding import HF_DECODERS, hf_decode
-    from models.generation import end_token_ids
+    from models.generation import chat_prompts, end_token_ids
     from models.sla import greedy_generate, sla_generate
 
     b = cfg.benchmark
     policy, reward_model = _load(cfg, which)
     eos = end_token_ids(policy)
-    prompt_ids = [_ids(policy, p) for p in prompts]
+    prompt_ids = [_ids(policy, p) for p in chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt)]
     records, timers = [], {}
 
     def record(decoder: str, i: int, tokens: list[int]) -> None:
@@ -155,9 +153,7 @@ def _table(outputs: pd.DataFrame, speed: dict) -> list[dict]:
 @task(name="benchmark-sla", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def benchmark_sla_task(cfg: Config) -> StageResult:
     """Decode the held-out prompts with every decoder for the base and the DPO policy; score; compare."""
-    from models.generation import chat_prompts
     from models.labelers import build_labeler, is_correct
-    from models.policy import load_policy
 
     logger = get_run_logger()
     started = time.perf_counter()
@@ -165,13 +161,12 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
     held_out = read_table(cfg.path(cfg.paths.prompts_dir) / "eval.jsonl", "held-out prompts").head(b.num_prompts)
     if held_out.empty:
         raise ValueError("no held-out prompts: set prompts.num_eval > 0")
-    tokenizer = load_policy(cfg.policy, cfg.path(cfg.paths.policy_dir)).tokenizer
-    prompts = chat_prompts(tokenizer, held_out["question"].tolist(), cfg.prompts.system_prompt)
+    questions = held_out["question"].tolist()
     settings = _sla_settings(cfg)
     records, speed = [], {}
     for which in ("base", "dpo"):
-        logger.info("decoding %d held-out prompts with the %s policy", len(prompts), which)
-        policy_records, speed[which] = _decode_all(cfg, which, prompts, settings if which == "base" else
+        logger.info("decoding %d held-out prompts with the %s policy", len(questions), which)
+        policy_records, speed[which] = _decode_all(cfg, which, questions, settings if which == "base" else
                                                    {k: v for k, v in settings.items() if k == "sla"})
         records += policy_records
     outputs = pd.DataFrame(records)

@@ -35,6 +35,20 @@ class StageResult:
     artifacts: dict[str, Path] = field(default_factory=dict)
 
 
+POLICY_SOURCES = ("base", "dpo")
+
+
+def load_stage_policy(cfg: Config, policy_source: str):
+    """The policy a stage works on: ``base`` (the prepared policy) or ``dpo`` (the DPO-tuned folder)."""
+    from models.policy import load_policy, load_pretrained
+
+    if policy_source not in POLICY_SOURCES:
+        raise ValueError(f"policy_source must be one of {POLICY_SOURCES}, got {policy_source!r}")
+    if policy_source == "base":
+        return load_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
+    return load_pretrained(cfg.path(cfg.paths.dpo_dir), cfg.policy)
+
+
 def _prompt_split_path(cfg: Config, split: str) -> Path:
     return cfg.path(cfg.paths.prompts_dir) / f"{split}.jsonl"
 

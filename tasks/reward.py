@@ -19,9 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from foresight.config import Config
 from foresight.pairs import split_pairs
 from foresight.storage import atomic_path, read_table
-from tasks.data import GPU_TAG, StageResult
-
-POLICY_SOURCES = ("base", "dpo")
+from tasks.data import GPU_TAG, StageResult, load_stage_policy
 
 
 def _metric_key(head_name: str) -> str:
@@ -40,14 +38,11 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     """
     from accelerate import Accelerator
 
-    from models.policy import load_policy, load_pretrained
     from models.reward_training import evaluate_reward_head, plot_losses, plot_reward_curves, train_reward_heads
     from models.reward_transformer import RewardHeadConfig
 
     logger = get_run_logger()
     started = time.perf_counter()
-    if policy_source not in POLICY_SOURCES:
-        raise ValueError(f"policy_source must be one of {POLICY_SOURCES}, got {policy_source!r}")
     pairs_path = cfg.path(cfg.paths.pairs)
     pairs = read_table(pairs_path, "preference pairs")
     train_pairs, held_out = split_pairs(pairs, cfg.reward.eval_fraction, cfg.reward.seed)
@@ -57,10 +52,7 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
             "needs at least 2 (one to train on, one held out). Sample more prompts (prompts.num_train) or more "
             "responses per prompt (generate.num_samples)."
         )
-    if policy_source == "base":
-        policy = load_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
-    else:
-        policy = load_pretrained(cfg.path(cfg.paths.dpo_dir), cfg.policy)
+    policy = load_stage_policy(cfg, policy_source)
     accelerator = Accelerator(cpu=policy.device.type == "cpu")
 
     heads = {"channel": RewardHeadConfig(kind="channel", hidden_size=cfg.reward.hidden_size)}
