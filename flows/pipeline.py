@@ -36,6 +36,10 @@ HEADLINE = {
     "train_reward_dpo": ["pair_accuracy_channel", "autrc_channel"],
     "benchmark_sla": ["base_sla.win_rate", "dpo_sla_vs_dpo_greedy.win_rate", "base_sla.latency_vs_greedy",
                       "base.reward_channel_overhead"],
+    "train_medusa": ["top1_head1", "top1_head2", "top5_head1"],
+    "train_rlmedusa": ["supervised_t2_top1", "rl_base_t2_top1", "rl_supervised_t2_top1"],
+    "benchmark_medusa": ["held_out.medusa_supervised.tau", "held_out.medusa_supervised.speedup_vs_reference",
+                         "held_out.medusa_supervised.identical_to_greedy", "held_out.prompt_lookup.speedup_vs_reference"],
 }
 
 

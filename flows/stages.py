@@ -28,6 +28,7 @@ from tasks.data import (
     validate_task,
 )
 from tasks.dpo import dpo_task
+from tasks.medusa import benchmark_medusa_task, train_medusa_task, train_rlmedusa_task
 from tasks.reward import train_reward_task
 
 
@@ -135,6 +136,28 @@ def benchmark_sla_flow(params_path: str = "params.yaml", overrides: dict | None 
                      parent_run_id)
 
 
+@flow(name="train-medusa", log_prints=True)
+def train_medusa_flow(params_path: str = "params.yaml", overrides: dict | None = None,
+                      parent_run_id: str | None = None) -> dict:
+    """Medusa-1: train K decoding heads on the frozen policy's own samples (self-distillation)."""
+    return run_stage("train_medusa", train_medusa_task, ["medusa", "rlmedusa"], params_path, overrides, parent_run_id)
+
+
+@flow(name="train-rlmedusa", log_prints=True)
+def train_rlmedusa_flow(params_path: str = "params.yaml", overrides: dict | None = None,
+                        parent_run_id: str | None = None) -> dict:
+    """RLMedusa: fit the token reward r(e, h), train the t + 2 head by policy gradient, compare with Medusa-1."""
+    return run_stage("train_rlmedusa", train_rlmedusa_task, ["rlmedusa"], params_path, overrides, parent_run_id)
+
+
+@flow(name="benchmark-medusa", log_prints=True)
+def benchmark_medusa_flow(params_path: str = "params.yaml", overrides: dict | None = None,
+                          parent_run_id: str | None = None) -> dict:
+    """Tree speculative decoding with Medusa / RLMedusa heads vs HF greedy and prompt lookup: τ, speedup."""
+    return run_stage("benchmark_medusa", benchmark_medusa_task, ["speculative"], params_path, overrides,
+                     parent_run_id)
+
+
 STAGE_FLOWS = {
     "prepare_policy": prepare_policy_flow,
     "prepare_prompts": prepare_prompts_flow,
@@ -145,6 +168,9 @@ STAGE_FLOWS = {
     "dpo": dpo_flow,
     "train_reward_dpo": train_reward_dpo_flow,
     "benchmark_sla": benchmark_sla_flow,
+    "train_medusa": train_medusa_flow,
+    "train_rlmedusa": train_rlmedusa_flow,
+    "benchmark_medusa": benchmark_medusa_flow,
 }
 
 

@@ -48,6 +48,8 @@ class PathsConfig(_Section):
     """The DPO-tuned policy (a Hugging Face folder)."""
     benchmarks_dir: Path = Path("data/benchmarks")
     """Benchmark tables, plots and reports."""
+    medusa_dir: Path = Path("data/medusa")
+    """Medusa heads: ``supervised/`` (Medusa-1) and ``rl/`` (head 1 trained by RLMedusa), with their evaluations."""
 
 
 class PolicyConfig(_Section):
@@ -228,7 +230,7 @@ class DPOConfig(_Section):
     """DPO temperature β."""
     learning_rate: float = Field(5e-6, gt=0.0)
     """Learning rate."""
-    epochs: int = Field(2, ge=1)
+    epochs: int = Field(1, ge=1)
     """Passes over the training pairs."""
     batch_size: int = Field(4, ge=1)
     """Pairs per optimizer step."""
@@ -252,9 +254,9 @@ class SLAConfig(_Section):
 class BenchmarkConfig(_Section):
     """Decoder comparison on held-out prompts (stage ``benchmark_sla``)."""
 
-    num_prompts: int = Field(24, ge=1)
+    num_prompts: int = Field(16, ge=1)
     """Held-out prompts used for quality (the first ones of the eval split)."""
-    speed_prompts: int = Field(6, ge=1)
+    speed_prompts: int = Field(4, ge=1)
     """Prompts decoded at batch 1 for speed (tokens/s, per-token latency)."""
     max_new_tokens: int = Field(64, ge=1)
     """Longest output per decoder."""
@@ -277,6 +279,122 @@ class BenchmarkConfig(_Section):
     """Optional SLA sweep: widths to try."""
     sweep_step: list[int] = Field(default_factory=list)
     """Optional SLA sweep: step sizes to try."""
+
+
+class MedusaConfig(_Section):
+    """Medusa heads and their Medusa-1 training on self-distilled data (stage ``train_medusa``)."""
+
+    num_heads: int = Field(4, ge=1, le=8)
+    """K: head k predicts token t + k + 1 from the hidden state at t."""
+    num_layers: int = Field(1, ge=1)
+    """Residual blocks per head."""
+    untie: bool = False
+    """Give each head its own trainable vocabulary projection (a copy of the LM head) instead of sharing the
+    frozen LM head (tied-embedding models such as SmolLM2 share their embedding matrix)."""
+    data: Literal["greedy", "samples"] = "greedy"
+    """Self-distillation data: ``greedy`` = the policy's own greedy responses to the training prompts, generated
+    in this stage (the text the heads will draft for under greedy verification); ``samples`` = the
+    generate stage's sampled responses."""
+    max_new_tokens: int = Field(64, ge=2)
+    """Longest greedy response (``data: greedy``)."""
+    targets: Literal["greedy", "sampled"] = "greedy"
+    """Target at t + k + 1: the policy's greedy choice there given the prefix (what greedy verification
+    checks), or the token in the data itself (the same thing for ``data: greedy``)."""
+    loss_decay: float = Field(0.8, gt=0.0, le=1.0)
+    """Head k's loss weight is loss_decay^(k−1) (Medusa's 0.8)."""
+    samples_per_prompt: int = Field(5, ge=1)
+    """``data: samples``: how many of each prompt's samples to learn from (one frozen forward per sample)."""
+    eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    """Share of prompts whose samples are held out for head accuracies."""
+    learning_rate: float = Field(1e-3, gt=0.0)
+    """AdamW learning rate (Medusa-1's 1e-3)."""
+    epochs: int = Field(4, ge=1)
+    """Passes over the training positions."""
+    batch_size: int = Field(64, ge=1)
+    """Positions per step."""
+    warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0)
+    """Share of steps with linear warm-up before the cosine decay."""
+    distill_batch_size: int = Field(16, ge=1)
+    """Sequences per batch of the greedy generation and of the frozen self-distillation pass."""
+    max_length: int = Field(512, ge=8)
+    """Longest prompt + response sequence (longer ones lose their end)."""
+    mixed_precision: Literal["no", "bf16"] = "bf16"
+    """bfloat16 autocast for the frozen self-distillation pass and head training (``accelerate``); ~2.5× faster
+    on CPUs with AVX-512 BF16."""
+    eval_top_k: int = Field(5, ge=1)
+    """The k of the top-k accuracy reported per head."""
+    seed: int = 0
+    """Seed of initialisation, shuffling and the prompt split."""
+
+
+class RLMedusaConfig(_Section):
+    """RLMedusa: reward model r(e, h) and the policy-gradient t + 2 head (stage ``train_rlmedusa``)."""
+
+    trajectory_tokens: int = Field(20, ge=1)
+    """Steps per response used as RL states (the paper's 20-token trajectories)."""
+    top_candidates: int = Field(3, ge=0)
+    """Candidates per step drawn from ranks 2..top_pool (plus the top-1 itself)."""
+    top_pool: int = Field(50, ge=2)
+    """The "top-50" the above are drawn from."""
+    random_candidates: int = Field(5, ge=0)
+    """Candidates per step drawn uniformly from the rest of the vocabulary."""
+    reward_width: int = Field(512, ge=1)
+    """Hidden width of the reward network."""
+    reward_learning_rate: float = Field(1e-3, gt=0.0)
+    """AdamW learning rate of the reward model (MSE)."""
+    reward_epochs: int = Field(8, ge=1)
+    """Passes over the reward data."""
+    reward_batch_size: int = Field(256, ge=1)
+    """States per reward-model step (each with all its candidates)."""
+    inits: list[Literal["base", "supervised"]] = Field(default_factory=lambda: ["base", "supervised"], min_length=1)
+    """One RL head per entry; where head 1 starts and what the KL keeps it near: ``base`` = a fresh Medusa
+    head (the backbone's next-token head, so the KL is the paper's KL to p₁), ``supervised`` = the
+    Medusa-1 head 1 (RL as fine-tuning)."""
+    num_actions: int = Field(8, ge=2)
+    """Tokens sampled per state (the group whose mean reward is the baseline)."""
+    beta: float = Field(0.02, ge=0.0)
+    """KL coefficient (kept small, as the paper advises)."""
+    learning_rate: float = Field(3e-4, gt=0.0)
+    """AdamW learning rate of head 1."""
+    epochs: int = Field(5, ge=1)
+    """Passes over the training trajectory states."""
+    batch_size: int = Field(64, ge=1)
+    """States per policy-gradient step."""
+    seed: int = 0
+    """Seed of initialisation, shuffling and action sampling."""
+
+
+class SpeculativeConfig(_Section):
+    """Tree speculative decoding and its benchmark (stage ``benchmark_medusa``)."""
+
+    tree: list[list[int]] | Literal["auto"] = "auto"
+    """Candidate tree: ``auto`` = Medusa's sparse tree of ``tree_size`` nodes, the paths most likely to be
+    accepted according to the supervised heads' held-out accuracy per rank; or explicit paths of per-depth
+    ranks ([0, 1] = head 1's best token, then head 2's second best), depth ≤ medusa.num_heads."""
+    tree_size: int = Field(7, ge=1, le=256)
+    """Nodes of the ``auto`` tree besides the root (each tree forward scores tree_size + 1 tokens). On the
+    2-core CPU, fp32 forwards of 8 or 16 tokens are much cheaper than 9 or 17 (MKL's GEMM blocking)."""
+    acceptance: Literal["greedy", "typical"] = "greedy"
+    """``greedy``: lossless exact-match verification; ``typical``: Medusa's typical acceptance (lossy)."""
+    typical_threshold: float = Field(0.09, gt=0.0, lt=1.0)
+    """ε of typical acceptance."""
+    typical_alpha: float = Field(0.3, gt=0.0)
+    """α of typical acceptance."""
+    decoders: list[Literal["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl"]] = Field(
+        default_factory=lambda: ["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl"])
+    """Decoders to compare at batch 1 (HF greedy with KV cache is always the reference); ``medusa_rl`` runs
+    once per RL head (``rlmedusa.inits``), as ``medusa_rl_base`` / ``medusa_rl_supervised``."""
+    prompt_lookup_tokens: int = Field(10, ge=1)
+    """``prompt_lookup_num_tokens`` of HF prompt-lookup decoding."""
+    num_prompts: int = Field(12, ge=1)
+    """Held-out prompts decoded by every decoder (the first ones of the eval split)."""
+    draft_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Precision of the drafts (heads + LM head copy). Verification stays in the policy's dtype, so this never
+    changes greedy-verified output; bf16 drafts are ~4× cheaper on a CPU with bf16 units."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest output."""
+    prompt_files: list[FileSourceConfig] = Field(default_factory=list)
+    """Extra prompt sets (local jsonl/parquet/csv files), each benchmarked like the held-out prompts."""
 
 
 class TrackingConfig(_Section):
@@ -313,8 +431,28 @@ class Config(_Section):
     """Streaming Looking-Ahead decoding."""
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
     """Decoder benchmark."""
+    medusa: MedusaConfig = Field(default_factory=MedusaConfig)
+    """Medusa heads."""
+    rlmedusa: RLMedusaConfig = Field(default_factory=RLMedusaConfig)
+    """RLMedusa."""
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    """Tree speculative decoding and its benchmark."""
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     """MLflow."""
+
+    @model_validator(mode="after")
+    def _tree_fits_the_heads(self) -> Config:
+        tree = self.speculative.tree
+        if tree == "auto":
+            return self
+        if not tree or any(not path or min(path) < 0 for path in tree):
+            raise ValueError("speculative.tree must be a non-empty list of non-empty paths of non-negative ranks, "
+                             "e.g. [[0], [0, 0]]")
+        deepest = max(len(path) for path in tree)
+        if deepest > self.medusa.num_heads:
+            raise ValueError(f"speculative.tree is {deepest} deep but medusa.num_heads is {self.medusa.num_heads}: "
+                             "each depth needs a head")
+        return self
 
     root: Path = Field(default=Path("."), exclude=True)
     """Folder that relative paths are resolved against (set by :func:`load_config`, not read from YAML)."""

@@ -33,9 +33,10 @@ def generate_kwargs(decoder: str, cfg: BenchmarkConfig) -> dict:
 
 
 @torch.no_grad()
-def hf_decode(policy: Policy, prompt_ids: Sequence[Sequence[int]], decoder: str, cfg: BenchmarkConfig,
+def hf_decode(policy: Policy, prompt_ids: Sequence[Sequence[int]], kwargs: dict, max_new_tokens: int,
               eos_ids: set[int], batch_size: int, seed: int = 0) -> list[list[int]]:
-    """Decode each prompt (token ids) with a classical decoder; batches are left-padded.
+    """Decode each prompt (token ids) with ``generate(**kwargs)`` (e.g. :func:`generate_kwargs`); batches
+    are left-padded.
 
     Batch ``b`` of a sampling decoder is seeded with ``seed + b``, so results are reproducible.
     """
@@ -47,9 +48,8 @@ def hf_decode(policy: Policy, prompt_ids: Sequence[Sequence[int]], decoder: str,
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in chunk], device=policy.device)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=policy.device)
         torch.manual_seed(seed + b)
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=cfg.max_new_tokens,
-                             pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids),
-                             **generate_kwargs(decoder, cfg))
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                             pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids), **kwargs)
         new = out[:, width:]  # (B, T_new)
         lengths, _ = response_lengths(new, eos_ids)
         outputs += [new[row, :length].tolist() for row, length in enumerate(lengths)]

@@ -58,15 +58,16 @@ TokenizedPair = dict[str, list[int]]
 """``chosen_input_ids``, ``chosen_response_mask``, ``rejected_input_ids``, ``rejected_response_mask``."""
 
 
-def _tokenize_sequence(tokenizer, prompt: str, response: str, max_length: int) -> tuple[list[int], list[int]]:
-    """Prompt + response + end token as ids, and the mask of the response tokens (end token included).
+def tokenize_sequence(tokenizer, prompt: str, response: str, max_length: int, add_end: bool = True
+                      ) -> tuple[list[int], list[int]]:
+    """Prompt + response (+ end token) as ids, and the mask of the response tokens (end token included).
 
     The two parts are tokenized separately, as the policy produced them (prompt ids, then sampled ids), so
     no BPE merge crosses the boundary. Too long: the response loses its end first; a prompt that leaves no
     room keeps only its last ``max_length − 1`` tokens, so every sequence scores at least one response token.
     """
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-(max_length - 1):]
-    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * add_end
     response_ids = response_ids[: max_length - len(prompt_ids)]
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 
@@ -77,7 +78,7 @@ def tokenize_pairs(tokenizer, pairs: pd.DataFrame, max_length: int) -> list[Toke
     for prompt, chosen, rejected in zip(pairs["prompt"], pairs["chosen"], pairs["rejected"], strict=True):
         item: TokenizedPair = {}
         for side, response in (("chosen", chosen), ("rejected", rejected)):
-            item[f"{side}_input_ids"], item[f"{side}_response_mask"] = _tokenize_sequence(
+            item[f"{side}_input_ids"], item[f"{side}_response_mask"] = tokenize_sequence(
                 tokenizer, prompt, response, max_length)
         tokenized.append(item)
     return tokenized

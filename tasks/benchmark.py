@@ -63,13 +63,13 @@ def forward_overhead(reward_model, input_ids: torch.Tensor, repeats: int = 5) ->
             "reward_channel_overhead": joint_s / policy_s - 1}
 
 
-def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dict[str, SLAConfig]
-                ) -> tuple[list[dict], dict]:
+def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dict[str, SLAConfig],
+                time_sampling: bool) -> tuple[list[dict], dict]:
     """Every decoder on every question for one policy (chat template of its own tokenizer); returns output
-    records and speed/overhead stats."""
-    from models.decoding import HF_DECODERS, hf_decode
+    records and speed/overhead stats (the sampling decoders are timed only if ``time_sampling``)."""
+    from models.decoding import HF_DECODERS, generate_kwargs, hf_decode
     from models.generation import chat_prompts, end_token_ids
-    from models.sla import greedy_generate, sla_generate
+    from models.sla import sla_generate
 
     b = cfg.benchmark
     policy, reward_model = _load(cfg, which)
@@ -81,36 +81,32 @@ def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dic
         records.append({"policy": which, "decoder": decoder, "prompt_index": i, "new_tokens": len(tokens),
                         "response": policy.tokenizer.decode(tokens, skip_special_tokens=True).strip()})
 
-    # Greedy (the reference) and SLA run at batch 1 anyway: time every call; speed uses the first prompts.
-    for name, sla_cfg in {"greedy": None, **sla_settings}.items():
+    # Quality: the classical decoders (greedy included) batched over all prompts; SLA at batch 1.
+    plain = [ids[0].tolist() for ids in prompt_ids]
+    for decoder in ("greedy", *(d for d in b.decoders if d in HF_DECODERS and d != "greedy")):
+        outputs = hf_decode(policy, plain, generate_kwargs(decoder, b), b.max_new_tokens, eos,
+                            batch_size=len(plain), seed=b.seed)
+        for i, tokens in enumerate(outputs):
+            record(decoder, i, tokens)
+    for name, sla_cfg in sla_settings.items():
         timer = timers[name] = DecodeTimer()
         for i, ids in enumerate(tqdm(prompt_ids, desc=f"{which} {name}", unit="prompt")):
             timed = i < b.speed_prompts
             with timer if timed else contextlib.nullcontext():
-                if sla_cfg is None:
-                    tokens, _ = greedy_generate(reward_model, ids, b.max_new_tokens, eos)
-                else:
-                    tokens, _ = sla_generate(reward_model, ids, sla_cfg, b.max_new_tokens, eos)
+                tokens, _ = sla_generate(reward_model, ids, sla_cfg, b.max_new_tokens, eos)
             if timed:
                 timer.add_tokens(len(tokens))
             record(name, i, tokens)
-
-    # The classical decoders: quality batched over all prompts, speed at batch 1 on the first ones.
-    plain = [ids[0].tolist() for ids in prompt_ids]
-    for decoder in (d for d in b.decoders if d in HF_DECODERS and d != "greedy"):
-        for i, tokens in enumerate(hf_decode(policy, plain, decoder, b, eos, batch_size=len(plain), seed=b.seed)):
-            record(decoder, i, tokens)
-        timer = timers[decoder] = DecodeTimer()
+    # Speed at batch 1 on the first prompts: HF greedy on the policy alone (the reference SLA is an
+    # alternative to), and the sampling decoders where asked (same architecture for both policies: once).
+    timed_decoders = ["greedy"] + [d for d in b.decoders if d in HF_DECODERS and d != "greedy" and time_sampling]
+    for decoder in timed_decoders:
+        timer = timers["hf_greedy" if decoder == "greedy" else decoder] = DecodeTimer()
         for i, ids in enumerate(plain[: b.speed_prompts]):
             with timer:
-                (tokens,) = hf_decode(policy, [ids], decoder, b, eos, batch_size=1, seed=b.seed + i)
+                (tokens,) = hf_decode(policy, [ids], generate_kwargs(decoder, b), b.max_new_tokens, eos,
+                                      batch_size=1, seed=b.seed + i)
             timer.add_tokens(len(tokens))
-    # greedy's speed reference: HF greedy on the policy alone (what SLA is an alternative to)
-    hf_greedy = timers["hf_greedy"] = DecodeTimer()
-    for ids in plain[: b.speed_prompts]:
-        with hf_greedy:
-            (tokens,) = hf_decode(policy, [ids], "greedy", b, eos, batch_size=1)
-        hf_greedy.add_tokens(len(tokens))
     overhead = forward_overhead(reward_model, prompt_ids[0])
     return records, {"timers": timers, "overhead": overhead}
 
@@ -167,7 +163,8 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
     for which in ("base", "dpo"):
         logger.info("decoding %d held-out prompts with the %s policy", len(questions), which)
         policy_records, speed[which] = _decode_all(cfg, which, questions, settings if which == "base" else
-                                                   {k: v for k, v in settings.items() if k == "sla"})
+                                                   {k: v for k, v in settings.items() if k == "sla"},
+                                                   time_sampling=which == "base")
         records += policy_records
     outputs = pd.DataFrame(records)
     answers = [None if pd.isna(a) else a for a in held_out["answer"]]

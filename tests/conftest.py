@@ -49,6 +49,10 @@ def tiny_params(root: Path, model: Path, **sections) -> dict:
         "dpo": {"epochs": 1, "batch_size": 2, "max_length": 128},
         "sla": {"depth": 2, "width": 2, "step": 3},
         "benchmark": {"num_prompts": 2, "speed_prompts": 1, "max_new_tokens": 8},
+        "medusa": {"num_heads": 2, "epochs": 1, "batch_size": 16, "distill_batch_size": 4, "mixed_precision": "no"},
+        "rlmedusa": {"trajectory_tokens": 4, "top_pool": 10, "reward_width": 16, "reward_epochs": 1,
+                     "num_actions": 4, "batch_size": 8},
+        "speculative": {"tree": [[0], [1], [0, 0]], "num_prompts": 2, "max_new_tokens": 8},
     }
     for name, values in sections.items():
         params.setdefault(name, {}).update(values)

@@ -55,7 +55,7 @@ def test_hf_decode_greedy_matches_generate_and_cuts_at_eos(tiny):
     prompts = [tiny.tokenizer(p, add_special_tokens=False).input_ids
                for p in chat_prompts(tiny.tokenizer, ["Ben has 4 apples.", "What is 2 + 3 and then more?"])]
     eos = end_token_ids(tiny)
-    batched = hf_decode(tiny, prompts, "greedy", cfg, eos, batch_size=2)
+    batched = hf_decode(tiny, prompts, generate_kwargs("greedy", cfg), cfg.max_new_tokens, eos, batch_size=2)
     for ids, out in zip(prompts, batched):
         alone = tiny.model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
                                     pad_token_id=tiny.tokenizer.pad_token_id)[0, len(ids):].tolist()
@@ -67,8 +67,8 @@ def test_hf_decode_sampling_is_seeded(tiny):
     cfg = BenchmarkConfig(max_new_tokens=8)
     prompts = [tiny.tokenizer(p, add_special_tokens=False).input_ids for p in chat_prompts(tiny.tokenizer, ["a", "b"])]
     eos = end_token_ids(tiny)
-    first = hf_decode(tiny, prompts, "temperature", cfg, eos, batch_size=2, seed=3)
-    assert first == hf_decode(tiny, prompts, "temperature", cfg, eos, batch_size=2, seed=3)
-    assert first != hf_decode(tiny, prompts, "temperature", cfg, eos, batch_size=2, seed=4)
-    beams = hf_decode(tiny, prompts, "beam", cfg, eos, batch_size=2)
+    first = hf_decode(tiny, prompts, generate_kwargs("temperature", cfg), cfg.max_new_tokens, eos, batch_size=2, seed=3)
+    assert first == hf_decode(tiny, prompts, generate_kwargs("temperature", cfg), cfg.max_new_tokens, eos, batch_size=2, seed=3)
+    assert first != hf_decode(tiny, prompts, generate_kwargs("temperature", cfg), cfg.max_new_tokens, eos, batch_size=2, seed=4)
+    beams = hf_decode(tiny, prompts, generate_kwargs("beam", cfg), cfg.max_new_tokens, eos, batch_size=2)
     assert len(beams) == 2 and all(1 <= len(b) <= 8 for b in beams)

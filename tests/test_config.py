@@ -34,6 +34,11 @@ def test_defaults_parse_from_empty():
         ({"prompts": {"source": "file"}}, ["prompts", "'file' section is missing"]),
         ({"label": {"labeler": "armorm"}}, ["labeler 'armorm' needs 'model'"]),
         ({"policy": {"dtype": "int4"}}, ["policy.dtype", "'float32'"]),
+        ({"speculative": {"tree": [[0, 0, 0]]}, "medusa": {"num_heads": 2}},
+         ["speculative.tree is 3 deep but medusa.num_heads is 2"]),
+        ({"speculative": {"tree": [[0], [1, -1]]}}, ["speculative.tree must be", "non-negative"]),
+        ({"speculative": {"tree": "bushy"}}, ["speculative.tree", "'auto'"]),
+        ({"rlmedusa": {"inits": []}}, ["rlmedusa.inits", "at least 1"]),
     ],
 )
 def test_bad_values_fail_naming_the_key(params, expected):

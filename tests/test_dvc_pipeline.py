@@ -25,7 +25,7 @@ from tests.conftest import tiny_params
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ["prepare_policy", "prepare_prompts", "generate", "label", "validate", "train_reward", "dpo",
-          "train_reward_dpo", "benchmark_sla"]
+          "train_reward_dpo", "benchmark_sla", "train_medusa", "train_rlmedusa", "benchmark_medusa"]
 NUM_TRAIN, NUM_SAMPLES = 6, 3
 RUNNING = re.compile(r"Running stage '([^']+)'")
 
@@ -145,6 +145,16 @@ def test_pipeline_flow_runs_every_stage_and_pushes(dvc_repo, pipeline_result):
     assert (repo / "data/reports/datadocs").is_dir()
     for stage in STAGES:
         assert (repo / f"data/metrics/{stage}.json").is_file(), stage
+
+    # Medusa: supervised heads, one RL head set per init, and a benchmark whose greedy-verified decoders
+    # reproduce HF greedy on every prompt
+    for folder in ("supervised", "rl/base", "rl/supervised"):
+        assert (repo / "data/medusa" / folder / "heads.safetensors").is_file(), folder
+    speed = pd.read_csv(repo / "data/benchmarks/medusa/table.csv")
+    assert speed["decoder"].tolist() == ["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl_base",
+                                         "medusa_rl_supervised"]
+    assert (speed["identical_to_greedy"] == 1.0).all() and (speed["lossless"]).all()
+    assert (speed.loc[speed["decoder"].str.startswith("medusa"), "tau"] >= 1.0).all()
 
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     assert sorted(lock["stages"]) == sorted(STAGES)

@@ -15,23 +15,18 @@ import torch
 from foresight.config import SLAConfig
 from models.reward_transformer import RewardTransformer
 from models.sla import Node, SLAStats, backup, greedy_generate, select_action, sla_generate, sla_stream
+from tests.tiny import load_spiky_tiny_llama
 
 QUESTIONS = ["Ben has 4 apples. How many?", "Ivy has 3 cookies and gives 1 to Omar.", "0 1 2 3", "What is 7 * 8?"]
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
-    """(RewardTransformer, tokenizer, prompt ids list). Weights re-drawn with a larger scale (std 0.4):
-    the default init makes a 2-layer random model repeat one token forever, which tests nothing."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(RewardTransformer, tokenizer, prompt ids list) on the tiny Llama with spiky weights."""
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
-    policy = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for w in policy.parameters():
-            if w.dim() >= 2:
-                w.copy_(torch.randn(w.shape, generator=gen) * 0.4)
+    policy = load_spiky_tiny_llama(tiny_llama)
     torch.manual_seed(0)
     model = RewardTransformer(policy).eval()
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

@@ -62,6 +62,20 @@ def build_tiny_llama(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def load_spiky_tiny_llama(folder: Path, **kwargs):
+    """The tiny Llama in eval mode with its matrices re-drawn at std 0.4 (seeded): at the default init a
+    2-layer random model repeats one token forever, which would make decoding tests test nothing."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for w in model.parameters():
+            if w.dim() >= 2:
+                w.copy_(torch.randn(w.shape, generator=gen) * 0.4)
+    return model
+
+
 def build_tiny_classifier(folder: Path, seed: int = 0) -> Path:
     """An ordinary sequence-classification reward model (reward = first logit)."""
     from transformers import LlamaForSequenceClassification

@@ -1,0 +1,183 @@
+"""RLMedusa done right: a learned token reward r(e, h) and a policy-gradient-trained t + 2 head.
+
+Nikam et al., "RLMedusa: Reinforcement Learning for Multiple Decoding Heads" (papers/rlmedusa-paper.txt,
+"Methodology"; and papers/rlmedusa-blog.txt). RLMedusa's p₂ — "the second decoding head", which
+predicts x_{t+2} from the state after x_{≤t} — is Medusa head k = 1 here (the backbone's LM head is p₁).
+
+1. **Reward model** ("Training methodology and data collection"): r(e, h) ∈ (0, 1), a nonlinear
+   feed-forward network over the context's final hidden state h_t and a candidate token's embedding e,
+   fitted by MSE to p₁(x_{t+2} = e | x_{≤t+1}) on 9 candidates per step (top-1, 3 of the top-50,
+   5 random) along 20-token trajectories of the policy's own responses (the data:
+   :func:`models.medusa_training.self_distill`).
+2. **Policy gradient** ("Overview of reinforcement learning approach", eq. 1: R = r − β·KL, with p₂
+   initialised to p₁): head 1 is the policy over the vocabulary in state h_t. It *samples* G tokens per
+   state; each is rewarded r(e_a, h_t) − β·(log p₂(a) − log p_ref(a)) (the usual per-sample KL estimate
+   against the head at its start, which keeps it near where it began); REINFORCE with the group-mean
+   baseline pushes up the log-probability of above-average tokens.
+
+What the published code gets wrong and this module does not (NOTES.md): its "action" is an argmax under
+``no_grad`` (zero policy gradient: only the KL term trained), its reward model is linear in [e; h] (the
+same best token for every context), and its reward and policy read contexts one token apart. Decoding
+with the trained head goes through greedy verification (:mod:`models.speculative`), so output stays
+exactly greedy — no "The The symptoms symptoms".
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from tqdm.auto import tqdm
+
+from foresight.config import RLMedusaConfig
+from models.medusa import MedusaHeads
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+class TokenRewardModel(nn.Module):
+    """r(e, h) = σ(MLP([LayerNorm(h) ; LayerNorm(e)])): how likely token e is two steps after state h.
+
+    Each input is normalised on its own: hidden states and embeddings live on very different scales, and
+    one norm over the concatenation would drown the token in the context.
+    """
+
+    def __init__(self, hidden_size: int, embedding_size: int, width: int = 512):
+        super().__init__()
+        self.hidden_norm = nn.LayerNorm(hidden_size)
+        self.embedding_norm = nn.LayerNorm(embedding_size)
+        self.net = nn.Sequential(
+            nn.Linear(hidden_size + embedding_size, width), nn.SiLU(),
+            nn.Linear(width, width), nn.SiLU(),
+            nn.Linear(width, 1),
+        )
+
+    def forward(self, hidden: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """``hidden`` (N, H) with ``embeddings`` (N, C, E) → rewards (N, C)."""
+        states = self.hidden_norm(hidden)[:, None, :].expand(-1, embeddings.shape[1], -1)  # (N, C, H)
+        inputs = torch.cat([states, self.embedding_norm(embeddings)], dim=-1)  # (N, C, H + E)
+        return torch.sigmoid(self.net(inputs)).squeeze(-1)  # (N, C)
+
+
+def fit_reward_model(hidden: torch.Tensor, candidate_embeddings: Callable[[torch.Tensor], torch.Tensor],
+                     candidates: torch.Tensor, probs: torch.Tensor, cfg: RLMedusaConfig,
+                     accelerator: Accelerator) -> tuple[TokenRewardModel, list[float]]:
+    """MSE fit of r(e, h) to the base model's probabilities. ``hidden`` (R, H), ``candidates`` and
+    ``probs`` (R, C); ``candidate_embeddings`` maps token ids to (frozen) input embeddings."""
+    torch.manual_seed(cfg.seed)
+    embedding_size = candidate_embeddings(candidates[:1]).shape[-1]
+    model = TokenRewardModel(hidden.shape[-1], embedding_size, cfg.reward_width)
+    loader = DataLoader(TensorDataset(hidden, candidates, probs), batch_size=cfg.reward_batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(cfg.seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.reward_learning_rate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for _ in tqdm(range(cfg.reward_epochs), desc="reward model r(e, h)", unit="epoch",
+                  disable=not accelerator.is_local_main_process):
+        for states, tokens, targets in loader:
+            loss = F.mse_loss(model(states.float(), candidate_embeddings(tokens).float()), targets.float())
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(accelerator.reduce(loss.detach(), "mean").item())
+    return accelerator.unwrap_model(model).eval(), losses
+
+
+@torch.no_grad()
+def evaluate_reward_model(model: TokenRewardModel, hidden: torch.Tensor, embeddings: torch.Tensor,
+                          probs: torch.Tensor) -> dict[str, float]:
+    """Held-out MSE, and how often r ranks the true top-1 candidate (column 0) first among the 9."""
+    predicted = model(hidden.float(), embeddings.float())  # (R, C)
+    return {"mse": F.mse_loss(predicted, probs.float()).item(),
+            "top1_ranked_first": (predicted.argmax(dim=-1) == probs.argmax(dim=-1)).float().mean().item()}
+
+
+def shaped_rewards(rewards: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, beta: float
+                   ) -> torch.Tensor:
+    """R = r − β·KL with the per-sample KL estimate log p(a) − log p_ref(a) (no gradient through it)."""
+    return rewards - beta * (logprobs - ref_logprobs).detach()
+
+
+def reinforce_loss(logprobs: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """REINFORCE: −E[A · log p(a)], advantages treated as constants. Both (N, G)."""
+    return -(advantages.detach() * logprobs).mean()
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Baseline = the mean reward of the G actions sampled in the same state: (N, G) → (N, G)."""
+    return rewards - rewards.mean(dim=-1, keepdim=True)
+
+
+def rl_step_loss(head_logits: torch.Tensor, ref_logits: torch.Tensor, hidden: torch.Tensor,
+                 reward_model: TokenRewardModel, embed: Callable[[torch.Tensor], torch.Tensor], num_actions: int,
+                 beta: float, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """One REINFORCE loss over a batch of states: sample ``num_actions`` tokens per state from the head.
+
+    ``head_logits``/``ref_logits`` (N, V) of the trained head and its frozen start, ``hidden`` (N, H).
+    """
+    logps = torch.log_softmax(head_logits.float(), dim=-1)  # (N, V)
+    ref_logps = torch.log_softmax(ref_logits.float(), dim=-1)
+    actions = torch.multinomial(logps.detach().exp(), num_actions, replacement=True, generator=generator)  # (N, G)
+    logprobs = logps.gather(1, actions)  # (N, G)
+    with torch.no_grad():
+        rewards = reward_model(hidden.float(), embed(actions).float())  # (N, G)
+    shaped = shaped_rewards(rewards, logprobs, ref_logps.gather(1, actions), beta)
+    advantages = group_advantages(shaped)
+    # r is a probability, often ~1e-3: scaling advantages to unit spread keeps the step size independent of it
+    advantages = advantages / (advantages.std() + 1e-8)
+    loss = reinforce_loss(logprobs, advantages)
+    kl = (logps.exp() * (logps - ref_logps)).sum(dim=-1).mean()  # exact KL(p₂ ‖ p_ref), for the log
+    return loss, {"loss": loss.item(), "reward": rewards.mean().item(), "kl": kl.item()}
+
+
+def train_rl_head(heads: MedusaHeads, lm_head: nn.Module, reward_model: TokenRewardModel,
+                  embed: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, cfg: RLMedusaConfig,
+                  accelerator: Accelerator,
+                  on_step: Callable[[int, int, dict[str, float]], None] | None = None,
+                  ) -> tuple[MedusaHeads, dict[str, list[float]]]:
+    """Train head 1 (the t + 2 head) of a copy of ``heads`` by REINFORCE on r − β·KL(· ‖ its start).
+
+    Only head 1's parameters change; the other heads are returned as they were. ``hidden`` (R, H) are the
+    trajectory states. Returns the new heads and per-step ``loss``, ``reward`` (mean r of sampled tokens)
+    and ``kl`` (exact, against the start).
+    """
+    torch.manual_seed(cfg.seed)
+    lm_head.requires_grad_(False)  # part of the frozen backbone: only head 1's own parameters learn
+    heads = copy.deepcopy(heads).float()
+    reference = copy.deepcopy(heads).requires_grad_(False).eval()
+    trained = [p for name, p in heads.named_parameters() if name.startswith(("blocks.0.", "projections.0."))]
+    for p in heads.parameters():
+        p.requires_grad_(any(p is q for q in trained))
+    loader = DataLoader(TensorDataset(hidden), batch_size=cfg.batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(cfg.seed))
+    optimizer = torch.optim.AdamW(trained, lr=cfg.learning_rate, weight_decay=0.0)
+    heads, optimizer, loader = accelerator.prepare(heads, optimizer, loader)
+    generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
+    history: dict[str, list[float]] = {"loss": [], "reward": [], "kl": []}
+    num_steps = cfg.epochs * len(loader)
+    bar = tqdm(total=num_steps, desc="RL head (t+2)", unit="step", disable=not accelerator.is_local_main_process)
+    for _ in range(cfg.epochs):
+        for (states,) in loader:
+            states = states.to(lm_head.weight.dtype)
+            head_logits = heads(states, lm_head, only=0)  # (N, V)
+            with torch.no_grad():
+                ref_logits = reference(states, lm_head, only=0)
+            loss, stats = rl_step_loss(head_logits, ref_logits, states, reward_model, embed, cfg.num_actions,
+                                       cfg.beta, generator)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            for key, value in stats.items():
+                history[key].append(value)
+            bar.update(1)
+            bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.3f}")
+            if on_step is not None and accelerator.is_main_process:
+                on_step(len(history["loss"]), num_steps, stats)
+    bar.close()
+    return accelerator.unwrap_model(heads).to(lm_head.weight.dtype).eval(), history

@@ -1,0 +1,358 @@
+"""Prefect tasks of the Medusa stages: Medusa-1 heads, RLMedusa's t + 2 head, and the speed benchmark.
+
+Thin wrappers around :mod:`models.medusa_training`, :mod:`models.rlmedusa` and :mod:`models.speculative`:
+they read the data, split it by prompt, log progress, and write each output folder atomically.
+
+* ``train_medusa`` — the policy's greedy responses to the training prompts (or the generated samples),
+  one frozen pass over them (kept in ``distilled/`` for the RL stage), then Medusa-1 training of K heads;
+  held-out top-1/top-k accuracy per head.
+* ``train_rlmedusa`` — the reward model r(e, h) (MSE on the base model's t + 2 probabilities), then head 1
+  by REINFORCE on r − β·KL; held-out accuracy at t + 2 of the RL head against the supervised head.
+* ``benchmark_medusa`` — HF greedy, HF prompt-lookup, Medusa (supervised heads) and Medusa-RL (head 1
+  from RLMedusa) at batch 1: τ, tokens/s, speedup over greedy in the same run, identical-output share.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from foresight.benchmark import DecodeTimer, markdown_table, speed_row
+from foresight.config import Config
+from foresight.plots import bar_plot, line_plot
+from foresight.storage import atomic_path, read_table, write_json, write_table
+from tasks.data import GPU_TAG, StageResult, load_stage_policy
+
+DISTILLED_FIELDS = ("hidden", "targets", "sample", "rl_rows", "rl_candidates", "rl_probs")
+
+
+def _medusa_dir(cfg: Config) -> Path:
+    return cfg.path(cfg.paths.medusa_dir)
+
+
+def _accelerator(policy, mixed_precision: str = "no"):
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=policy.device.type == "cpu", mixed_precision=mixed_precision)
+
+
+def _distillation_data(cfg: Config, policy) -> pd.DataFrame:
+    """The responses Medusa learns from (``medusa.data``): the policy's greedy responses to the training
+    prompts, or the first ``medusa.samples_per_prompt`` generated samples per prompt."""
+    from models.medusa_training import greedy_responses
+
+    m = cfg.medusa
+    if m.data == "greedy":
+        prompts = read_table(cfg.path(cfg.paths.prompts_dir) / "train.jsonl", "training prompts")
+        if prompts.empty:
+            raise ValueError("no training prompts to distil from: set prompts.num_train > 0")
+        return greedy_responses(policy, prompts, m.max_new_tokens, m.distill_batch_size, cfg.prompts.system_prompt)
+    samples = read_table(cfg.path(cfg.paths.samples), "generated samples")
+    if samples.empty:
+        raise ValueError(f"{cfg.path(cfg.paths.samples)} has no samples to distil from: run the generate stage")
+    return samples[samples["sample_index"] < m.samples_per_prompt].reset_index(drop=True)
+
+
+def _accuracy_metrics(prefix: str, accuracy: dict[str, list[float]]) -> dict[str, float]:
+    return {f"{prefix}{name}_head{k + 1}": value for name, values in accuracy.items() if name != "rank_accuracy"
+            for k, value in enumerate(values)}
+
+
+@task(name="train-medusa", tags=[GPU_TAG], cache_policy=NO_CACHE)
+def train_medusa_task(cfg: Config) -> StageResult:
+    """Self-distil (greedy responses or generated samples), train Medusa-1 heads, evaluate them on held-out prompts.
+
+    Writes ``supervised/`` (heads, ``evaluation.json``, ``history.json``, ``loss.png``) and ``distilled/``
+    (the responses, the frozen pass's states and RL candidates, and the train/held-out split).
+    """
+    from models.medusa_training import evaluate_heads, self_distill, split_by_prompt, train_medusa_heads
+
+    logger = get_run_logger()
+    started = time.perf_counter()
+    m = cfg.medusa
+    policy = load_stage_policy(cfg, "base")
+    distill_started = time.perf_counter()
+    logger.info("self-distillation data: %s", "greedy responses to the training prompts" if m.data == "greedy"
+                else "the generated samples")
+    responses = _distillation_data(cfg, policy)
+    train_rows, eval_rows = split_by_prompt(responses, m.eval_fraction, m.seed)
+    if len(train_rows) == 0 or len(eval_rows) == 0:
+        raise ValueError(f"{len(responses)} responses from {responses['prompt_id'].nunique()} prompt(s) cannot be split "
+                         "into training and held-out prompts: at least 2 prompts are needed")
+    logger.info("self-distillation pass over %d responses (%d prompts held out)", len(responses),
+                responses.iloc[eval_rows.tolist()]["prompt_id"].nunique())
+    data = self_distill(policy, responses, m, cfg.rlmedusa)
+    distill_seconds = time.perf_counter() - distill_started
+    train, held_out = data.subset(train_rows), data.subset(eval_rows)
+    logger.info("%d training / %d held-out positions; training %d heads", len(train.hidden), len(held_out.hidden),
+                m.num_heads)
+
+    def on_step(step: int, num_steps: int, losses: dict[str, float]) -> None:
+        if step % max(1, num_steps // 10) == 0 or step == num_steps:
+            logger.info("step %d/%d, loss %.4f", step, num_steps, losses["loss"])
+
+    train_started = time.perf_counter()
+    heads, history = train_medusa_heads(policy, train, m, _accelerator(policy, m.mixed_precision), on_step)
+    train_seconds = time.perf_counter() - train_started
+    lm_head = policy.model.get_output_embeddings()
+    accuracy = evaluate_heads(heads, lm_head, held_out, m.eval_top_k)
+    logger.info("held-out top-1 per head: %s, top-%d: %s", accuracy["top1"], m.eval_top_k, accuracy[f"top{m.eval_top_k}"])
+
+    out = _medusa_dir(cfg)
+    with atomic_path(out / "distilled") as tmp:
+        tmp.mkdir(parents=True)
+        save_file({name: getattr(data, name).contiguous() for name in DISTILLED_FIELDS}
+                  | {"train_samples": train_rows, "eval_samples": eval_rows}, tmp / "states.safetensors")
+        write_table(responses, tmp / "responses.parquet")
+    with atomic_path(out / "supervised") as tmp:
+        heads.save(tmp)
+        write_json({"held_out": accuracy, "num_train_positions": len(train.hidden),
+                    "num_eval_positions": len(held_out.hidden)}, tmp / "evaluation.json")
+        (tmp / "history.json").write_text(json.dumps(history) + "\n")
+        steps = list(range(1, len(history["loss"]) + 1))
+        line_plot({f"head {k + 1}": (steps, history[f"ce_head{k + 1}"]) for k in range(m.num_heads)},
+                  "Medusa-1 training: cross-entropy per head", "step", "cross-entropy", tmp / "loss.png")
+    metrics = {"num_responses": len(responses), "num_train_positions": len(train.hidden),
+               "num_eval_positions": len(held_out.hidden), "distill_seconds": distill_seconds,
+               "train_seconds": train_seconds, "final_loss": history["loss"][-1],
+               **_accuracy_metrics("", accuracy), "wall_seconds": time.perf_counter() - started}
+    return StageResult(metrics=metrics, artifacts={"medusa_supervised": out / "supervised"})
+
+
+def load_distilled(cfg: Config):
+    """The ``train_medusa`` stage's frozen-pass data and its train / held-out sample split."""
+    from models.medusa_training import DistilledStates
+
+    path = _medusa_dir(cfg) / "distilled" / "states.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run the train_medusa stage first")
+    tensors = load_file(path)
+    data = DistilledStates(*(tensors[name] for name in DISTILLED_FIELDS))
+    return data, tensors["train_samples"], tensors["eval_samples"]
+
+
+@task(name="train-rlmedusa", tags=[GPU_TAG], cache_policy=NO_CACHE)
+def train_rlmedusa_task(cfg: Config) -> StageResult:
+    """Fit r(e, h), train head 1 by REINFORCE, compare it with the supervised head 1 at t + 2.
+
+    Writes ``rl/``: per ``rlmedusa.inits`` entry a folder of heads to decode with (the supervised heads
+    with head 1 replaced), the reward model, ``evaluation.json`` (held-out accuracy of every head, and of
+    head 1 at t + 2 for supervised, each RL head and its start), ``history.json`` and ``rl.png``.
+    """
+    from models.medusa import MedusaHeads
+    from models.medusa_training import evaluate_heads
+    from models.rlmedusa import evaluate_reward_model, fit_reward_model, train_rl_head
+
+    logger = get_run_logger()
+    started = time.perf_counter()
+    r = cfg.rlmedusa
+    data, train_rows, eval_rows = load_distilled(cfg)
+    train, held_out = data.subset(train_rows), data.subset(eval_rows)
+    if len(train.rl_rows) == 0:
+        raise ValueError("no RL trajectory states: every training response is shorter than 3 tokens")
+    policy = load_stage_policy(cfg, "base")
+    lm_head = policy.model.get_output_embeddings()
+    embedding = policy.model.get_input_embeddings()
+    supervised = MedusaHeads.load(_medusa_dir(cfg) / "supervised", lm_head)
+
+    def embed(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return embedding(tokens.to(embedding.weight.device))
+
+    accelerator = _accelerator(policy)
+    logger.info("fitting r(e, h) on %d states × %d candidates", len(train.rl_rows), train.rl_candidates.shape[1])
+    reward_model, reward_losses = fit_reward_model(train.hidden[train.rl_rows], embed, train.rl_candidates,
+                                                   train.rl_probs, r, accelerator)
+    reward_eval = evaluate_reward_model(reward_model, held_out.hidden[held_out.rl_rows],
+                                        embed(held_out.rl_candidates), held_out.rl_probs)
+    logger.info("reward model held-out: %s", json.dumps(reward_eval))
+
+    def on_step(step: int, num_steps: int, stats: dict[str, float]) -> None:
+        if step % max(1, num_steps // 10) == 0 or step == num_steps:
+            logger.info("RL step %d/%d: reward %.4f, KL %.4f", step, num_steps, stats["reward"], stats["kl"])
+
+    out = _medusa_dir(cfg) / "rl"
+    accuracy = {"supervised": evaluate_heads(supervised, lm_head, held_out, cfg.medusa.eval_top_k)}
+    histories = {"reward_model_loss": reward_losses}
+    with atomic_path(out) as tmp:
+        tmp.mkdir(parents=True)
+        for init in r.inits:
+            start = supervised if init == "supervised" else supervised.with_fresh_head(0, lm_head)
+            logger.info("REINFORCE on head 1 from the %s start", init)
+            rl_heads, histories[init] = train_rl_head(start, lm_head, reward_model, embed,
+                                                      train.hidden[train.rl_rows], r, accelerator, on_step)
+            rl_heads.save(tmp / init)
+            accuracy[f"rl_{init}"] = evaluate_heads(rl_heads, lm_head, held_out, cfg.medusa.eval_top_k)
+            accuracy[f"start_{init}"] = evaluate_heads(start, lm_head, held_out, cfg.medusa.eval_top_k)
+        # head 1 predicts t + 2: its accuracies are the first entry of each list
+        t2 = {name: {metric: values[0] for metric, values in a.items() if metric != "rank_accuracy"}
+              for name, a in accuracy.items()}
+        winner = max((name for name in t2 if not name.startswith("start_")), key=lambda name: t2[name]["top1"])
+        logger.info("held-out accuracy at t+2: %s; best top-1: %s", json.dumps(t2), winner)
+        save_file({k: v.contiguous() for k, v in reward_model.state_dict().items()}, tmp / "reward_model.safetensors")
+        write_json({"t_plus_2": t2, "all_heads": accuracy, "reward_model": reward_eval, "top1_winner": winner},
+                   tmp / "evaluation.json")
+        (tmp / "history.json").write_text(json.dumps(histories) + "\n")
+        line_plot({f"{what}, start {init}": (list(range(1, len(histories[init][key]) + 1)), histories[init][key])
+                   for init in r.inits for what, key in (("mean r(e, h) of sampled tokens", "reward"),
+                                                         ("KL to start", "kl"))},
+                  "RLMedusa: head 1 policy gradient", "step", "value", tmp / "rl.png")
+    metrics = {"reward_model_mse": reward_eval["mse"], "reward_model_top1_ranked_first": reward_eval["top1_ranked_first"],
+               **{f"rl_{init}_final_reward": histories[init]["reward"][-1] for init in r.inits},
+               **{f"rl_{init}_final_kl": histories[init]["kl"][-1] for init in r.inits},
+               **{f"{name}_t2_{metric}": value for name, d in t2.items() for metric, value in d.items()},
+               "rl_beats_supervised_top1": float(winner != "supervised"), "wall_seconds": time.perf_counter() - started}
+    return StageResult(metrics=metrics, artifacts={"medusa_rl": out})
+
+
+SPEED_COLUMNS = ["prompt_set", "decoder", "lossless", "tau", "tokens_per_s", "ms_per_token", "speedup_vs_reference",
+                 "identical_to_greedy", "prompts"]
+
+
+def _prompt_sets(cfg: Config) -> dict[str, list[str]]:
+    """``held_out`` (the first ``speculative.num_prompts`` of the eval split) plus one set per prompt file."""
+    from foresight.prompts import file_prompts
+
+    s = cfg.speculative
+    sets = {"held_out": read_table(cfg.path(cfg.paths.prompts_dir) / "eval.jsonl", "held-out prompts")
+            ["question"].head(s.num_prompts).tolist()}
+    for file_cfg in s.prompt_files:
+        sets[Path(file_cfg.path).stem] = file_prompts(file_cfg, cfg.root)["question"].head(s.num_prompts).tolist()
+    for name, questions in sets.items():
+        if not questions:
+            raise ValueError(f"prompt set {name!r} is empty")
+    return sets
+
+
+def candidate_tree(cfg: Config):
+    """The configured tree, or (``auto``) Medusa's sparse tree from the supervised heads' held-out accuracy
+    per rank. Every Medusa decoder uses the same tree, so they differ only in their heads."""
+    from models.speculative import build_tree, sparse_tree
+
+    s = cfg.speculative
+    if s.tree != "auto":
+        return build_tree(s.tree)
+    evaluation = _medusa_dir(cfg) / "supervised" / "evaluation.json"
+    if not evaluation.is_file():
+        raise FileNotFoundError(f"{evaluation} is missing: run the train_medusa stage (speculative.tree: auto reads it)")
+    rank_accuracy = json.loads(evaluation.read_text())["held_out"]["rank_accuracy"]
+    return build_tree(sparse_tree(rank_accuracy, s.tree_size))
+
+
+@task(name="benchmark-medusa", tags=[GPU_TAG], cache_policy=NO_CACHE)
+def benchmark_medusa_task(cfg: Config) -> StageResult:
+    """Every speculative decoder against HF greedy at batch 1, prompt by prompt, on each prompt set."""
+    from models.decoding import hf_decode
+    from models.generation import chat_prompts, end_token_ids
+    from models.medusa import MedusaDrafter, MedusaHeads
+    from models.speculative import SpeculativeStats, TypicalAcceptance, speculative_generate
+
+    logger = get_run_logger()
+    started = time.perf_counter()
+    s = cfg.speculative
+    policy = load_stage_policy(cfg, "base")
+    lm_head = policy.model.get_output_embeddings()
+    eos = end_token_ids(policy)
+    tree = candidate_tree(cfg)
+    acceptance = None if s.acceptance == "greedy" else TypicalAcceptance(s.typical_threshold, s.typical_alpha)
+    folders = {"medusa_supervised": Path("supervised")} if "medusa_supervised" in s.decoders else {}
+    if "medusa_rl" in s.decoders:
+        folders |= {f"medusa_rl_{init}": Path("rl") / init for init in cfg.rlmedusa.inits}
+    draft_dtype = getattr(torch, s.draft_dtype)
+    drafters = {name: MedusaDrafter(policy.model, MedusaHeads.load(_medusa_dir(cfg) / folder, lm_head), draft_dtype)
+                for name, folder in folders.items()}
+    hf_kwargs = {"greedy": {"do_sample": False},
+                 "prompt_lookup": {"do_sample": False, "prompt_lookup_num_tokens": s.prompt_lookup_tokens}}
+    decoders = ["greedy"] + (["prompt_lookup"] if "prompt_lookup" in s.decoders else []) + list(drafters)
+
+    def decode(decoder: str, ids: torch.Tensor) -> tuple[list[int], SpeculativeStats | None]:
+        if decoder in hf_kwargs:
+            (tokens,) = hf_decode(policy, [ids[0].tolist()], hf_kwargs[decoder], s.max_new_tokens, eos, batch_size=1)
+            return tokens, None
+        return speculative_generate(policy.model, drafters[decoder], ids, tree, s.max_new_tokens, eos, acceptance)
+
+    records, rows = [], []
+    for set_name, questions in _prompt_sets(cfg).items():
+        prompts = chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt)
+        prompt_ids = [policy.tokenizer(p, return_tensors="pt", add_special_tokens=False).input_ids.to(policy.device)
+                      for p in prompts]
+        for decoder in decoders:  # warm-up: first calls pay one-off allocation costs
+            decode(decoder, prompt_ids[0])
+        timers = {d: DecodeTimer() for d in decoders}
+        forwards = {d: 0 for d in decoders}
+        # prompt-major order: slow drifts of the machine's speed affect every decoder alike
+        for i, ids in enumerate(tqdm(prompt_ids, desc=f"speculative decoding ({set_name})", unit="prompt")):
+            for decoder in decoders:
+                with timers[decoder]:
+                    tokens, stats = decode(decoder, ids)
+                timers[decoder].add_tokens(len(tokens))
+                if stats is not None:
+                    forwards[decoder] += stats.forwards
+                elif decoder == "greedy":  # one forward per token, the prefill included
+                    forwards[decoder] += len(tokens)
+                records.append({"prompt_set": set_name, "prompt_index": i, "decoder": decoder, "tokens": tokens,
+                                "new_tokens": len(tokens), "forwards": stats.forwards if stats else None,
+                                "response": policy.tokenizer.decode(tokens, skip_special_tokens=True)})
+        outputs = pd.DataFrame([r for r in records if r["prompt_set"] == set_name])
+        reference = outputs[outputs["decoder"] == "greedy"].set_index("prompt_index")["tokens"]
+        for decoder in decoders:
+            mine = outputs[outputs["decoder"] == decoder].set_index("prompt_index")["tokens"]
+            identical = float(sum(mine[i] == reference[i] for i in reference.index) / len(reference))
+            lossless = decoder in ("greedy", "prompt_lookup") or acceptance is None
+            tau = timers[decoder].tokens / forwards[decoder] if forwards[decoder] else float("nan")
+            rows.append({"prompt_set": set_name, "decoder": decoder, "lossless": lossless, "tau": tau,
+                         **speed_row(timers[decoder], timers["greedy"]), "identical_to_greedy": identical,
+                         "prompts": len(prompt_ids)})
+        logger.info("\n%s", markdown_table([r for r in rows if r["prompt_set"] == set_name], SPEED_COLUMNS))
+
+    out_dir = cfg.path(cfg.paths.benchmarks_dir) / "medusa"
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir(parents=True)
+        write_table(pd.DataFrame(records).drop(columns=["tokens"]), tmp / "outputs.parquet")
+        write_table(pd.DataFrame(rows), tmp / "table.csv")
+        sets = sorted({r["prompt_set"] for r in rows})
+        bar_plot({p: {r["decoder"]: r["speedup_vs_reference"] for r in rows if r["prompt_set"] == p} for p in sets},
+                 "Speedup over HF greedy (batch 1, same run)", "× greedy tokens/s", tmp / "speedup.png",
+                 reference_line=1.0)
+        bar_plot({p: {r["decoder"]: r["tau"] for r in rows if r["prompt_set"] == p and r["tau"] == r["tau"]}
+                  for p in sets}, "Mean accepted length τ (tokens per forward)", "τ", tmp / "tau.png",
+                 reference_line=1.0)
+        (tmp / "report.md").write_text(_report(rows, tree, cfg))
+        write_json({"choices": [list(c) for c in tree.choices]}, tmp / "tree.json")
+    metrics = {f"{r['prompt_set']}.{r['decoder']}.{key}": r[key] for r in rows
+               for key in ("tau", "tokens_per_s", "speedup_vs_reference", "identical_to_greedy")
+               if r[key] == r[key]}
+    metrics["wall_seconds"] = time.perf_counter() - started
+    create_table_artifact(key="medusa-benchmark", table=[{c: r[c] for c in SPEED_COLUMNS} for r in rows],
+                          description="Speculative decoders against HF greedy at batch 1")
+    create_markdown_artifact(key="medusa-benchmark-report", markdown=(out_dir / "report.md").read_text(),
+                             description="Medusa / RLMedusa benchmark report")
+    return StageResult(metrics=metrics, tables={"medusa_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
+
+
+def _report(rows: list[dict], tree, cfg: Config) -> str:
+    s = cfg.speculative
+    rl_eval_path = _medusa_dir(cfg) / "rl" / "evaluation.json"
+    lines = [
+        "# Speculative decoding benchmark (Medusa, RLMedusa)",
+        f"\nBatch 1, max {s.max_new_tokens} new tokens, {s.acceptance} verification, a {tree.size}"
+        f"-node tree (root included; {'sparse tree from held-out head accuracies' if s.tree == 'auto' else 'as configured'}"
+        f", choices in `tree.json`). τ = generated tokens / model forwards (greedy = 1). Speedup = tokens/s over "
+        "HF greedy with KV cache, measured prompt by prompt in the same run. `identical_to_greedy` = share of "
+        "prompts whose output equals HF greedy's token for token.\n",
+        markdown_table(rows, SPEED_COLUMNS),
+    ]
+    if rl_eval_path.is_file():
+        t2 = json.loads(rl_eval_path.read_text())["t_plus_2"]
+        lines += ["\n## Head 1 (predicts t + 2): supervised vs RLMedusa, held-out accuracy\n",
+                  markdown_table([{"head": name, **values} for name, values in t2.items()])]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,256 @@
+"""Medusa heads (models/medusa.py), their self-distilled data and Medusa-1 training (models/medusa_training.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from foresight.config import MedusaConfig, RLMedusaConfig
+from models.medusa import (
+    IGNORE_INDEX,
+    MedusaDrafter,
+    MedusaHeads,
+    heads_for,
+    medusa_loss,
+)
+from models.medusa_training import (
+    _head_targets,
+    evaluate_heads,
+    greedy_responses,
+    sample_candidates,
+    self_distill,
+    split_by_prompt,
+    train_medusa_heads,
+)
+from models.policy import Policy
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_llama) -> Policy:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()  # trainable, as load_policy returns it
+    return Policy(model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_llama), device=torch.device("cpu"), name="tiny")
+
+
+@pytest.fixture(scope="module")
+def samples(policy) -> pd.DataFrame:
+    tok = policy.tokenizer
+    rows = []
+    for p, question in enumerate(["Ben has 4 apples.", "Ivy has 3 cookies.", "What is 7 * 8?", "0 1 2 3"]):
+        prompt = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+        for s, response in enumerate(["The answer is 6.", "Ben gives 2 more apples to Ava. The answer is 7."]):
+            rows.append({"prompt_id": f"p{p}", "sample_index": s, "prompt": prompt, "response": response,
+                         "finish_reason": "eos" if s == 0 else "length"})
+    return pd.DataFrame(rows)
+
+
+def test_heads_are_distinct_modules_and_start_as_the_lm_head(policy):
+    heads = heads_for(policy.model, num_heads=3)
+    blocks = [heads.blocks[k][0].linear for k in range(3)]
+    assert len({id(b) for b in blocks}) == 3 and len({id(b.weight) for b in blocks}) == 3
+    with torch.no_grad():
+        blocks[0].weight.fill_(1.0)
+    assert (blocks[1].weight == 0).all()  # changing one head leaves the others alone
+    fresh = heads_for(policy.model, num_heads=3)
+    hidden = torch.randn(5, policy.model.config.hidden_size)
+    lm_head = policy.model.get_output_embeddings()
+    logits = fresh(hidden, lm_head)  # (5, K, V)
+    assert logits.shape == (5, 3, policy.model.config.vocab_size)
+    for k in range(3):  # zero-initialised residual blocks: every head starts as the backbone's LM head
+        torch.testing.assert_close(logits[:, k], lm_head(hidden), rtol=0, atol=0)
+    torch.testing.assert_close(fresh(hidden, lm_head, only=2), logits[:, 2], rtol=0, atol=0)
+    # shared projection: the LM head is not part of the heads' own parameters (nor of their checkpoint)
+    assert not any(p is lm_head.weight for p in fresh.parameters())
+
+
+def test_untied_heads_own_distinct_trainable_projections(policy):
+    heads = heads_for(policy.model, num_heads=2, untie=True)
+    lm_head = policy.model.get_output_embeddings()
+    projections = list(heads.projections)
+    assert projections[0].weight is not projections[1].weight and projections[0].weight is not lm_head.weight
+    assert all(p.weight.requires_grad for p in projections)
+    torch.testing.assert_close(projections[0].weight, lm_head.weight)
+
+
+def test_save_and_load_round_trip(policy, tmp_path):
+    lm_head = policy.model.get_output_embeddings()
+    heads = heads_for(policy.model, num_heads=2, num_layers=2)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_()
+    heads.save(tmp_path / "heads")
+    loaded = MedusaHeads.load(tmp_path / "heads", lm_head)
+    hidden = torch.randn(3, policy.model.config.hidden_size)
+    torch.testing.assert_close(loaded(hidden, lm_head), heads(hidden, lm_head), rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match="train_medusa"):
+        MedusaHeads.load(tmp_path / "missing", lm_head)
+
+
+def test_with_fresh_head_resets_only_that_head(policy):
+    lm_head = policy.model.get_output_embeddings()
+    heads = heads_for(policy.model, num_heads=2)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_()
+    fresh = heads.with_fresh_head(0, lm_head)
+    hidden = torch.randn(3, policy.model.config.hidden_size)
+    torch.testing.assert_close(fresh(hidden, lm_head, only=0), lm_head(hidden), rtol=0, atol=0)
+    torch.testing.assert_close(fresh(hidden, lm_head, only=1), heads(hidden, lm_head, only=1), rtol=0, atol=0)
+
+
+def test_medusa_loss_against_hand_worked_numbers():
+    # two positions, two heads, vocabulary 3; head 2 has no target at the second position
+    head_logits = torch.tensor([[[0.0, 0.0, 0.0], [2.0, 0.0, 0.0]],
+                                [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])  # (N=2, K=2, V=3)
+    targets = torch.tensor([[1, 0], [0, IGNORE_INDEX]])
+    total, per_head = medusa_loss(head_logits, targets, decay=0.8)
+    ce_uniform = math.log(3)  # −log(1/3)
+    ce_peaked = -(1.0 - math.log(math.e + 2))  # −log(e / (e + 2))
+    ce_head2 = -(2.0 - math.log(math.e ** 2 + 2))  # −log(e² / (e² + 2))
+    head1 = (ce_uniform + ce_peaked) / 2
+    assert per_head.tolist() == pytest.approx([head1, ce_head2], abs=1e-6)
+    assert total.item() == pytest.approx(head1 + 0.8 * ce_head2, abs=1e-6)
+
+
+def test_head_accuracies_per_rank():
+    from models.medusa_training import DistilledStates
+
+    head_logits = torch.tensor([[[0.0, 3.0, 2.0, 1.0]], [[3.0, 2.0, 1.0, 0.0]], [[0.0, 1.0, 2.0, 3.0]]])  # (3, 1, 4)
+    targets = torch.tensor([[1], [1], [IGNORE_INDEX]])  # rank 0 at the first position, rank 1 at the second
+    empty = torch.zeros(0, dtype=torch.long)
+    data = DistilledStates(torch.zeros(3, 2), targets, torch.zeros(3, dtype=torch.long), empty, empty, empty)
+    lm_head = torch.nn.Linear(2, 4)
+    accuracy = evaluate_heads(lambda hidden, _: head_logits[: len(hidden)], lm_head, data, top_k=2, ranks=3)
+    assert accuracy == {"top1": [0.5], "top2": [1.0], "rank_accuracy": [[0.5, 0.5, 0.0]]}
+
+
+def test_head_targets_shift_by_k():
+    targets = _head_targets(torch.tensor([10, 11, 12, 13]), num_heads=2)
+    assert targets.tolist() == [[11, 12], [12, 13], [13, IGNORE_INDEX], [IGNORE_INDEX, IGNORE_INDEX]]
+
+
+def test_sample_candidates_mix():
+    gen = torch.Generator().manual_seed(0)
+    vocab = 200
+    probs = torch.softmax(torch.randn(40, vocab, generator=gen) * 3, dim=-1)
+    candidates = sample_candidates(probs, gen, num_top=3, top_pool=50, num_random=5)
+    assert candidates.shape == (40, 9)
+    ranked = probs.argsort(dim=-1, descending=True)
+    for row in range(40):
+        c = candidates[row].tolist()
+        assert len(set(c)) == 9  # all distinct
+        assert c[0] == ranked[row, 0].item()  # the top-1
+        assert set(c[1:4]) <= set(ranked[row, 1:50].tolist())  # 3 from ranks 2..50
+        assert not set(c[4:]) & set(c[:4])  # 5 random others
+    # the random draws do range over the whole vocabulary, not just the top-50
+    outside = {t for row in range(40) for t in candidates[row, 4:].tolist() if t not in ranked[row, :50].tolist()}
+    assert len(outside) > 50
+
+
+def test_self_distill_targets_and_states_match_a_plain_forward(policy, samples):
+    cfg = MedusaConfig(num_heads=2, distill_batch_size=3, mixed_precision="no")
+    rl_cfg = RLMedusaConfig(trajectory_tokens=4, top_candidates=2, top_pool=10, random_candidates=3)
+    data = self_distill(policy, samples, cfg, rl_cfg)
+    from models.reward_training import tokenize_sequence
+
+    row, done = 0, 0
+    for i, r in samples.iterrows():
+        ids, mask = tokenize_sequence(policy.tokenizer, r["prompt"], r["response"], cfg.max_length,
+                                      add_end=r["finish_reason"] == "eos")
+        first = mask.index(1)
+        n = len(ids) - first  # response tokens; positions first−1 .. len−2 predict them
+        out = policy.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        greedy = out.logits[0, first - 1 : len(ids) - 1].argmax(-1)
+        torch.testing.assert_close(data.hidden[row : row + n], out.hidden_states[-1][0, first - 1 : len(ids) - 1],
+                                   rtol=0, atol=1e-5)
+        assert data.targets[row : row + n].tolist() == _head_targets(greedy, 2).tolist()
+        assert (data.sample[row : row + n] == i).all()
+        # trajectory states: the first min(4, n − 1) positions, candidates scored by p(x_{t+2} | x_{≤t+1})
+        steps = min(4, n - 1)
+        assert data.rl_rows[done : done + steps].tolist() == list(range(row, row + steps))
+        probs = torch.softmax(out.logits[0, first : first + steps], dim=-1)
+        torch.testing.assert_close(data.rl_probs[done : done + steps],
+                                   probs.gather(1, data.rl_candidates[done : done + steps]), rtol=0, atol=1e-6)
+        assert (data.rl_candidates[done : done + steps, 0] == probs.argmax(-1)).all()
+        row, done = row + n, done + steps
+    assert row == len(data.hidden) and done == len(data.rl_rows)
+
+
+def test_greedy_responses_are_the_policys_greedy_decoding(policy):
+    prompts = pd.DataFrame({"prompt_id": ["a", "b", "c"], "question": ["Ben has 4 apples.", "What is 7 * 8?", "0 1"]})
+    responses = greedy_responses(policy, prompts, max_new_tokens=6, batch_size=2)
+    assert responses["prompt_id"].tolist() == ["a", "b", "c"] and (responses["sample_index"] == 0).all()
+    for question, prompt, response in zip(prompts["question"], responses["prompt"], responses["response"]):
+        assert question in prompt and prompt.endswith("<|im_start|>assistant\n")
+        ids = policy.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        out = policy.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                    pad_token_id=policy.tokenizer.pad_token_id)
+        assert response == policy.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert set(responses["finish_reason"]) <= {"eos", "length"}
+
+
+def test_split_by_prompt_and_subset(policy, samples):
+    cfg = MedusaConfig(num_heads=2, distill_batch_size=4, mixed_precision="no")
+    data = self_distill(policy, samples, cfg, RLMedusaConfig(trajectory_tokens=3, top_pool=10))
+    train_rows, eval_rows = split_by_prompt(samples, eval_fraction=0.25, seed=0)
+    assert len(eval_rows) == 2 and samples.iloc[eval_rows.tolist()]["prompt_id"].nunique() == 1
+    assert not set(samples.iloc[train_rows.tolist()]["prompt_id"]) & set(samples.iloc[eval_rows.tolist()]["prompt_id"])
+    held_out = data.subset(eval_rows)
+    assert set(held_out.sample.tolist()) == set(eval_rows.tolist())
+    expected = data.hidden[torch.isin(data.sample, eval_rows)]
+    torch.testing.assert_close(held_out.hidden, expected, rtol=0, atol=0)
+    # trajectory states still point at their own positions after re-indexing
+    keep = torch.isin(data.sample[data.rl_rows], eval_rows)
+    torch.testing.assert_close(held_out.hidden[held_out.rl_rows], data.hidden[data.rl_rows[keep]], rtol=0, atol=0)
+
+
+def test_training_changes_the_heads_not_the_backbone_and_lowers_the_loss(policy, samples):
+    cfg = MedusaConfig(num_heads=2, epochs=4, batch_size=8, learning_rate=1e-2, distill_batch_size=4,
+                       mixed_precision="no", warmup_ratio=0.0)
+    data = self_distill(policy, samples, cfg, RLMedusaConfig(trajectory_tokens=3, top_pool=10))
+    backbone = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    lm_head = policy.model.get_output_embeddings()
+    before = evaluate_heads(heads_for(policy.model, 2), lm_head, data)
+    heads, history = train_medusa_heads(policy, data, cfg)
+    assert any((p != 0).any() for p in heads.parameters())  # the zero-initialised blocks moved
+    assert all(torch.equal(v, policy.model.state_dict()[k]) for k, v in backbone.items())
+    assert all(p.grad is None for p in policy.model.parameters())  # no gradient was even computed for it
+    assert len(history["loss"]) == cfg.epochs * math.ceil(len(data.hidden) / cfg.batch_size)
+    assert history["loss"][-1] < history["loss"][0]
+    after = evaluate_heads(heads, lm_head, data)
+    assert after["top1"][0] > before["top1"][0]  # head 1 fits its (training) targets better
+
+
+def test_drafter_precision_only_changes_the_drafts(policy):
+    heads = heads_for(policy.model, num_heads=2)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(std=0.1)
+    hidden = torch.randn(policy.model.config.hidden_size)
+    exact = MedusaDrafter(policy.model, heads)(hidden, 0)
+    cheap = MedusaDrafter(policy.model, heads, torch.bfloat16)(hidden, 0)
+    assert exact.dtype == torch.float32 and cheap.dtype == torch.bfloat16 and exact.shape == cheap.shape == (2, policy.model.config.vocab_size)
+    torch.testing.assert_close(cheap.float(), exact, rtol=0.05, atol=0.05)
+    assert policy.model.get_output_embeddings().weight.dtype == torch.float32  # the policy is untouched
+
+
+def test_prompt_sets_are_the_held_out_prompts_and_each_prompt_file(tmp_path):
+    from foresight.config import parse_config
+    from tasks.medusa import _prompt_sets
+
+    (tmp_path / "data/prompts").mkdir(parents=True)
+    pd.DataFrame({"question": ["q1", "q2", "q3"]}).to_json(tmp_path / "data/prompts/eval.jsonl", orient="records",
+                                                           lines=True)
+    pd.DataFrame({"text": ["a", "b"]}).to_csv(tmp_path / "mine.csv", index=False)
+    cfg = parse_config({"speculative": {"num_prompts": 2, "prompt_files": [{"path": "mine.csv", "text_column": "text"}]}},
+                       root=tmp_path)
+    assert _prompt_sets(cfg) == {"held_out": ["q1", "q2"], "mine": ["a", "b"]}
+    (tmp_path / "empty.csv").write_text("")
+    bad = parse_config({"speculative": {"prompt_files": [{"path": "empty.csv"}]}}, root=tmp_path)
+    with pytest.raises(ValueError, match="empty.csv is empty"):
+        _prompt_sets(bad)

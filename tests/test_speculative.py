@@ -1,0 +1,254 @@
+"""The tree speculative-decoding engine (models/speculative.py) on hand-built trees and a tiny random Llama.
+
+References: hand-worked tree structures; a no-cache full forward per tree path (tree attention must
+give every node exactly the logits of its own path); a plain forward over the accepted tokens (cache
+gathering); HF greedy ``generate`` token for token (losslessness).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from models.speculative import (
+    SpeculativeStats,
+    TypicalAcceptance,
+    _parents,
+    build_tree,
+    chain_tree,
+    keep_accepted,
+    sparse_tree,
+    speculative_generate,
+    speculative_stream,
+    tree_attention_inputs,
+    tree_candidates,
+    tree_forward,
+    verify_greedy,
+    verify_typical,
+)
+from tests.tiny import load_spiky_tiny_llama
+
+# root ─┬─ (0,) ─┬─ (0,0) ── (0,0,0)
+#       │        └─ (0,1)
+#       └─ (1,) ── (1,0)
+CHOICES = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+QUESTIONS = ["Ben has 4 apples. How many?", "Ivy has 3 cookies and gives 1 to Omar.", "0 1 2 3", "What is 7 * 8?"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    """(model, prompt ids) on the tiny Llama with spiky weights (with default weights it repeats one token,
+    and every drafter would look perfect)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    model = load_spiky_tiny_llama(tiny_llama)
+    prompts = [tok(q, return_tensors="pt").input_ids for q in QUESTIONS]
+    return model, prompts
+
+
+def test_build_tree_on_a_hand_built_tree():
+    tree = build_tree(CHOICES)
+    # nodes: 0 root, 1 (0,), 2 (1,), 3 (0,0), 4 (0,1), 5 (1,0), 6 (0,0,0)
+    assert tree.choices == ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert tree.ranks.tolist() == [0, 0, 1, 0, 1, 0, 0]
+    assert _parents(tree).tolist() == [-1, 0, 0, 1, 1, 2, 3]
+    expected = torch.zeros(7, 7, dtype=torch.bool)
+    for node, path in {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 4], 5: [0, 2, 5], 6: [0, 1, 3, 6]}.items():
+        expected[node, path] = True
+    assert torch.equal(tree.ancestors, expected)
+    assert tree.paths.tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]  # leaves (0,1), (1,0), (0,0,0)
+    assert (tree.depth, tree.size, tree.top_k()) == (3, 7, 2)
+
+
+def test_build_tree_adds_missing_prefixes_and_rejects_bad_choices():
+    assert build_tree([(0, 0, 1)]).choices == ((0,), (0, 0), (0, 0, 1))
+    assert chain_tree(3).choices == ((0,), (0, 0), (0, 0, 0))
+    for bad in ([], [()], [(0, -1)]):
+        with pytest.raises(ValueError, match="tree"):
+            build_tree(bad)
+
+
+def test_sparse_tree_takes_the_likeliest_paths_first():
+    rank_accuracy = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1]]
+    # path probabilities: (0,) .6, (0,0) .3, (1,) .2, (0,1) .18, (2,) .1, (1,0) .1, (0,2) .06, ...
+    assert sparse_tree(rank_accuracy, 4) == [(0,), (0, 0), (1,), (0, 1)]
+    assert sparse_tree(rank_accuracy, 1) == [(0,)]
+    everything = sparse_tree(rank_accuracy, 100)
+    assert len(everything) == 3 + 9 and len(set(everything)) == 12
+    assert build_tree(everything).size == 13  # prefix-closed: nothing had to be added
+    with pytest.raises(ValueError, match="at least one node"):
+        sparse_tree(rank_accuracy, 0)
+
+
+def test_position_ids_and_additive_mask():
+    tree = build_tree(CHOICES)
+    position_ids, mask = tree_attention_inputs(tree, past_length=5, dtype=torch.float32, device=torch.device("cpu"))
+    assert position_ids.tolist() == [[5, 6, 6, 7, 7, 7, 8]]
+    assert mask.shape == (1, 1, 7, 12) and mask.dtype == torch.float32
+    assert (mask[0, 0, :, :5] == 0).all()  # every node sees the whole prefix
+    blocked = torch.finfo(torch.float32).min
+    assert torch.equal(mask[0, 0, :, 5:] == 0, tree.ancestors)
+    assert (mask[0, 0, :, 5:][~tree.ancestors] == blocked).all()
+
+
+def test_tree_candidates_read_each_depths_ranked_drafts():
+    tree = build_tree(CHOICES)
+    draft_logits = torch.tensor([[0.0, 5.0, 1.0, 3.0],  # depth 1: ranks → tokens 1, 3
+                                 [4.0, 0.0, 6.0, 1.0],  # depth 2: 2, 0
+                                 [0.0, 0.0, 0.0, 9.0]])  # depth 3: 3
+    tokens = tree_candidates(7, draft_logits, tree)
+    assert tokens.tolist() == [7, 1, 3, 2, 0, 2, 3]
+    with pytest.raises(ValueError, match="3 deep"):
+        tree_candidates(7, draft_logits[:2], tree)
+
+
+def _one_hot_logits(predictions: list[int], vocab: int = 8) -> torch.Tensor:
+    logits = torch.zeros(len(predictions), vocab)
+    logits[torch.arange(len(predictions)), torch.tensor(predictions)] = 10.0
+    return logits
+
+
+def test_verify_greedy_picks_the_longest_accepted_path():
+    tree = build_tree(CHOICES)
+    tokens = torch.tensor([7, 1, 3, 2, 0, 2, 3])
+    # argmax after each node: root→3 (node 2 matches), node 2→2 (node 5 matches), node 1→2 (node 3 matches),
+    # node 3→5 (node 6 does not match)
+    predictions = [3, 2, 2, 5, 0, 4, 0]
+    assert verify_greedy(tokens, _one_hot_logits(predictions), tree) == [0, 2, 5]
+    predictions = [1, 2, 4, 3, 0, 4, 0]  # root→1 (node 1), node 1→2 (node 3), node 3→3 (node 6): depth 3 wins
+    assert verify_greedy(tokens, _one_hot_logits(predictions), tree) == [0, 1, 3, 6]
+    predictions = [6, 2, 2, 3, 0, 2, 0]  # nothing after the root matches
+    assert verify_greedy(tokens, _one_hot_logits(predictions), tree) == [0]
+
+
+def test_typical_acceptance_takes_a_likely_non_argmax_token():
+    tree = chain_tree(1)
+    tokens = torch.tensor([0, 2])
+    logits = torch.log(torch.tensor([[0.05, 0.55, 0.40, 0.0], [0.25, 0.25, 0.25, 0.25]]).clamp_min(1e-9))
+    assert verify_greedy(tokens, logits, tree) == [0]  # token 2 is not the argmax (1 is)
+    assert verify_typical(tokens, logits, tree, TypicalAcceptance(posterior_threshold=0.09)) == [0, 1]
+    assert verify_typical(tokens, logits, tree, TypicalAcceptance(posterior_threshold=0.5, posterior_alpha=1.0)) == [0]
+
+
+TREE_TOKENS = torch.tensor([5, 17, 42, 9, 77, 120, 3])
+
+
+def _tree_step(model, prefix: torch.Tensor):
+    """Prefill ``prefix`` (1, L), then one tree forward of TREE_TOKENS on CHOICES: (tree, cache, logits, hidden)."""
+    tree = build_tree(CHOICES)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prefix, past_key_values=cache, use_cache=True)
+    logits, hidden = tree_forward(model, TREE_TOKENS, tree, cache)
+    return tree, cache, logits, hidden
+
+
+@torch.no_grad()
+def test_tree_forward_matches_a_full_forward_of_each_path(tiny):
+    model, prompts = tiny
+    prefix, tokens = prompts[0], TREE_TOKENS
+    tree, cache, logits, hidden = _tree_step(model, prefix)
+    assert logits.shape == (7, model.config.vocab_size) and hidden.shape == (7, model.config.hidden_size)
+    assert cache.get_seq_length() == prefix.shape[1] + 7
+    for node in range(7):
+        path = tree.ancestors[node].nonzero().flatten()  # ancestors in node order = root-to-node order
+        full = model(input_ids=torch.cat([prefix[0], tokens[path]])[None], output_hidden_states=True)
+        torch.testing.assert_close(logits[node], full.logits[0, -1], rtol=0, atol=1e-5)
+        torch.testing.assert_close(hidden[node], full.hidden_states[-1][0, -1], rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_keep_accepted_leaves_the_cache_of_the_accepted_path(tiny):
+    model, prompts = tiny
+    prefix, tokens = prompts[1], TREE_TOKENS
+    _, cache, _, _ = _tree_step(model, prefix)
+    accepted = [0, 2, 5]  # a path that is not a prefix of the tree's node order: cropping would be wrong
+    keep_accepted(cache, prefix.shape[1], accepted)
+    reference = DynamicCache(config=model.config)
+    model(input_ids=torch.cat([prefix[0], tokens[accepted]])[None], past_key_values=reference, use_cache=True)
+    assert cache.get_seq_length() == reference.get_seq_length() == prefix.shape[1] + 3
+    for mine, theirs in zip(cache.layers, reference.layers, strict=True):
+        torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values, rtol=0, atol=1e-5)
+
+
+def _greedy(model, ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[int]:
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=sorted(eos) or None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    return out[: next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]
+
+
+class NoisyOracle:
+    """A drafter that knows the greedy continuation and proposes it at rank 0 (60 %), rank 1 (25 %) or
+    not at all (15 %): the engine must accept exactly the right tokens and reject the rest."""
+
+    def __init__(self, reference: list[int], stats: SpeculativeStats, vocab: int, depth: int, seed: int):
+        self.reference, self.stats, self.vocab, self.depth = reference, stats, vocab, depth
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __call__(self, hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+        done = self.stats.generated_tokens  # tokens yielded so far, the root included
+        logits = torch.randn(self.depth, self.vocab, generator=self.gen)
+        for d in range(self.depth):
+            if done + d < len(self.reference):
+                u = torch.rand((), generator=self.gen).item()
+                token = self.reference[done + d]
+                logits[d, token] = 100.0 if u < 0.6 else (logits[d].max() - 1e-3 if u < 0.85 else -100.0)
+        return logits
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@torch.no_grad()
+def test_speculative_decoding_is_lossless(tiny, tiny_llama, attn_implementation):
+    _, prompts = tiny
+    model = load_spiky_tiny_llama(tiny_llama, attn_implementation=attn_implementation)
+    tree = build_tree(CHOICES)
+    accepted_something = False
+    for i, ids in enumerate(prompts):
+        for eos, max_new_tokens in ((set(), 40), ({7, 11, 13}, 40), (set(), 5)):
+            reference = _greedy(model, ids, max_new_tokens, eos)
+            stats = SpeculativeStats()
+            oracle = NoisyOracle(reference, stats, model.config.vocab_size, tree.depth, seed=i)
+            steps = list(speculative_stream(model, oracle, ids, tree, max_new_tokens, eos, stats=stats))
+            assert [t for step in steps for t in step] == reference, (i, eos, max_new_tokens)
+            assert stats.generated_tokens == len(reference)
+            assert sum(stats.accepted_lengths) == len(reference) - 1  # the prefill's token, then each tree forward's
+            accepted_something |= max(stats.accepted_lengths, default=1) > 1
+            # a useless drafter is just as lossless (every step gains the root alone)
+            noise = torch.Generator().manual_seed(i)
+            tokens, plain = speculative_generate(model, lambda h, r: torch.randn(3, model.config.vocab_size,
+                                                                                generator=noise),
+                                                 ids, tree, max_new_tokens, eos)
+            assert tokens == reference
+    assert accepted_something  # the test exercised multi-token acceptance
+
+
+@torch.no_grad()
+def test_mean_accepted_length_counts_tokens_per_forward(tiny):
+    model, prompts = tiny
+    reference = _greedy(model, prompts[2], 30, set())
+    stats = SpeculativeStats()
+    chain = chain_tree(3)
+
+    def always_right(hidden, root):
+        done = stats.generated_tokens
+        logits = torch.zeros(3, model.config.vocab_size)
+        for d in range(3):
+            if done + d < len(reference):
+                logits[d, reference[done + d]] = 1.0
+        return logits
+
+    tokens = [t for step in speculative_stream(model, always_right, prompts[2], chain, 30, set(), stats=stats)
+              for t in step]
+    assert tokens == reference
+    # 1 prefill token, then 4 tokens (3 drafts + the bonus) per tree forward: 1 + 4·7 = 29, one more step for the 30th
+    assert stats.accepted_lengths == [4] * 7 + [1]
+    assert stats.forwards == 9 and stats.mean_accepted_length == pytest.approx(30 / 9)
+
+
+def test_batched_input_is_refused(tiny):
+    model, prompts = tiny
+    with pytest.raises(ValueError, match="one prompt at a time"):
+        speculative_generate(model, lambda h, r: torch.zeros(3, 8), prompts[0].repeat(2, 1), chain_tree(2), 4, set())
