@@ -248,6 +248,34 @@ def test_mean_accepted_length_counts_tokens_per_forward(tiny):
     assert stats.forwards == 9 and stats.mean_accepted_length == pytest.approx(30 / 9)
 
 
+def test_typical_acceptance_accepts_whatever_greedy_accepts():
+    """An argmax always passes the typical threshold (max p ≥ e^(−H) > α·e^(−H)), so on the same tree forward the
+    typical path is never shorter than the greedy one."""
+    tree = build_tree(CHOICES)
+    parents = _parents(tree).clamp(min=0)
+    gen = torch.Generator().manual_seed(0)
+    rule = TypicalAcceptance()
+    longer = 0
+    for _ in range(200):
+        logits = torch.randn(tree.size, 16, generator=gen) * 3
+        tokens = torch.randint(0, 16, (tree.size,), generator=gen)
+        copy_argmax = torch.rand(tree.size, generator=gen) < 0.6
+        tokens = torch.where(copy_argmax, logits.argmax(-1)[parents], tokens)
+        greedy, typical = verify_greedy(tokens, logits, tree), verify_typical(tokens, logits, tree, rule)
+        assert len(typical) >= len(greedy)
+        longer += len(typical) > len(greedy)
+    assert longer > 0  # and it does accept non-argmax tokens
+
+
+@torch.no_grad()
+def test_typical_acceptance_decodes_end_to_end(tiny):
+    model, prompts = tiny
+    noise = torch.Generator().manual_seed(0)
+    tokens, stats = speculative_generate(model, lambda h, r: torch.randn(3, model.config.vocab_size, generator=noise),
+                                         prompts[0], build_tree(CHOICES), 20, set(), TypicalAcceptance())
+    assert len(tokens) == 20 and stats.forwards <= 20 and stats.mean_accepted_length >= 1.0
+
+
 def test_batched_input_is_refused(tiny):
     model, prompts = tiny
     with pytest.raises(ValueError, match="one prompt at a time"):
