@@ -17,6 +17,8 @@ from models.generation import response_lengths
 from models.policy import Policy
 
 HF_DECODERS = ("greedy", "temperature", "top_p", "top_k", "beam")
+GREEDY = {"do_sample": False}
+"""``generate`` arguments of greedy decoding."""
 
 
 def generate_kwargs(decoder: str, cfg: BenchmarkConfig) -> dict:
@@ -24,7 +26,7 @@ def generate_kwargs(decoder: str, cfg: BenchmarkConfig) -> dict:
     explicitly, because unset ones fall back to the model's generation_config (e.g. top_k = 50)."""
     neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
     return {
-        "greedy": {"do_sample": False},
+        "greedy": GREEDY,
         "temperature": {"do_sample": True, **neutral, "temperature": cfg.temperature},
         "top_p": {"do_sample": True, **neutral, "top_p": cfg.top_p},
         "top_k": {"do_sample": True, **neutral, "top_k": cfg.top_k},

@@ -30,6 +30,11 @@ def chat_prompts(tokenizer, questions: Sequence[str], system_prompt: str | None 
     ]
 
 
+def encode_prompt(policy: Policy, prompt: str) -> torch.Tensor:
+    """A templated prompt as token ids (1, L) on the policy's device (the template holds any special tokens)."""
+    return policy.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(policy.device)
+
+
 def end_token_ids(policy: Policy) -> set[int]:
     """Every token id that ends a response: the generation config's eos ids and the tokenizer's."""
     configured = policy.model.generation_config.eos_token_id

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from foresight.config import MedusaConfig, RLMedusaConfig
 from models.medusa import IGNORE_INDEX, MedusaHeads, heads_for, medusa_loss
 from models.policy import Policy
-from models.reward_training import tokenize_sequence
+from models.reward_training import padding_id, right_pad, tokenize_sequence
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -60,7 +60,7 @@ def greedy_responses(policy: Policy, prompts: pd.DataFrame, max_new_tokens: int,
                      system_prompt: str | None = None) -> pd.DataFrame:
     """The policy's greedy response to each prompt (``prompt_id``, ``question``), batched, in the shape of the
     samples table that :func:`self_distill` reads (one sample per prompt)."""
-    from models.decoding import hf_decode
+    from models.decoding import GREEDY, hf_decode
     from models.generation import chat_prompts, end_token_ids
 
     tok, eos = policy.tokenizer, end_token_ids(policy)
@@ -68,7 +68,7 @@ def greedy_responses(policy: Policy, prompts: pd.DataFrame, max_new_tokens: int,
     prompt_ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     outputs = []
     for start in tqdm(range(0, len(prompt_ids), batch_size), desc="greedy responses", unit="batch"):
-        outputs += hf_decode(policy, prompt_ids[start : start + batch_size], {"do_sample": False}, max_new_tokens,
+        outputs += hf_decode(policy, prompt_ids[start : start + batch_size], GREEDY, max_new_tokens,
                              eos, batch_size=batch_size)
     return pd.DataFrame({
         "prompt_id": prompts["prompt_id"].tolist(), "sample_index": 0, "prompt": texts,
@@ -110,22 +110,16 @@ def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaConfig, rl_cf
     """
     tok, model = policy.tokenizer, policy.model
     generator = torch.Generator().manual_seed(cfg.seed)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     sequences = [tokenize_sequence(tok, p, r, cfg.max_length, add_end=finish == "eos")
                  for p, r, finish in zip(samples["prompt"], samples["response"], samples["finish_reason"], strict=True)]
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("hidden", "targets", "sample", "rl_rows", "rl_cand", "rl_probs")}
     rows_so_far = 0
     for start in tqdm(range(0, len(sequences), cfg.distill_batch_size), desc="self-distillation pass", unit="batch"):
         chunk = sequences[start : start + cfg.distill_batch_size]
-        width = max(len(ids) for ids, _ in chunk)
-        input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # (B, T) right-padded
-        attention_mask = torch.zeros_like(input_ids)
-        for row, (ids, _) in enumerate(chunk):
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention_mask[row, : len(ids)] = 1
+        batch = right_pad(chunk, padding_id(tok))  # (B, T) each
         with torch.autocast(policy.device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16"):
-            out = model(input_ids=input_ids.to(policy.device), attention_mask=attention_mask.to(policy.device),
-                        output_hidden_states=True)
+            out = model(input_ids=batch["input_ids"].to(policy.device),
+                        attention_mask=batch["attention_mask"].to(policy.device), output_hidden_states=True)
         hidden, logits = out.hidden_states[-1].float().cpu(), out.logits.float().cpu()  # (B, T, H), (B, T, V)
         for row, (ids, mask) in enumerate(chunk):
             first = mask.index(1) if 1 in mask else len(ids)

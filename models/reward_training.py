@@ -84,6 +84,25 @@ def tokenize_pairs(tokenizer, pairs: pd.DataFrame, max_length: int) -> list[Toke
     return tokenized
 
 
+def padding_id(tokenizer) -> int:
+    """The token id right padding uses: the tokenizer's pad token, else its end token (padding is masked)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def right_pad(sequences: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """(ids, response mask) sequences as one right-padded batch: ``input_ids``, ``attention_mask`` and
+    ``response_mask``, each (N, T). Padding has attention 0 and response mask 0."""
+    length = max(len(ids) for ids, _ in sequences)
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)  # (N, T)
+    attention_mask = torch.zeros_like(input_ids)  # (N, T)
+    response_mask = torch.zeros_like(input_ids)  # (N, T)
+    for row, (ids, mask) in enumerate(sequences):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+        response_mask[row, : len(ids)] = torch.tensor(mask)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+
+
 def collate_pairs(batch: Sequence[TokenizedPair], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-pad B pairs into one batch of 2B sequences: the B chosen rows, then the B rejected rows.
 
@@ -92,24 +111,15 @@ def collate_pairs(batch: Sequence[TokenizedPair], pad_token_id: int) -> dict[str
     """
     sequences = [(p["chosen_input_ids"], p["chosen_response_mask"]) for p in batch]
     sequences += [(p["rejected_input_ids"], p["rejected_response_mask"]) for p in batch]
-    length = max(len(ids) for ids, _ in sequences)
-    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)  # (2B, T)
-    attention_mask = torch.zeros_like(input_ids)  # (2B, T)
-    response_mask = torch.zeros_like(input_ids)  # (2B, T)
-    for row, (ids, mask) in enumerate(sequences):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention_mask[row, : len(ids)] = 1
-        response_mask[row, : len(ids)] = torch.tensor(mask)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+    return right_pad(sequences, pad_token_id)
 
 
 def _pair_loader(tokenizer, pairs: pd.DataFrame, max_length: int, batch_size: int,
                  generator: torch.Generator | None = None) -> DataLoader:
     """Batches of pairs; shuffled (reproducibly, by ``generator``) when a generator is given."""
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return DataLoader(tokenize_pairs(tokenizer, pairs, max_length), batch_size=batch_size,
                       shuffle=generator is not None, generator=generator,
-                      collate_fn=partial(collate_pairs, pad_token_id=pad_token_id))
+                      collate_fn=partial(collate_pairs, pad_token_id=padding_id(tokenizer)))
 
 
 class StackedHeads(nn.ModuleDict):

@@ -38,10 +38,6 @@ def _load(cfg: Config, which: str):
     return policy, RewardTransformer.from_head(policy.model, head).eval()
 
 
-def _ids(policy, prompt: str) -> torch.Tensor:
-    return policy.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(policy.device)
-
-
 @torch.no_grad()
 def forward_overhead(reward_model, input_ids: torch.Tensor, repeats: int = 5) -> dict:
     """Wall time of one forward of the policy alone vs the policy + reward channel (median of repeats).
@@ -68,13 +64,13 @@ def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dic
     """Every decoder on every question for one policy (chat template of its own tokenizer); returns output
     records and speed/overhead stats (the sampling decoders are timed only if ``time_sampling``)."""
     from models.decoding import HF_DECODERS, generate_kwargs, hf_decode
-    from models.generation import chat_prompts, end_token_ids
+    from models.generation import chat_prompts, encode_prompt, end_token_ids
     from models.sla import sla_generate
 
     b = cfg.benchmark
     policy, reward_model = _load(cfg, which)
     eos = end_token_ids(policy)
-    prompt_ids = [_ids(policy, p) for p in chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt)]
+    prompt_ids = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt)]
     records, timers = [], {}
 
     def record(decoder: str, i: int, tokens: list[int]) -> None:

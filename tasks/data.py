@@ -49,6 +49,14 @@ def load_stage_policy(cfg: Config, policy_source: str):
     return load_pretrained(cfg.path(cfg.paths.dpo_dir), cfg.policy)
 
 
+def stage_accelerator(policy, mixed_precision: str = "no"):
+    """The ``accelerate.Accelerator`` a training stage runs under: on the policy's device (CPU when it is on the
+    CPU), one or many processes as ``accelerate launch`` configured them."""
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=policy.device.type == "cpu", mixed_precision=mixed_precision)
+
+
 def _prompt_split_path(cfg: Config, split: str) -> Path:
     return cfg.path(cfg.paths.prompts_dir) / f"{split}.jsonl"
 

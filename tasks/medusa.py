@@ -30,19 +30,13 @@ from foresight.benchmark import DecodeTimer, markdown_table, speed_row
 from foresight.config import Config
 from foresight.plots import bar_plot, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
-from tasks.data import GPU_TAG, StageResult, load_stage_policy
+from tasks.data import GPU_TAG, StageResult, load_stage_policy, stage_accelerator
 
 DISTILLED_FIELDS = ("hidden", "targets", "sample", "rl_rows", "rl_candidates", "rl_probs")
 
 
 def _medusa_dir(cfg: Config) -> Path:
     return cfg.path(cfg.paths.medusa_dir)
-
-
-def _accelerator(policy, mixed_precision: str = "no"):
-    from accelerate import Accelerator
-
-    return Accelerator(cpu=policy.device.type == "cpu", mixed_precision=mixed_precision)
 
 
 def _distillation_data(cfg: Config, policy) -> pd.DataFrame:
@@ -101,7 +95,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
             logger.info("step %d/%d, loss %.4f", step, num_steps, losses["loss"])
 
     train_started = time.perf_counter()
-    heads, history = train_medusa_heads(policy, train, m, _accelerator(policy, m.mixed_precision), on_step)
+    heads, history = train_medusa_heads(policy, train, m, stage_accelerator(policy, m.mixed_precision), on_step)
     train_seconds = time.perf_counter() - train_started
     lm_head = policy.model.get_output_embeddings()
     accuracy = evaluate_heads(heads, lm_head, held_out, m.eval_top_k)
@@ -168,7 +162,7 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
         with torch.no_grad():
             return embedding(tokens.to(embedding.weight.device))
 
-    accelerator = _accelerator(policy)
+    accelerator = stage_accelerator(policy)
     logger.info("fitting r(e, h) on %d states × %d candidates", len(train.rl_rows), train.rl_candidates.shape[1])
     reward_model, reward_losses = fit_reward_model(train.hidden[train.rl_rows], embed, train.rl_candidates,
                                                    train.rl_probs, r, accelerator)
@@ -192,7 +186,8 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
                                                       train.hidden[train.rl_rows], r, accelerator, on_step)
             rl_heads.save(tmp / init)
             accuracy[f"rl_{init}"] = evaluate_heads(rl_heads, lm_head, held_out, cfg.medusa.eval_top_k)
-            accuracy[f"start_{init}"] = evaluate_heads(start, lm_head, held_out, cfg.medusa.eval_top_k)
+            accuracy[f"start_{init}"] = (accuracy["supervised"] if start is supervised
+                                         else evaluate_heads(start, lm_head, held_out, cfg.medusa.eval_top_k))
         # head 1 predicts t + 2: its accuracies are the first entry of each list
         t2 = {name: {metric: values[0] for metric, values in a.items() if metric != "rank_accuracy"}
               for name, a in accuracy.items()}
@@ -251,8 +246,8 @@ def candidate_tree(cfg: Config):
 @task(name="benchmark-medusa", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def benchmark_medusa_task(cfg: Config) -> StageResult:
     """Every speculative decoder against HF greedy at batch 1, prompt by prompt, on each prompt set."""
-    from models.decoding import hf_decode
-    from models.generation import chat_prompts, end_token_ids
+    from models.decoding import GREEDY, hf_decode
+    from models.generation import chat_prompts, encode_prompt, end_token_ids
     from models.medusa import MedusaDrafter, MedusaHeads
     from models.speculative import SpeculativeStats, TypicalAcceptance, speculative_generate
 
@@ -270,8 +265,7 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
     draft_dtype = getattr(torch, s.draft_dtype)
     drafters = {name: MedusaDrafter(policy.model, MedusaHeads.load(_medusa_dir(cfg) / folder, lm_head), draft_dtype)
                 for name, folder in folders.items()}
-    hf_kwargs = {"greedy": {"do_sample": False},
-                 "prompt_lookup": {"do_sample": False, "prompt_lookup_num_tokens": s.prompt_lookup_tokens}}
+    hf_kwargs = {"greedy": GREEDY, "prompt_lookup": {**GREEDY, "prompt_lookup_num_tokens": s.prompt_lookup_tokens}}
     decoders = ["greedy"] + (["prompt_lookup"] if "prompt_lookup" in s.decoders else []) + list(drafters)
 
     def decode(decoder: str, ids: torch.Tensor) -> tuple[list[int], SpeculativeStats | None]:
@@ -282,9 +276,8 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
 
     records, rows = [], []
     for set_name, questions in _prompt_sets(cfg).items():
-        prompts = chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt)
-        prompt_ids = [policy.tokenizer(p, return_tensors="pt", add_special_tokens=False).input_ids.to(policy.device)
-                      for p in prompts]
+        prompt_ids = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions,
+                                                                      cfg.prompts.system_prompt)]
         for decoder in decoders:  # warm-up: first calls pay one-off allocation costs
             decode(decoder, prompt_ids[0])
         timers = {d: DecodeTimer() for d in decoders}

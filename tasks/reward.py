@@ -19,7 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from foresight.config import Config
 from foresight.pairs import split_pairs
 from foresight.storage import atomic_path, read_table
-from tasks.data import GPU_TAG, StageResult, load_stage_policy
+from tasks.data import GPU_TAG, StageResult, load_stage_policy, stage_accelerator
 
 
 def _metric_key(head_name: str) -> str:
@@ -36,8 +36,6 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     loadable with ``RewardTransformer.from_head``), ``curves.json`` (held-out metrics and the
     token-level reward curve of each head), ``history.json`` (training losses), ``autrc.png``, ``loss.png``.
     """
-    from accelerate import Accelerator
-
     from models.reward_training import evaluate_reward_head, plot_losses, plot_reward_curves, train_reward_heads
     from models.reward_transformer import RewardHeadConfig
 
@@ -53,7 +51,7 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
             "responses per prompt (generate.num_samples)."
         )
     policy = load_stage_policy(cfg, policy_source)
-    accelerator = Accelerator(cpu=policy.device.type == "cpu")
+    accelerator = stage_accelerator(policy)
 
     heads = {"channel": RewardHeadConfig(kind="channel", hidden_size=cfg.reward.hidden_size)}
     # §5.3's adapters are as wide as the policy: "4K" parameters for 1 layer and 50.3M for 4 layers on
