@@ -40,6 +40,9 @@ HEADLINE = {
     "train_rlmedusa": ["supervised_t2_top1", "rl_base_t2_top1", "rl_supervised_t2_top1"],
     "benchmark_medusa": ["held_out.medusa_supervised.tau", "held_out.medusa_supervised.speedup_vs_reference",
                          "held_out.medusa_supervised.identical_to_greedy", "held_out.prompt_lookup.speedup_vs_reference"],
+    "train_coral": ["after_top1_forward_1", "after_top1_forward_2", "after_top1_forward_4"],
+    "benchmark_coral": ["next_token.accuracy", "coral.accuracy", "coral.speedup_vs_reference",
+                        "coral_no_verifier.accuracy", "coral_no_verifier.speedup_vs_reference"],
 }
 
 

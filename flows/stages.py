@@ -19,6 +19,7 @@ from foresight.config import Config, load_config
 from foresight.storage import read_table, write_json
 from foresight.tracking import log_stage_outputs, stage_run
 from tasks.benchmark import benchmark_sla_task
+from tasks.coral import benchmark_coral_task, train_coral_task
 from tasks.data import (
     StageResult,
     generate_task,
@@ -55,7 +56,7 @@ def run_stage(stage: str, work: Callable[[Config], StageResult], sections: list[
             raise
         result.metrics["stage_seconds"] = time.perf_counter() - started
         tables = {name: read_table(path, name) for name, path in result.tables.items()}
-        log_stage_outputs(cfg, result.metrics, tables, result.artifacts)
+        log_stage_outputs(cfg, result.metrics, tables, result.artifacts, result.curves)
     write_json(result.metrics, metrics_path(cfg, stage))
     lines = "\n".join(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
                       for k, v in sorted(result.metrics.items()))
@@ -158,6 +159,21 @@ def benchmark_medusa_flow(params_path: str = "params.yaml", overrides: dict | No
                      parent_run_id)
 
 
+@flow(name="train-coral", log_prints=True)
+def train_coral_flow(params_path: str = "params.yaml", overrides: dict | None = None,
+                     parent_run_id: str | None = None) -> dict:
+    """COrAL: two-stage order-agnostic training with target-aware RoPE in the last layer."""
+    return run_stage("train_coral", train_coral_task, ["coral"], params_path, overrides, parent_run_id)
+
+
+@flow(name="benchmark-coral", log_prints=True)
+def benchmark_coral_flow(params_path: str = "params.yaml", overrides: dict | None = None,
+                         parent_run_id: str | None = None) -> dict:
+    """Sliding blockwise order-agnostic decoding vs next-token greedy: accuracy, speed, ablations (Table 1)."""
+    return run_stage("benchmark_coral", benchmark_coral_task, ["coral_benchmark"], params_path, overrides,
+                     parent_run_id)
+
+
 STAGE_FLOWS = {
     "prepare_policy": prepare_policy_flow,
     "prepare_prompts": prepare_prompts_flow,
@@ -171,6 +187,8 @@ STAGE_FLOWS = {
     "train_medusa": train_medusa_flow,
     "train_rlmedusa": train_rlmedusa_flow,
     "benchmark_medusa": benchmark_medusa_flow,
+    "train_coral": train_coral_flow,
+    "benchmark_coral": benchmark_coral_flow,
 }
 
 

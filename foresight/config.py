@@ -50,6 +50,8 @@ class PathsConfig(_Section):
     """Benchmark tables, plots and reports."""
     medusa_dir: Path = Path("data/medusa")
     """Medusa heads: ``supervised/`` (Medusa-1) and ``rl/`` (head 1 trained by RLMedusa), with their evaluations."""
+    coral_dir: Path = Path("data/coral")
+    """The COrAL model (a Hugging Face folder, order-agnostic after two-stage training) with its curves."""
 
 
 class PolicyConfig(_Section):
@@ -397,6 +399,78 @@ class SpeculativeConfig(_Section):
     """Extra prompt sets (local jsonl/parquet/csv files), each benchmarked like the held-out prompts."""
 
 
+class CoralConfig(_Section):
+    """COrAL order-agnostic training with target-aware RoPE (stage ``train_coral``)."""
+
+    data: Literal["distilled", "correct"] = "distilled"
+    """SFT data: ``distilled`` = the responses the ``train_medusa`` stage distilled from (the policy's greedy
+    responses to the training prompts by default: what the model itself would write); ``correct`` = the
+    generated samples the labeler marked correct."""
+    forward_window: int = Field(4, ge=1, le=8)
+    """Forward prediction offsets +1 … +forward_window on clean sequences (Appendix D: 4)."""
+    backward_window: int = Field(8, ge=0, le=16)
+    """Backward reconstruction offsets −backward_window … 0 on corrupted sequences (Appendix D: 8)."""
+    max_patch_size: int = Field(4, ge=1)
+    """Corruption granularity: each sequence's patch size is drawn in 1 … max_patch_size (Appendix D: 4)."""
+    corruption_ratio: float = Field(0.25, ge=0.0, le=1.0)
+    """Probability that a patch is corrupted (Appendix D: 0.25)."""
+    next_token_weight: float = Field(4.0, gt=0.0)
+    """Weight of offset +1 (ordinary next-token prediction) among the forward offsets, which otherwise weigh
+    alike. The last layer serves every offset: on little data, learning +2 … +4 erodes next-token accuracy."""
+    replace_probability: float = Field(0.5, ge=0.0, le=1.0)
+    """A corrupted patch is replaced by a same-length span from elsewhere in the response with this
+    probability; otherwise its first token is repeated over it."""
+    stage1_learning_rate: float = Field(2.0e-4, gt=0.0)
+    """Stage 1 (the last decoder layer only). The paper's 5e-6 suits 3 epochs of ~100k examples, not ~100."""
+    stage1_epochs: int = Field(1, ge=0)
+    """Stage 1 epochs (0 skips the stage)."""
+    stage2_learning_rate: float = Field(1.0e-5, gt=0.0)
+    """Stage 2 (every parameter except the last decoder layer)."""
+    stage2_epochs: int = Field(1, ge=0)
+    """Stage 2 epochs (0 skips the stage)."""
+    batch_size: int = Field(8, ge=1)
+    """Sequences per step."""
+    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    """Linear warm-up share of each stage's steps (cosine decay after)."""
+    max_length: int = Field(256, ge=8)
+    """Prompt + response tokens kept per sequence."""
+    eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    """Share of prompts held out for the per-offset accuracy."""
+    mixed_precision: Literal["no", "bf16"] = "bf16"
+    """accelerate's autocast for the training forward passes."""
+    seed: int = 0
+    """Seeds the split, the shuffling and the corruption."""
+
+
+class CoralBenchmarkConfig(_Section):
+    """Sliding blockwise order-agnostic decoding and its benchmark (stage ``benchmark_coral``)."""
+
+    block_size: int = Field(16, ge=1)
+    """b: most tentative tokens in the sliding block (the paper: 64, for 512-token GPU outputs)."""
+    forward_window: int = Field(4, ge=1)
+    """k_f: positions predicted ahead per step (≤ coral.forward_window, the offsets the model learned)."""
+    backward_window: int = Field(8, ge=0)
+    """k_b: backward dependencies per token in eq. 6 and eq. 8 (≤ coral.backward_window)."""
+    epsilon: float = Field(0.2, gt=0.0, lt=1.0)
+    """ε of eq. 8 (the paper: 0.2 for reasoning)."""
+    decay: float = Field(0.8, gt=0.0, le=1.0)
+    """λ_δ = decay^|δ − 1|: the weight of a prediction made δ positions before its target (eq. 5, 6, 7)."""
+    gamma: list[float] = Field(default_factory=lambda: [1.1, 1.2, 1.3])
+    """Appendix C's confidence scaling of the 2nd, 3rd, 4th new token in the candidate tree."""
+    tree_size: int = Field(8, ge=1)
+    """Candidate-tree nodes besides the top-1 chain (full COrAL)."""
+    num_prompts: int = Field(8, ge=1)
+    """Held-out prompts decoded by every decoder (accuracy and speed at batch 1)."""
+    max_new_tokens: int = Field(48, ge=1)
+    """Longest output."""
+    ablation_block_sizes: list[int] = Field(default_factory=lambda: [8])
+    """Extra block sizes for COrAL w/o verifier (the speed setting); [] skips the ablation."""
+    ablation_forward_windows: list[int] = Field(default_factory=lambda: [2])
+    """Extra forward windows for COrAL w/o verifier; [] skips the ablation."""
+    seed: int = 0
+    """Seeds eq. 8's acceptance draws (decoding is deterministic)."""
+
+
 class TrackingConfig(_Section):
     """MLflow tracking."""
 
@@ -437,6 +511,10 @@ class Config(_Section):
     """RLMedusa."""
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     """Tree speculative decoding and its benchmark."""
+    coral: CoralConfig = Field(default_factory=CoralConfig)
+    """COrAL two-stage order-agnostic training."""
+    coral_benchmark: CoralBenchmarkConfig = Field(default_factory=CoralBenchmarkConfig)
+    """COrAL decoding benchmark."""
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     """MLflow."""
 
@@ -452,6 +530,20 @@ class Config(_Section):
         if deepest > self.medusa.num_heads:
             raise ValueError(f"speculative.tree is {deepest} deep but medusa.num_heads is {self.medusa.num_heads}: "
                              "each depth needs a head")
+        return self
+
+    @model_validator(mode="after")
+    def _coral_decodes_what_it_learned(self) -> Config:
+        b, c = self.coral_benchmark, self.coral
+        windows = [b.forward_window, *b.ablation_forward_windows]
+        if max(windows) > c.forward_window:
+            raise ValueError(f"coral_benchmark forward windows {windows} exceed coral.forward_window "
+                             f"{c.forward_window}: the model never learned those offsets")
+        if b.backward_window > c.backward_window:
+            raise ValueError(f"coral_benchmark.backward_window {b.backward_window} exceeds coral.backward_window "
+                             f"{c.backward_window}: the model never learned those offsets")
+        if any(w < 1 for w in windows) or any(s < 1 for s in b.ablation_block_sizes):
+            raise ValueError("coral_benchmark ablation block sizes and forward windows must be ≥ 1")
         return self
 
     root: Path = Field(default=Path("."), exclude=True)

@@ -64,11 +64,21 @@ def stage_run(cfg: Config, stage: str, sections: list[str], parent_run_id: str |
         yield run.info.run_id
 
 
-def log_stage_outputs(cfg: Config, metrics: dict, tables: dict[str, pd.DataFrame], artifact_dirs: dict[str, Path]) -> None:
-    """Log metrics, a preview of each table, and whole folders (e.g. Data Docs) to the active run."""
+def log_stage_outputs(cfg: Config, metrics: dict, tables: dict[str, pd.DataFrame], artifact_dirs: dict[str, Path],
+                      curves: dict[str, list[float]] | None = None) -> None:
+    """Log metrics, curves (a metric history per key, step = index + 1; NaN steps skipped), a preview of each
+    table, and whole folders (e.g. Data Docs) to the active run."""
+    import time
+
     import mlflow
+    from mlflow.entities import Metric
 
     mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    now = int(time.time() * 1000)
+    history = [Metric(key, float(v), now, step) for key, values in (curves or {}).items()
+               for step, v in enumerate(values, start=1) if v == v]
+    for start in range(0, len(history), 1000):  # MLflow takes at most 1000 metrics per batch
+        mlflow.tracking.MlflowClient().log_batch(mlflow.active_run().info.run_id, metrics=history[start : start + 1000])
     for name, df in tables.items():
         preview = df.head(cfg.tracking.preview_rows)
         # log_table wants JSON-serialisable cells: nullable booleans and NaN become plain objects.

@@ -28,9 +28,11 @@ GPU_TAG = "gpu"
 
 @dataclass
 class StageResult:
-    """What a stage reports: scalar metrics, tables to preview in MLflow, folders to attach."""
+    """What a stage reports: scalar metrics, tables to preview in MLflow, folders to attach, and training
+    curves (one value per step) to log as MLflow metric histories."""
 
     metrics: dict
+    curves: dict[str, list[float]] = field(default_factory=dict)
     tables: dict[str, Path] = field(default_factory=dict)
     artifacts: dict[str, Path] = field(default_factory=dict)
 

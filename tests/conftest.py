@@ -53,6 +53,9 @@ def tiny_params(root: Path, model: Path, **sections) -> dict:
         "rlmedusa": {"trajectory_tokens": 4, "top_pool": 10, "reward_width": 16, "reward_epochs": 1,
                      "num_actions": 4, "batch_size": 8},
         "speculative": {"tree": [[0], [1], [0, 0]], "num_prompts": 2, "max_new_tokens": 8},
+        "coral": {"stage1_epochs": 1, "stage2_epochs": 1, "batch_size": 4, "max_length": 128, "mixed_precision": "no"},
+        "coral_benchmark": {"block_size": 6, "num_prompts": 2, "max_new_tokens": 8, "ablation_block_sizes": [3],
+                            "ablation_forward_windows": [2]},
     }
     for name, values in sections.items():
         params.setdefault(name, {}).update(values)

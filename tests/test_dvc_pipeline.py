@@ -25,7 +25,8 @@ from tests.conftest import tiny_params
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ["prepare_policy", "prepare_prompts", "generate", "label", "validate", "train_reward", "dpo",
-          "train_reward_dpo", "benchmark_sla", "train_medusa", "train_rlmedusa", "benchmark_medusa"]
+          "train_reward_dpo", "benchmark_sla", "train_medusa", "train_rlmedusa", "benchmark_medusa",
+          "train_coral", "benchmark_coral"]
 NUM_TRAIN, NUM_SAMPLES = 6, 3
 RUNNING = re.compile(r"Running stage '([^']+)'")
 
@@ -155,6 +156,11 @@ def test_pipeline_flow_runs_every_stage_and_pushes(dvc_repo, pipeline_result):
                                          "medusa_rl_supervised"]
     assert (speed["identical_to_greedy"] == 1.0).all() and (speed["lossless"]).all()
     assert (speed.loc[speed["decoder"].str.startswith("medusa"), "tau"] >= 1.0).all()
+    assert (repo / "data/coral/config.json").is_file() and (repo / "data/coral/loss.png").is_file()
+    coral = pd.read_csv(repo / "data/benchmarks/coral/table.csv")
+    assert coral["decoder"].tolist() == ["next_token", "coral", "coral_no_verifier", "coral_no_multi_forward",
+                                         "coral_no_verifier_b3", "coral_no_verifier_kf2"]
+    assert coral["accuracy"].between(0, 1).all() and (coral["tokens_per_forward"] > 0).all()
 
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     assert sorted(lock["stages"]) == sorted(STAGES)

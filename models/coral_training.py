@@ -1,0 +1,166 @@
+"""COrAL's two-stage order-agnostic training (§2.2, §4 "two-stage training", Appendix D) with accelerate.
+
+Every step runs two target-aware forwards of one batch: forward prediction (offsets +1 … +k_f) on the
+clean sequences, backward reconstruction (offsets −k_b … 0) on a freshly corrupted copy, loss on the
+corrupted tokens only; the step's loss is their sum. Stage 1 trains the last decoder layer alone (the
+one whose queries became target-aware); stage 2 trains everything else, the last layer frozen. The
+backward loss never reaches below the last layer (the reference code detaches there), so in stage 2
+only forward prediction — which includes ordinary next-token SFT at offset +1 — moves the trunk, and
+stage 2 skips the corrupted forward altogether.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pandas as pd
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from foresight.config import CoralConfig
+from models.coral import backward_reconstruction_loss, corrupt, forward_prediction_loss, weighted_offset_loss
+from models.policy import Policy
+from models.reward_training import padding_id, right_pad, tokenize_sequence
+
+Sequences = list[tuple[list[int], list[int]]]
+"""(ids, response mask) per sequence, as :func:`models.reward_training.tokenize_sequence` returns them."""
+
+
+def sft_sequences(policy: Policy, responses: pd.DataFrame, max_length: int) -> Sequences:
+    """Prompt + response + end token of each row (``prompt`` is already templated)."""
+    return [tokenize_sequence(policy.tokenizer, prompt, response, max_length)
+            for prompt, response in zip(responses["prompt"], responses["response"], strict=True)]
+
+
+def corrupt_batch(batch: dict[str, torch.Tensor], cfg: CoralConfig, generator: torch.Generator
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A corrupted copy of each right-padded row's response and the mask of its changed tokens, both (B, T)."""
+    corrupted, changed = batch["input_ids"].clone(), torch.zeros_like(batch["response_mask"], dtype=torch.bool)
+    for row in range(len(corrupted)):
+        response = batch["response_mask"][row].nonzero()
+        if len(response) == 0:
+            continue
+        result = corrupt(batch["input_ids"][row], int(response[0]), int(response[-1]) + 1, cfg.max_patch_size,
+                         cfg.corruption_ratio, cfg.replace_probability, generator)
+        corrupted[row], changed[row] = result.input_ids, result.corrupted
+    return corrupted, changed
+
+
+def coral_step_loss(model, batch: dict[str, torch.Tensor], cfg: CoralConfig, generator: torch.Generator,
+                    reconstruct: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    """One step's loss, forward prediction + backward reconstruction (each a weighted mean of its offsets'
+    cross-entropies; offset +1 weighs ``cfg.next_token_weight``), and every offset's cross-entropy.
+    ``reconstruct=False`` skips backward reconstruction (stage 2: it cannot reach the trained parameters)."""
+    forward_offsets = tuple(range(1, cfg.forward_window + 1))
+    backward_offsets = tuple(range(-cfg.backward_window, 1))
+    forward_per_offset, forward_counts = forward_prediction_loss(
+        model, batch["input_ids"], batch["attention_mask"], batch["response_mask"], forward_offsets)
+    forward_weights = torch.tensor([cfg.next_token_weight if o == 1 else 1.0 for o in forward_offsets])
+    forward_loss = weighted_offset_loss(forward_per_offset, forward_counts, forward_weights)
+    stats = {"forward_loss": forward_loss.item(),
+             **{f"ce_forward_{o}": v for o, v in zip(forward_offsets, _per_offset(forward_per_offset, forward_counts),
+                                                    strict=True)}}
+    if not reconstruct:
+        return forward_loss, {"loss": forward_loss.item(), **stats}
+    corrupted, changed = corrupt_batch(batch, cfg, generator)
+    device = batch["input_ids"].device
+    backward_per_offset, backward_counts = backward_reconstruction_loss(
+        model, corrupted.to(device), batch["input_ids"], batch["attention_mask"], changed.to(device), backward_offsets)
+    backward_loss = weighted_offset_loss(backward_per_offset, backward_counts, torch.ones(len(backward_offsets)))
+    loss = forward_loss + backward_loss
+    return loss, {"loss": loss.item(), **stats,
+                  "backward_loss": backward_loss.item() if backward_counts.sum() > 0 else math.nan,
+                  **{f"ce_reconstruct_{-o}": v for o, v in zip(backward_offsets,
+                                                              _per_offset(backward_per_offset, backward_counts),
+                                                              strict=True)}}
+
+
+def _per_offset(values: torch.Tensor, counts: torch.Tensor) -> list[float]:
+    """Per-offset values as floats, NaN where the offset had no target."""
+    return [v if c > 0 else math.nan for v, c in zip(values.tolist(), counts.tolist(), strict=True)]
+
+
+def stage_parameters(model, stage: int) -> list[torch.nn.Parameter]:
+    """Stage 1: the last decoder layer's parameters; stage 2: every other parameter."""
+    last = {id(p) for p in model.get_decoder().layers[-1].parameters()}
+    return [p for p in model.parameters() if (id(p) in last) == (stage == 1)]
+
+
+def train_coral(policy: Policy, sequences: Sequences, cfg: CoralConfig, accelerator: Accelerator | None = None,
+                on_step: Callable[[str, int, int, dict[str, float]], None] | None = None) -> dict[str, list]:
+    """Both stages on ``sequences``; the policy's model is trained in place. Returns the history: per step, the
+    stage, the loss and every offset's cross-entropy."""
+    from accelerate.utils import set_seed
+    from transformers import get_cosine_schedule_with_warmup
+
+    if not sequences:
+        raise ValueError("no sequences to train COrAL on")
+    accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu")
+    set_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    pad = padding_id(policy.tokenizer)
+    history: dict[str, list] = {"stage": []}
+    model = policy.model
+    for stage, learning_rate, epochs in ((1, cfg.stage1_learning_rate, cfg.stage1_epochs),
+                                         (2, cfg.stage2_learning_rate, cfg.stage2_epochs)):
+        if epochs == 0:
+            continue
+        model.requires_grad_(False)
+        parameters = stage_parameters(model, stage)
+        for p in parameters:
+            p.requires_grad_(True)
+        loader = DataLoader(sequences, batch_size=cfg.batch_size, shuffle=True, collate_fn=lambda rows: right_pad(rows, pad),
+                            generator=torch.Generator().manual_seed(cfg.seed + stage))
+        optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=0.0)
+        num_steps = epochs * len(loader)
+        scheduler = get_cosine_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * num_steps), num_steps)
+        prepared, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        prepared.train()
+        bar = tqdm(total=num_steps, desc=f"COrAL stage {stage}", unit="step", disable=not accelerator.is_local_main_process)
+        for _ in range(epochs):
+            for batch in loader:
+                with accelerator.autocast():
+                    loss, stats = coral_step_loss(accelerator.unwrap_model(prepared), batch, cfg, generator,
+                                                  reconstruct=stage == 1)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                history["stage"].append(stage)
+                for key, value in stats.items():
+                    history.setdefault(key, []).append(value)
+                bar.update(1)
+                bar.set_postfix(loss=f"{stats['loss']:.3f}")
+                if on_step is not None and accelerator.is_main_process:
+                    on_step(f"stage {stage}", bar.n, num_steps, stats)
+        bar.close()
+        model = accelerator.unwrap_model(prepared)
+    model.requires_grad_(False)
+    model.eval()
+    return history
+
+
+@torch.no_grad()
+def offset_accuracy(policy: Policy, sequences: Sequences, forward_window: int, batch_size: int = 8
+                    ) -> dict[str, float]:
+    """Held-out top-1 accuracy of forward prediction per offset (+1 … +k_f) on clean response tokens."""
+    from models.coral import offset_targets, target_aware_hidden
+
+    offsets = tuple(range(1, forward_window + 1))
+    lm_head = policy.model.get_output_embeddings()
+    hits, counts = torch.zeros(len(offsets)), torch.zeros(len(offsets))
+    for start in range(0, len(sequences), batch_size):
+        batch = {k: v.to(policy.device) for k, v in right_pad(sequences[start : start + batch_size],
+                                                               padding_id(policy.tokenizer)).items()}
+        hidden = target_aware_hidden(policy.model, batch["input_ids"], offsets, attention_mask=batch["attention_mask"])
+        targets, valid = offset_targets(batch["input_ids"], batch["response_mask"], offsets)
+        rows = valid.nonzero(as_tuple=True)
+        correct = (lm_head(hidden[rows]).argmax(-1) == targets[rows]).float().cpu()
+        offset_index = rows[1].cpu()
+        hits += torch.zeros(len(offsets)).index_add(0, offset_index, correct)
+        counts += torch.bincount(offset_index, minlength=len(offsets)).float()
+    return {f"top1_forward_{o}": float(h / c) if c else math.nan for o, h, c in zip(offsets, hits, counts, strict=True)}
+

@@ -1,0 +1,329 @@
+"""COrAL: target-aware RoPE against ordinary forwards, corruption statistics, losses by hand, two-stage
+training, and sliding blockwise decoding (eq. 5–8 by hand, termination, determinism)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pandas as pd
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from foresight.config import CoralConfig, PolicyConfig, load_config
+from models.coral import (
+    BACKWARD_OFFSETS,
+    FORWARD_OFFSETS,
+    backward_reconstruction_loss,
+    corrupt,
+    offset_cross_entropy,
+    offset_targets,
+    target_aware,
+    weighted_offset_loss,
+    target_aware_logits,
+)
+from models.coral_decoding import (
+    CoralDecoding,
+    CoralStats,
+    _Forward,
+    _path_scores,
+    _Prediction,
+    candidate_choices,
+    coral_generate,
+    ensemble,
+)
+from models.coral_training import sft_sequences, stage_parameters, train_coral
+from models.policy import load_pretrained
+from models.speculative import build_tree
+
+VOCAB = 64
+
+
+def _model(attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         attn_implementation=attn)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_offset_plus_one_is_the_next_token_logits(attn):
+    model = _model(attn)
+    ids = torch.randint(0, VOCAB, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0  # right padding
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask).logits
+        ours = target_aware_logits(model, ids, (1, 3, -2), attention_mask=mask)[:, 0]
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], reference[real], rtol=0, atol=1e-5)
+
+
+def test_multi_offset_logits_equal_single_offset_passes():
+    model = _model()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    offsets = FORWARD_OFFSETS + BACKWARD_OFFSETS
+    with torch.no_grad():
+        together = target_aware_logits(model, ids, offsets)  # (B, O, T, V)
+        for i, offset in enumerate(offsets):
+            alone = target_aware_logits(model, ids, (offset,))[:, 0]
+            torch.testing.assert_close(together[:, i], alone, rtol=0, atol=1e-5)
+
+
+def test_offsets_change_the_prediction_and_the_model_is_restored():
+    model = _model()
+    ids = torch.randint(0, VOCAB, (1, 8))
+    last = model.model.layers[-1]
+    with torch.no_grad():
+        logits = target_aware_logits(model, ids, (1, 2))
+    assert (logits[:, 0] - logits[:, 1]).abs().max() > 1e-3  # a different target position, a different query
+    assert model.model.layers[-1] is last  # the swap lasts one call
+    with pytest.raises(RuntimeError), target_aware(model, (1, 2)):
+        assert model.model.layers[-1] is not last
+        raise RuntimeError("inside")
+    assert model.model.layers[-1] is last
+
+
+def test_target_aware_forward_with_a_cache_equals_one_without():
+    model = _model()
+    ids = torch.randint(0, VOCAB, (1, 12))
+    with torch.no_grad():
+        full = target_aware_logits(model, ids, (1, 2, 0))
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :7], past_key_values=cache, use_cache=True)
+        tail = target_aware_logits(model, ids[:, 7:], (1, 2, 0), past_key_values=cache)
+    torch.testing.assert_close(tail, full[:, :, 7:], rtol=0, atol=1e-5)
+    assert cache.get_seq_length() == 12  # the last layer cached ordinary keys/values once, not per offset
+
+
+def test_corruption_statistics_match_the_configuration():
+    generator = torch.Generator().manual_seed(0)
+    length, start = 60, 10
+    ids = torch.arange(length)  # distinct tokens: every changed position is visible
+    sizes, corrupted_patches, total_patches, modes, changed = [], 0, 0, {"replace": 0, "repeat": 0}, 0
+    for _ in range(2000):
+        result = corrupt(ids, start, length, max_patch_size=4, ratio=0.25, replace_probability=0.5, generator=generator)
+        assert torch.equal(result.input_ids[:start], ids[:start])  # the prompt is never touched
+        assert result.num_patches == math.ceil((length - start) / result.patch_size)
+        sizes.append(result.patch_size)
+        corrupted_patches += len(result.patches)
+        total_patches += result.num_patches
+        for patch_start, size, mode in result.patches:
+            modes[mode] += 1
+            span = result.input_ids[patch_start : patch_start + size]
+            if mode == "repeat":
+                assert (span == ids[patch_start]).all()
+            else:  # a same-length span from elsewhere in the response
+                source = int(span[0])
+                assert source != patch_start and start <= source <= length - size
+                assert torch.equal(span, ids[source : source + size])
+        changed += int(result.corrupted.sum())
+        assert torch.equal(result.corrupted, result.input_ids != ids)
+    assert set(sizes) == {1, 2, 3, 4} and all(abs(sizes.count(s) / len(sizes) - 0.25) < 0.04 for s in range(1, 5))
+    assert abs(corrupted_patches / total_patches - 0.25) < 0.01
+    assert abs(modes["replace"] / corrupted_patches - 0.5) < 0.02
+    assert changed > 0
+
+
+def test_corruption_edge_cases():
+    ids = torch.tensor([1, 2, 3, 4])
+    none = corrupt(ids, 2, 4, 4, ratio=0.0, replace_probability=0.5, generator=torch.Generator().manual_seed(0))
+    assert not none.corrupted.any() and none.patches == ()
+    for seed in range(6):  # every patch corrupted, always by replacement when another span exists
+        result = corrupt(ids, 2, 4, max_patch_size=2, ratio=1.0, replace_probability=1.0,
+                         generator=torch.Generator().manual_seed(seed))
+        if result.patch_size == 2:  # the whole response is one patch: no other span, the first token repeats
+            assert result.patches == ((2, 2, "repeat"),) and result.input_ids.tolist() == [1, 2, 3, 3]
+        else:  # two 1-token patches, each copied from the other position
+            assert result.input_ids.tolist() == [1, 2, 4, 3]
+
+
+def test_offset_targets_by_hand():
+    ids = torch.tensor([[10, 11, 12, 13, 14]])
+    response = torch.tensor([[0, 0, 1, 1, 1]])
+    targets, valid = offset_targets(ids, response, (2, -1))
+    assert targets[0, 0].tolist() == [12, 13, 14, 14, 14]  # clamped beyond the end, masked below
+    assert valid[0, 0].tolist() == [True, True, True, False, False]  # m + 2 must be a response token
+    assert targets[0, 1].tolist() == [10, 10, 11, 12, 13]
+    assert valid[0, 1].tolist() == [False, False, False, True, True]  # m − 1 must be a response token
+
+
+def test_offset_cross_entropy_by_hand():
+    lm_head = torch.nn.Linear(2, 3, bias=False)
+    lm_head.weight.data = torch.eye(3, 2)  # logits = (h0, h1, 0)
+    hidden = torch.tensor([[[[1.0, 0.0], [0.0, 0.0]], [[0.0, 2.0], [5.0, 5.0]]]])  # (B=1, O=2, T=2, H=2)
+    targets = torch.tensor([[[0, 2], [1, 0]]])
+    valid = torch.tensor([[[True, False], [True, False]]])
+    per_offset, counts = offset_cross_entropy(hidden, lm_head, targets, valid)
+    ce_a = -math.log(math.e / (math.e + 2))  # logits (1, 0, 0), target 0
+    ce_b = -math.log(math.e**2 / (math.e**2 + 2))  # logits (0, 2, 0), target 1
+    assert per_offset.tolist() == pytest.approx([ce_a, ce_b], abs=1e-6)
+    assert counts.tolist() == [1, 1]
+    weighted = weighted_offset_loss(per_offset, counts, torch.tensor([3.0, 1.0]))
+    assert weighted.item() == pytest.approx((3 * ce_a + ce_b) / 4, abs=1e-6)
+    # an offset without targets weighs nothing
+    assert weighted_offset_loss(per_offset, torch.tensor([0.0, 1.0]), torch.tensor([3.0, 1.0])).item() == pytest.approx(ce_b)
+
+
+def test_backward_loss_counts_only_corrupted_tokens_and_trains_only_the_last_layer():
+    model = _model().train()
+    clean = torch.randint(0, VOCAB, (1, 10))
+    corrupted = clean.clone()
+    corrupted[0, 6] = (clean[0, 6] + 1) % VOCAB
+    changed = corrupted != clean
+    per_offset, counts = backward_reconstruction_loss(model, corrupted, clean, torch.ones_like(clean), changed,
+                                                      (-2, -1, 0))
+    assert counts.tolist() == [1, 1, 1]  # position 6 from m = 8, 7, 6
+    per_offset.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.model.layers[-1].parameters())
+    assert all(p.grad is None for p in model.model.layers[0].parameters())  # detached below the last layer
+
+
+def test_stage_parameters_split_the_model():
+    model = _model()
+    first, second = stage_parameters(model, 1), stage_parameters(model, 2)
+    assert {id(p) for p in first} == {id(p) for p in model.model.layers[-1].parameters()}
+    assert {id(p) for p in first} | {id(p) for p in second} == {id(p) for p in model.parameters()}
+    assert not {id(p) for p in first} & {id(p) for p in second}
+
+
+def test_two_stage_training_changes_the_right_parameters(tiny_llama):
+    policy = load_pretrained(tiny_llama, PolicyConfig(device="cpu"))
+    model = policy.model
+    responses = pd.DataFrame({"prompt": ["<|im_start|>user\nBen has 4 apples<|im_end|>\n<|im_start|>assistant\n"] * 4,
+                              "response": ["The answer is 6. Ivy has 3 cookies and gives 1 of them"] * 4})
+    sequences = sft_sequences(policy, responses, 64)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    last_names = {f"model.layers.{len(model.model.layers) - 1}.{n}" for n, _ in model.model.layers[-1].named_parameters()}
+
+    only_stage1 = CoralConfig(stage1_epochs=2, stage2_epochs=0, batch_size=2, stage1_learning_rate=1e-2,
+                              mixed_precision="no")
+    history = train_coral(policy, sequences, only_stage1)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == last_names
+    assert history["stage"] == [1] * 4 and history["loss"][-1] < history["loss"][0]
+    assert set(history) >= {"ce_forward_1", "ce_forward_4", "ce_reconstruct_0", "ce_reconstruct_8"}
+
+    after_stage1 = {name: p.detach().clone() for name, p in model.named_parameters()}
+    only_stage2 = only_stage1.model_copy(update={"stage1_epochs": 0, "stage2_epochs": 1, "stage2_learning_rate": 1e-3})
+    train_coral(policy, sequences, only_stage2)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, after_stage1[n])}
+    assert changed and not changed & last_names
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decoding
+
+
+def test_ensemble_is_eq5_by_hand():
+    settings = CoralDecoding(decay=0.5)
+    a = torch.log_softmax(torch.tensor([2.0, 0.0, 0.0]), -1)
+    b = torch.log_softmax(torch.tensor([0.0, 3.0, 0.0]), -1)
+    # next-token (δ = 1): λ = 1; backward δ = −1: λ = 0.5² = 0.25; contexts' confidences 1 and 0.4
+    pi = ensemble([_Prediction(1, a, 1.0), _Prediction(-1, b, 0.4)], settings)
+    w = torch.tensor([1.0, 0.1])
+    expected = torch.log_softmax((w[0] * a + w[1] * b) / w.sum(), -1)
+    torch.testing.assert_close(pi, expected, rtol=0, atol=1e-6)
+    # contexts all rejected (c = 0): the distance weights alone
+    pi0 = ensemble([_Prediction(1, a, 0.0), _Prediction(-1, b, 0.0)], settings)
+    torch.testing.assert_close(pi0, torch.log_softmax((a + 0.25 * b) / 1.25, -1), rtol=0, atol=1e-6)
+
+
+def _synthetic_forward(tree, tokens, offsets, table: dict[tuple[int, int], list[float]]) -> _Forward:
+    """A forward whose (node, offset) rows hold the given probabilities (vocabulary of 3)."""
+    row_of = torch.full((tree.size, len(offsets)), -1, dtype=torch.long)
+    rows = []
+    for (node, offset), probs in table.items():
+        row_of[node, offsets.index(offset)] = len(rows)
+        rows.append(torch.tensor(probs).log())
+    log_probs = torch.stack(rows)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return _Forward(tree, tokens, offsets, row_of, log_probs, entropy)
+
+
+def test_verification_scores_are_eq6_eq7_eq8_by_hand():
+    settings = CoralDecoding(forward_window=2, backward_window=1, decay=0.5, epsilon=0.2)
+    offsets = settings.offsets()  # (−1, 0, 1, 2)
+    tree = build_tree([(0, 0)])  # root → node 1 (position +1) → node 2 (position +2)
+    tokens = torch.tensor([0, 1, 2])
+    table = {
+        (0, 1): [0.1, 0.8, 0.1],  # p(y1 | ≤ root)       next-token of node 1
+        (0, 2): [0.2, 0.2, 0.6],  # p(y2 | ≤ root)       forward δ = 2 for node 2
+        (1, 0): [0.3, 0.6, 0.1],  # p(y1 | ≤ 1)          backward δ = 0 for node 1
+        (1, 1): [0.1, 0.2, 0.7],  # p(y2 | ≤ 1)          next-token of node 2
+        (2, -1): [0.2, 0.5, 0.3],  # p(y1 | ≤ 2)         backward δ = −1 for node 1
+        (2, 0): [0.1, 0.1, 0.8],  # p(y2 | ≤ 2)          backward δ = 0 for node 2
+    }
+    forward = _synthetic_forward(tree, tokens, offsets, table)
+    score, confidences = _path_scores(forward, [0, 1, 2], settings)
+    lam = {1: 1.0, 0: 0.5, -1: 0.25, 2: 0.5}
+    v1 = (lam[1] * math.log(0.8) + lam[0] * math.log(0.6) + lam[-1] * math.log(0.5)) / (1 + 0.5 + 0.25)
+    v2 = (lam[1] * math.log(0.7) + lam[0] * math.log(0.8)) / 1.5
+    v_cd2 = max(0.0, math.log(0.7) - math.log(0.6))  # one forward dependency (δ = 2): its weight cancels
+    assert score == pytest.approx((v1 + (v2 + v_cd2)) / 2, abs=1e-6)
+
+    def passes(probs, token):
+        p = torch.tensor(probs)
+        entropy = float(-(p * p.log()).sum())
+        return probs[token] > min(0.2, math.sqrt(0.2) * math.exp(-entropy))
+
+    c1 = sum(passes(table[k], 1) for k in ((0, 1), (1, 0), (2, -1))) / 3  # k_b + 2 = 3 dependencies
+    c2 = sum(passes(table[k], 2) for k in ((1, 1), (2, 0))) / 3
+    assert confidences == pytest.approx([c1, c2])
+
+
+def test_candidate_tree_contains_the_top1_chain_and_follows_confidence():
+    settings = CoralDecoding(tree_size=3)
+    log_pi = torch.log_softmax(torch.tensor([[5.0, 4.9, 0.0], [0.0, 3.0, 2.9], [9.0, 0.0, 0.0]]), -1)
+    choices = candidate_choices(log_pi, num_new_from=1, settings=settings)
+    assert (0, 0, 0) in choices and (1,) in choices  # the near-tie at the first position is explored
+    assert candidate_choices(log_pi, 1, replace(settings, verify=False)) == [(0, 0, 0)]
+
+
+@pytest.mark.parametrize("settings", [CoralDecoding(block_size=6), CoralDecoding(block_size=6, verify=False),
+                                      CoralDecoding(block_size=3, forward_window=1),
+                                      CoralDecoding(block_size=1, forward_window=1, backward_window=0)])
+def test_decoding_terminates_and_is_deterministic(settings):
+    model = _model(seed=3)
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    runs = []
+    for _ in range(2):
+        stats = CoralStats()
+        runs.append((coral_generate(model, prompt, 20, set(), settings, stats), stats))
+    (tokens, stats), (again, _) = runs
+    assert tokens == again and len(tokens) == 20 == stats.generated_tokens
+    assert stats.forwards <= 20 * 3 + 1  # progress every few steps (the stall guard bounds the rest)
+    assert sum(stats.accepted_per_step) == 20
+    different_seed = coral_generate(model, prompt, 20, set(), replace(settings, seed=settings.seed + 1))
+    assert len(different_seed) == 20
+
+
+def test_decoding_stops_at_an_end_token():
+    model = _model(seed=3)
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    tokens = coral_generate(model, prompt, 20, set(), CoralDecoding(block_size=4))
+    end = tokens[3]
+    stopped = coral_generate(model, prompt, 20, {end}, CoralDecoding(block_size=4))
+    assert stopped[-1] == end and end not in stopped[:-1] and len(stopped) <= 20
+
+
+def test_single_token_blocks_without_backward_dependencies_are_greedy():
+    """b = 1, k_f = 1, k_b = 0, no verifier: one candidate per step, the next-token argmax; with a negligible ε
+    every dependency votes for it (c = 1), so every step accepts it: that is greedy decoding. (With the
+    verifier, eq. 6 would also weigh each candidate's reconstruction of itself at offset 0.)"""
+    model = _model(seed=5)
+    prompt = torch.randint(0, VOCAB, (1, 4))
+    greedy = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 4:]
+    settings = CoralDecoding(block_size=1, forward_window=1, backward_window=0, epsilon=1e-12, verify=False)
+    stats = CoralStats()
+    ours = coral_generate(model, prompt, 12, set(), settings, stats)
+    assert ours == greedy.tolist() and stats.forced == 0
+
+
+def test_config_rejects_decoding_offsets_the_model_never_learned(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("coral:\n  forward_window: 2\ncoral_benchmark:\n  forward_window: 4\n")
+    with pytest.raises(Exception, match="forward_window"):
+        load_config(path)
