@@ -1,17 +1,21 @@
-"""Benchmark machinery shared by every decoder comparison (SLA now; Medusa, COrAL, MTP later).
+"""Benchmark machinery shared by every decoder comparison (SLA, Medusa, COrAL; MTP later).
 
 - :func:`win_tie_loss`: per-prompt comparison of a decoder's rewards with a reference decoder's,
   summarised as the SLA paper does: win rate = win + tie / 2.
 - :class:`DecodeTimer` / :func:`speed_row`: tokens/s and per-token latency measured in the same run,
   as ratios to the reference decoder.
+- :func:`interleaved_decoding`: every decoder on every prompt at batch 1, prompt-major, timed.
 - :func:`markdown_table`: the human-readable report table (plots: :mod:`foresight.plots`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
 
 
 def win_tie_loss(rewards: Sequence[float], reference: Sequence[float], tolerance: float = 1e-9) -> dict:
@@ -62,6 +66,27 @@ def speed_row(timer: DecodeTimer, reference: DecodeTimer) -> dict:
         "latency_vs_reference": timer.ms_per_token / reference.ms_per_token,
         "speedup_vs_reference": timer.tokens_per_s / reference.tokens_per_s,
     }
+
+
+def interleaved_decoding(decoders: Sequence[str], prompts: Sequence[Any],
+                         decode: Callable[[str, Any, int], tuple[list[int], Any]], max_new_tokens: int, desc: str,
+                         warm_up_tokens: int = 8) -> tuple[dict[str, DecodeTimer], list[dict]]:
+    """Decode every prompt with every decoder, ``decode(decoder, prompt, max_new_tokens) → (tokens, stats)``,
+    and time each decoder. One short warm-up call per decoder first (first calls pay one-off allocation
+    costs); then prompt-major order, so slow drifts of the machine's speed affect every decoder alike.
+    Returns the timers and one record per (prompt, decoder): ``prompt_index``, ``decoder``, ``tokens``, ``stats``.
+    """
+    for decoder in decoders:
+        decode(decoder, prompts[0], warm_up_tokens)
+    timers = {decoder: DecodeTimer() for decoder in decoders}
+    records = []
+    for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt")):
+        for decoder in decoders:
+            with timers[decoder]:
+                tokens, stats = decode(decoder, prompt, max_new_tokens)
+            timers[decoder].add_tokens(len(tokens))
+            records.append({"prompt_index": i, "decoder": decoder, "tokens": tokens, "stats": stats})
+    return timers, records
 
 
 def _cell(value) -> str:

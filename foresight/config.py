@@ -207,7 +207,7 @@ class RewardConfig(_Section):
     """Width of the reward channel (the paper uses 256 for an 8B policy)."""
     learning_rate: float = Field(5e-5, gt=0.0)
     """Adam learning rate (the paper's 5e-5)."""
-    epochs: int = Field(3, ge=1)
+    epochs: int = Field(2, ge=1)
     """Passes over the training pairs."""
     batch_size: int = Field(4, ge=1)
     """Pairs per optimizer step."""
@@ -256,9 +256,9 @@ class SLAConfig(_Section):
 class BenchmarkConfig(_Section):
     """Decoder comparison on held-out prompts (stage ``benchmark_sla``)."""
 
-    num_prompts: int = Field(16, ge=1)
+    num_prompts: int = Field(12, ge=1)
     """Held-out prompts used for quality (the first ones of the eval split)."""
-    speed_prompts: int = Field(4, ge=1)
+    speed_prompts: int = Field(2, ge=1)
     """Prompts decoded at batch 1 for speed (tokens/s, per-token latency)."""
     max_new_tokens: int = Field(64, ge=1)
     """Longest output per decoder."""
@@ -388,7 +388,7 @@ class SpeculativeConfig(_Section):
     once per RL head (``rlmedusa.inits``), as ``medusa_rl_base`` / ``medusa_rl_supervised``."""
     prompt_lookup_tokens: int = Field(10, ge=1)
     """``prompt_lookup_num_tokens`` of HF prompt-lookup decoding."""
-    num_prompts: int = Field(12, ge=1)
+    num_prompts: int = Field(10, ge=1)
     """Held-out prompts decoded by every decoder (the first ones of the eval split)."""
     draft_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Precision of the drafts (heads + LM head copy). Verification stays in the policy's dtype, so this never
@@ -424,8 +424,9 @@ class CoralConfig(_Section):
     """Stage 1 (the last decoder layer only). The paper's 5e-6 suits 3 epochs of ~100k examples, not ~100."""
     stage1_epochs: int = Field(1, ge=0)
     """Stage 1 epochs (0 skips the stage)."""
-    stage2_learning_rate: float = Field(1.0e-5, gt=0.0)
-    """Stage 2 (every parameter except the last decoder layer)."""
+    stage2_learning_rate: float = Field(1.0e-6, gt=0.0)
+    """Stage 2 (every parameter except the last decoder layer): the paper's 1e-6. Measured here: 1e-5 pulls the
+    trunk towards the far offsets and wrecks next-token accuracy (held-out greedy accuracy 44 % → 6 %)."""
     stage2_epochs: int = Field(1, ge=0)
     """Stage 2 epochs (0 skips the stage)."""
     batch_size: int = Field(8, ge=1)
@@ -459,9 +460,9 @@ class CoralBenchmarkConfig(_Section):
     """Appendix C's confidence scaling of the 2nd, 3rd, 4th new token in the candidate tree."""
     tree_size: int = Field(8, ge=1)
     """Candidate-tree nodes besides the top-1 chain (full COrAL)."""
-    num_prompts: int = Field(8, ge=1)
+    num_prompts: int = Field(6, ge=1)
     """Held-out prompts decoded by every decoder (accuracy and speed at batch 1)."""
-    max_new_tokens: int = Field(48, ge=1)
+    max_new_tokens: int = Field(40, ge=1)
     """Longest output."""
     ablation_block_sizes: list[int] = Field(default_factory=lambda: [8])
     """Extra block sizes for COrAL w/o verifier (the speed setting); [] skips the ablation."""

@@ -205,8 +205,9 @@ def coral_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_toke
     prompt = input_ids[0].tolist()
     limit = len(prompt) + max_new_tokens  # positions < limit
     cache = DynamicCache(config=model.config)
-    if len(prompt) > 1:
+    if len(prompt) > 1:  # the prompt but its last token, which is the first tree's root
         model(input_ids=input_ids[:, :-1], past_key_values=cache, use_cache=True)
+        stats.forwards += 1
     sequence, start = list(prompt), len(prompt)  # final tokens: sequence[:start]; tentative: sequence[start:]
     predictions: dict[int, list[_Prediction]] = {}
     stalled = 0

@@ -24,9 +24,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
-from foresight.benchmark import DecodeTimer, markdown_table, speed_row
+from foresight.benchmark import interleaved_decoding, markdown_table, speed_row
 from foresight.config import Config
 from foresight.plots import bar_plot, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
@@ -268,33 +267,28 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
     hf_kwargs = {"greedy": GREEDY, "prompt_lookup": {**GREEDY, "prompt_lookup_num_tokens": s.prompt_lookup_tokens}}
     decoders = ["greedy"] + (["prompt_lookup"] if "prompt_lookup" in s.decoders else []) + list(drafters)
 
-    def decode(decoder: str, ids: torch.Tensor) -> tuple[list[int], SpeculativeStats | None]:
+    def decode(decoder: str, ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], SpeculativeStats | None]:
         if decoder in hf_kwargs:
-            (tokens,) = hf_decode(policy, [ids[0].tolist()], hf_kwargs[decoder], s.max_new_tokens, eos, batch_size=1)
+            (tokens,) = hf_decode(policy, [ids[0].tolist()], hf_kwargs[decoder], max_new_tokens, eos, batch_size=1)
             return tokens, None
-        return speculative_generate(policy.model, drafters[decoder], ids, tree, s.max_new_tokens, eos, acceptance)
+        return speculative_generate(policy.model, drafters[decoder], ids, tree, max_new_tokens, eos, acceptance)
 
     records, rows = [], []
     for set_name, questions in _prompt_sets(cfg).items():
         prompt_ids = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions,
                                                                       cfg.prompts.system_prompt)]
-        for decoder in decoders:  # warm-up: first calls pay one-off allocation costs
-            decode(decoder, prompt_ids[0])
-        timers = {d: DecodeTimer() for d in decoders}
+        timers, decoded = interleaved_decoding(decoders, prompt_ids, decode, s.max_new_tokens,
+                                               f"speculative decoding ({set_name})")
         forwards = {d: 0 for d in decoders}
-        # prompt-major order: slow drifts of the machine's speed affect every decoder alike
-        for i, ids in enumerate(tqdm(prompt_ids, desc=f"speculative decoding ({set_name})", unit="prompt")):
-            for decoder in decoders:
-                with timers[decoder]:
-                    tokens, stats = decode(decoder, ids)
-                timers[decoder].add_tokens(len(tokens))
-                if stats is not None:
-                    forwards[decoder] += stats.forwards
-                elif decoder == "greedy":  # one forward per token, the prefill included
-                    forwards[decoder] += len(tokens)
-                records.append({"prompt_set": set_name, "prompt_index": i, "decoder": decoder, "tokens": tokens,
-                                "new_tokens": len(tokens), "forwards": stats.forwards if stats else None,
-                                "response": policy.tokenizer.decode(tokens, skip_special_tokens=True)})
+        for r in decoded:
+            stats, tokens = r["stats"], r["tokens"]
+            if stats is not None:
+                forwards[r["decoder"]] += stats.forwards
+            elif r["decoder"] == "greedy":  # one forward per token, the prefill included (prompt lookup's: not exposed)
+                forwards[r["decoder"]] += len(tokens)
+            records.append({"prompt_set": set_name, "prompt_index": r["prompt_index"], "decoder": r["decoder"],
+                            "tokens": tokens, "new_tokens": len(tokens), "forwards": stats.forwards if stats else None,
+                            "response": policy.tokenizer.decode(tokens, skip_special_tokens=True)})
         outputs = pd.DataFrame([r for r in records if r["prompt_set"] == set_name])
         reference = outputs[outputs["decoder"] == "greedy"].set_index("prompt_index")["tokens"]
         for decoder in decoders:

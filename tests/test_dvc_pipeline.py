@@ -190,6 +190,13 @@ def test_pipeline_mlflow_runs_nest_under_one_parent(dvc_repo, pipeline_result):
     assert all(r.info.status == "FINISHED" for r in by_stage.values())
     assert by_stage["generate"].data.metrics["num_samples"] == NUM_TRAIN * NUM_SAMPLES
     assert by_stage["validate"].data.metrics["num_pairs"] >= 1
+    # COrAL's training curves: one point per step for every forward offset (the tiny model's greedy responses
+    # repeat one token, so corruption changes nothing there: reconstruction curves are tested in test_coral.py)
+    coral_run = by_stage["train_coral"].info.run_id
+    steps = {key: [m.step for m in client.get_metric_history(coral_run, key)]
+             for key in ("ce_forward_1", "ce_forward_4", "loss")}
+    assert steps["ce_forward_1"] == steps["ce_forward_4"] == steps["loss"] == list(range(1, len(steps["loss"]) + 1))
+    assert len(steps["loss"]) >= 2  # stage 1 and stage 2
 
 
 def test_pipeline_prefect_artifacts(dvc_repo, pipeline_result):
