@@ -141,7 +141,7 @@ class PromptsConfig(_Section):
 class GenerateConfig(_Section):
     """Sampling from the policy (stage ``generate``)."""
 
-    num_samples: int = Field(5, ge=1, le=64)
+    num_samples: int = Field(4, ge=1, le=64)
     """Samples per prompt (N)."""
     temperature: float = Field(0.8, gt=0.0, le=5.0)
     """Sampling temperature."""
@@ -256,7 +256,7 @@ class SLAConfig(_Section):
 class BenchmarkConfig(_Section):
     """Decoder comparison on held-out prompts (stage ``benchmark_sla``)."""
 
-    num_prompts: int = Field(12, ge=1)
+    num_prompts: int = Field(8, ge=1)
     """Held-out prompts used for quality (the first ones of the eval split)."""
     speed_prompts: int = Field(2, ge=1)
     """Prompts decoded at batch 1 for speed (tokens/s, per-token latency)."""
@@ -388,7 +388,7 @@ class SpeculativeConfig(_Section):
     once per RL head (``rlmedusa.inits``), as ``medusa_rl_base`` / ``medusa_rl_supervised``."""
     prompt_lookup_tokens: int = Field(10, ge=1)
     """``prompt_lookup_num_tokens`` of HF prompt-lookup decoding."""
-    num_prompts: int = Field(10, ge=1)
+    num_prompts: int = Field(8, ge=1)
     """Held-out prompts decoded by every decoder (the first ones of the eval split)."""
     draft_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Precision of the drafts (heads + LM head copy). Verification stays in the policy's dtype, so this never
@@ -446,7 +446,7 @@ class CoralConfig(_Section):
 class CoralBenchmarkConfig(_Section):
     """Sliding blockwise order-agnostic decoding and its benchmark (stage ``benchmark_coral``)."""
 
-    block_size: int = Field(16, ge=1)
+    block_size: int = Field(8, ge=1)
     """b: most tentative tokens in the sliding block (the paper: 64, for 512-token GPU outputs)."""
     forward_window: int = Field(4, ge=1)
     """k_f: positions predicted ahead per step (≤ coral.forward_window, the offsets the model learned)."""
@@ -464,7 +464,7 @@ class CoralBenchmarkConfig(_Section):
     """Held-out prompts decoded by every decoder (accuracy and speed at batch 1)."""
     max_new_tokens: int = Field(40, ge=1)
     """Longest output."""
-    ablation_block_sizes: list[int] = Field(default_factory=lambda: [8])
+    ablation_block_sizes: list[int] = Field(default_factory=lambda: [16])
     """Extra block sizes for COrAL w/o verifier (the speed setting); [] skips the ablation."""
     ablation_forward_windows: list[int] = Field(default_factory=lambda: [2])
     """Extra forward windows for COrAL w/o verifier; [] skips the ablation."""

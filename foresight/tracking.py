@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,8 +69,6 @@ def log_stage_outputs(cfg: Config, metrics: dict, tables: dict[str, pd.DataFrame
                       curves: dict[str, list[float]] | None = None) -> None:
     """Log metrics, curves (a metric history per key, step = index + 1; NaN steps skipped), a preview of each
     table, and whole folders (e.g. Data Docs) to the active run."""
-    import time
-
     import mlflow
     from mlflow.entities import Metric
 

@@ -45,7 +45,7 @@ from models.speculative import Tree, build_tree, keep_accepted, sparse_tree, tre
 class CoralDecoding:
     """Settings of one sliding-blockwise decoder (Appendix D's are block 64, windows 4 / 8, ε 0.2)."""
 
-    block_size: int = 16  # b: the most tentative tokens in flight
+    block_size: int = 8  # b: the most tentative tokens in flight
     forward_window: int = 4  # k_f: new positions predicted ahead of the last tentative token (1 = w/o multi-forward)
     backward_window: int = 8  # k_b: later tokens whose backward predictions refine a token
     epsilon: float = 0.2  # ε of eq. 8
@@ -72,10 +72,6 @@ class CoralStats:
     generated_tokens: int = 0
     forced: int = 0  # tokens accepted by the stall guard
     accepted_per_step: list[int] = field(default_factory=list)
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return self.generated_tokens / self.forwards if self.forwards else float("nan")
 
 
 @dataclass
@@ -116,6 +112,7 @@ def candidate_choices(log_pi: torch.Tensor, num_new_from: int, settings: CoralDe
 
 
 def _root_only_tree() -> Tree:
+    """The first step's "tree": the prompt's last token alone (no candidates yet)."""
     return Tree(choices=(), depths=torch.tensor([0]), ranks=torch.tensor([0]), ancestors=torch.ones(1, 1, dtype=torch.bool),
                 paths=torch.tensor([[0]]))
 
@@ -124,7 +121,6 @@ def _root_only_tree() -> Tree:
 class _Forward:
     """A target-aware tree forward's log-probabilities, by (node, offset)."""
 
-    tree: Tree
     tokens: torch.Tensor  # (N+1,)
     offsets: tuple[int, ...]
     row_of: torch.Tensor  # (N+1, O) row index into log_probs, −1 where not computed
@@ -150,7 +146,7 @@ def _tree_forward(model, tokens: torch.Tensor, tree: Tree, cache: DynamicCache, 
     logits = model.get_output_embeddings()(hidden[offset_index.to(hidden.device), nodes.to(hidden.device)])  # (R, V)
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)  # (R,)
-    return _Forward(tree, tokens, offsets, row_of, log_probs, entropy)
+    return _Forward(tokens, offsets, row_of, log_probs, entropy)
 
 
 def _path_scores(forward: _Forward, path: list[int], settings: CoralDecoding) -> tuple[float, list[float]]:

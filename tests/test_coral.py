@@ -241,7 +241,7 @@ def _synthetic_forward(tree, tokens, offsets, table: dict[tuple[int, int], list[
         rows.append(torch.tensor(probs).log())
     log_probs = torch.stack(rows)
     entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return _Forward(tree, tokens, offsets, row_of, log_probs, entropy)
+    return _Forward(tokens, offsets, row_of, log_probs, entropy)
 
 
 def test_verification_scores_are_eq6_eq7_eq8_by_hand():
