@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_repo_params_file_is_valid():
     cfg = load_config(REPO / "params.yaml")
     assert cfg.policy.model == "smollm2-135m-instruct"
-    assert cfg.generate.num_samples == 5 and cfg.generate.temperature == 0.8
+    assert cfg.generate.num_samples == 4 and cfg.generate.temperature == 0.8
     assert cfg.path(cfg.paths.samples) == REPO / "data/samples/samples.parquet"
 
 
