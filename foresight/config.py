@@ -256,7 +256,7 @@ class SLAConfig(_Section):
 class BenchmarkConfig(_Section):
     """Decoder comparison on held-out prompts (stage ``benchmark_sla``)."""
 
-    num_prompts: int = Field(8, ge=1)
+    num_prompts: int = Field(6, ge=1)
     """Held-out prompts used for quality (the first ones of the eval split)."""
     speed_prompts: int = Field(2, ge=1)
     """Prompts decoded at batch 1 for speed (tokens/s, per-token latency)."""
@@ -388,7 +388,7 @@ class SpeculativeConfig(_Section):
     once per RL head (``rlmedusa.inits``), as ``medusa_rl_base`` / ``medusa_rl_supervised``."""
     prompt_lookup_tokens: int = Field(10, ge=1)
     """``prompt_lookup_num_tokens`` of HF prompt-lookup decoding."""
-    num_prompts: int = Field(8, ge=1)
+    num_prompts: int = Field(6, ge=1)
     """Held-out prompts decoded by every decoder (the first ones of the eval split)."""
     draft_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Precision of the drafts (heads + LM head copy). Verification stays in the policy's dtype, so this never
@@ -460,7 +460,7 @@ class CoralBenchmarkConfig(_Section):
     """Appendix C's confidence scaling of the 2nd, 3rd, 4th new token in the candidate tree."""
     tree_size: int = Field(8, ge=1)
     """Candidate-tree nodes besides the top-1 chain (full COrAL)."""
-    num_prompts: int = Field(6, ge=1)
+    num_prompts: int = Field(4, ge=1)
     """Held-out prompts decoded by every decoder (accuracy and speed at batch 1)."""
     max_new_tokens: int = Field(40, ge=1)
     """Longest output."""
