@@ -30,7 +30,7 @@ def test_parent_and_nested_stage_runs(tmp_path, monkeypatch):
     run = client.get_run(child)
     assert run.data.tags["mlflow.parentRunId"] == parent and run.data.tags["foresight.stage"] == "generate"
     assert run.data.metrics == {"num_samples": 10.0, "tokens_per_s": 99.5}
-    assert run.data.params["generate.num_samples"] == "5"
+    assert run.data.params["generate.num_samples"] == str(cfg.generate.num_samples)
     artifacts = {a.path for a in client.list_artifacts(child)} | {a.path for a in client.list_artifacts(child, "tables")}
     assert {"tables/samples.json", "datadocs"} <= artifacts
     assert client.get_run(parent).data.params["label.labeler"] == "verifiable"
