@@ -43,6 +43,10 @@ HEADLINE = {
     "train_coral": ["after_top1_forward_1", "after_top1_forward_2", "after_top1_forward_4"],
     "benchmark_coral": ["next_token.accuracy", "coral.accuracy", "coral.speedup_vs_reference",
                         "coral_no_verifier.accuracy", "coral_no_verifier.speedup_vs_reference"],
+    "train_mtp": ["held_out_expected_tau", "held_out_top1_depth_1", "ablation_k1_expected_tau",
+                  "ablation_k4_expected_tau"],
+    "train_mtp_rl": ["mtp_rl.rollout_speedup", "mtp_rl.tau_first", "mtp_rl.tau_last", "frozen_mtp.tau_last",
+                     "accuracy_before", "mtp_rl.accuracy_after"],
 }
 
 

@@ -30,6 +30,7 @@ from tasks.data import (
 )
 from tasks.dpo import dpo_task
 from tasks.medusa import benchmark_medusa_task, train_medusa_task, train_rlmedusa_task
+from tasks.mtp import train_mtp_rl_task, train_mtp_task
 from tasks.reward import train_reward_task
 
 
@@ -174,6 +175,20 @@ def benchmark_coral_flow(params_path: str = "params.yaml", overrides: dict | Non
                      parent_run_id)
 
 
+@flow(name="train-mtp", log_prints=True)
+def train_mtp_flow(params_path: str = "params.yaml", overrides: dict | None = None,
+                   parent_run_id: str | None = None) -> dict:
+    """MTP equip: a shared-parameter multi-token-prediction module on the frozen policy, and its depth ablation."""
+    return run_stage("train_mtp", train_mtp_task, ["mtp"], params_path, overrides, parent_run_id)
+
+
+@flow(name="train-mtp-rl", log_prints=True)
+def train_mtp_rl_flow(params_path: str = "params.yaml", overrides: dict | None = None,
+                      parent_run_id: str | None = None) -> dict:
+    """GRPO with MTP-drafted rollouts and the advantage-aware MTP loss (MTP-RL), against its baselines."""
+    return run_stage("train_mtp_rl", train_mtp_rl_task, ["mtp_rl"], params_path, overrides, parent_run_id)
+
+
 STAGE_FLOWS = {
     "prepare_policy": prepare_policy_flow,
     "prepare_prompts": prepare_prompts_flow,
@@ -189,6 +204,8 @@ STAGE_FLOWS = {
     "benchmark_medusa": benchmark_medusa_flow,
     "train_coral": train_coral_flow,
     "benchmark_coral": benchmark_coral_flow,
+    "train_mtp": train_mtp_flow,
+    "train_mtp_rl": train_mtp_rl_flow,
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -52,6 +52,10 @@ class PathsConfig(_Section):
     """Medusa heads: ``supervised/`` (Medusa-1) and ``rl/`` (head 1 trained by RLMedusa), with their evaluations."""
     coral_dir: Path = Path("data/coral")
     """The COrAL model (a Hugging Face folder, order-agnostic after two-stage training) with its curves."""
+    mtp_dir: Path = Path("data/mtp")
+    """The MTP module of the equip stage (``module/``), its depth ablation, curves and evaluation."""
+    mtp_rl_dir: Path = Path("data/mtp_rl")
+    """GRPO / MTP-RL results: per-step histories of every variant, the summary table, plots, the report."""
 
 
 class PolicyConfig(_Section):
@@ -114,7 +118,7 @@ class PromptsConfig(_Section):
 
     source: Literal["arithmetic", "dataset", "file"] = "arithmetic"
     """Which source to read: generated ``arithmetic`` problems, a hub ``dataset``, or a local ``file``."""
-    num_train: int = Field(120, ge=1)
+    num_train: int = Field(96, ge=1)
     """Prompts in the training split (the ones sampled from)."""
     num_eval: int = Field(40, ge=0)
     """Held-out prompts for benchmarks; never sampled from in training stages."""
@@ -256,9 +260,9 @@ class SLAConfig(_Section):
 class BenchmarkConfig(_Section):
     """Decoder comparison on held-out prompts (stage ``benchmark_sla``)."""
 
-    num_prompts: int = Field(6, ge=1)
+    num_prompts: int = Field(4, ge=1)
     """Held-out prompts used for quality (the first ones of the eval split)."""
-    speed_prompts: int = Field(2, ge=1)
+    speed_prompts: int = Field(1, ge=1)
     """Prompts decoded at batch 1 for speed (tokens/s, per-token latency)."""
     max_new_tokens: int = Field(64, ge=1)
     """Longest output per decoder."""
@@ -472,6 +476,101 @@ class CoralBenchmarkConfig(_Section):
     """Seeds eq. 8's acceptance draws (decoding is deterministic)."""
 
 
+class MTPConfig(_Section):
+    """The MTP-equipped stage (stage ``train_mtp``): a shared-parameter MTP module on the frozen policy."""
+
+    data: Literal["distilled", "correct"] = "distilled"
+    """Self-distilled data: ``distilled`` = the policy's greedy responses that ``train_medusa`` distilled from;
+    ``correct`` = the generated samples the labeler marked correct."""
+    num_depths: int = Field(3, ge=1, le=8)
+    """K: chained predictions per draft, one shared layer applied K times (the paper: 3)."""
+    ce_weights: list[float] = Field(default_factory=lambda: [0.6, 0.3, 0.1], min_length=1)
+    """λ_1 … λ_K of eq. 1 (the paper: 0.6 / 0.3 / 0.1); deeper depths reuse the last weight."""
+    init: Literal["last_layer", "scratch"] = "last_layer"
+    """The module's decoder layer starts as a copy of the policy's last layer, its projection as the sum of its
+    two normed inputs; ``scratch`` = random (the paper's choice, for ~100k training responses, not ~100)."""
+    learning_rate: float = Field(5.0e-4, gt=0.0)
+    """AdamW (β 0.9 / 0.95) peak learning rate (the paper: 5e-5 over 5 epochs of ~113k responses)."""
+    epochs: int = Field(2, ge=1)
+    """Passes over the training responses."""
+    batch_size: int = Field(8, ge=1)
+    """Sequences per step."""
+    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    """Linear warm-up share of the steps (cosine decay after)."""
+    max_length: int = Field(256, ge=8)
+    """Prompt + response tokens kept per sequence."""
+    eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    """Share of prompts held out for the per-depth accuracy and the expected acceptance length."""
+    ablation_depths: list[Annotated[int, Field(ge=1, le=8)]] = Field(default_factory=lambda: [1, 2, 4])
+    """Further K trained the same way for Table 2's ablation (expected initial τ per K); [] skips it."""
+    mixed_precision: Literal["no", "bf16"] = "bf16"
+    """accelerate's autocast for the training forward passes."""
+    seed: int = 0
+    """Seeds the split, the shuffling and the module's initialisation."""
+
+
+MTP_RL_VARIANTS = ("vanilla", "mtp_rl", "frozen_mtp", "ce_only", "no_backprop")
+
+
+class MTPRLConfig(_Section):
+    """GRPO with MTP-drafted rollouts and the advantage-aware MTP loss, and its baselines (``train_mtp_rl``)."""
+
+    variants: list[Literal[MTP_RL_VARIANTS]] = Field(
+        default_factory=lambda: ["vanilla", "mtp_rl", "frozen_mtp"])
+    """Run in the same harness, each from the same policy and MTP module, on the same prompts and seeds:
+    ``vanilla`` GRPO (no drafts: HF sampling), ``mtp_rl`` (eq. 2–5), ``frozen_mtp`` (drafts, module never
+    trained), ``ce_only`` (module trained by eq. 1's CE alone), ``no_backprop`` (eq. 4's loss, but it never
+    reaches the policy). Rollout speedups are measured against ``vanilla``. The default runs the three the
+    targets compare (the 30-minute CPU budget); add ``ce_only`` and ``no_backprop`` for Table 1's rows."""
+    steps: int = Field(3, ge=1)
+    """RL steps per variant (one rollout phase and one update each)."""
+    prompts_per_step: int = Field(1, ge=1)
+    """Training prompts per step; each gets ``group_size`` rollouts."""
+    group_size: int = Field(4, ge=2)
+    """G: rollouts per prompt; advantages are normalised within each group."""
+    temperature: float = Field(0.8, gt=0.0)
+    """Rollout sampling temperature (no top-k / top-p: speculative sampling preserves exactly this)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest rollout; a rollout cut off before its answer earns reward 0."""
+    learning_rate: float = Field(2.0e-6, gt=0.0)
+    """AdamW learning rate of the policy. Measured: at 1e-5, four steps of L_Adv back-propagated from a weak
+    MTP module (CE ≈ 5) cut held-out accuracy from 0.44 to 0.13 (MTP-RL) and 0.31 (CE only)."""
+    mtp_learning_rate: float = Field(1.0e-4, gt=0.0)
+    """AdamW learning rate of the MTP module (variants that train it)."""
+    epsilon_low: float = Field(0.2, gt=0.0, lt=1.0)
+    """Lower clip of the probability ratio (1 − ε_low)."""
+    epsilon_high: float = Field(0.28, gt=0.0)
+    """Upper clip of the probability ratio (1 + ε_high; DAPO's clip-higher)."""
+    iterations: int = Field(1, ge=1)
+    """μ: optimisation passes over each step's rollouts (1: the ratio is 1 and the clip only matters from the
+    second pass)."""
+    kl_beta: float = Field(0.0, ge=0.0)
+    """β of the k3 KL to the starting policy (0: no reference model is kept, as in DAPO)."""
+    beta: float = Field(0.2, ge=0.0)
+    """β of eq. 4: the weight of the MTP cross-entropy next to the advantage-aware KL."""
+    ce_only_weight: float = Field(1.0, gt=0.0)
+    """Weight of the MTP cross-entropy in the ``ce_only`` baseline (the equip stage's loss)."""
+    advantage_epsilon: float = Field(1.0e-4, gt=0.0)
+    """ε in A = (r − mean) / (std + ε)."""
+    draft_temperature: float = Field(0.0, ge=0.0)
+    """0: the MTP module drafts its top-1 tokens (the paper's drafting); > 0: drafts sampled at this temperature.
+    Speculative sampling keeps the rollouts exact either way; only the acceptance rate differs."""
+    draft_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Precision of the drafts only (copies made per rollout phase): never changes what is sampled."""
+    eval_prompts: int = Field(8, ge=1)
+    """Held-out prompts for greedy accuracy before RL and after each variant."""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """accelerate's autocast for the update's forward passes."""
+    seed: int = 0
+    """Seeds the prompt order and every rollout's sampling (the same streams for every variant)."""
+
+    @model_validator(mode="after")
+    def _variants_listed_once(self) -> MTPRLConfig:
+        if not self.variants or len(set(self.variants)) != len(self.variants):
+            raise ValueError(f"mtp_rl.variants must name at least one variant, each once, got {self.variants}")
+        return self
+
+
 class TrackingConfig(_Section):
     """MLflow tracking."""
 
@@ -516,6 +615,10 @@ class Config(_Section):
     """COrAL two-stage order-agnostic training."""
     coral_benchmark: CoralBenchmarkConfig = Field(default_factory=CoralBenchmarkConfig)
     """COrAL decoding benchmark."""
+    mtp: MTPConfig = Field(default_factory=MTPConfig)
+    """The MTP-equipped stage."""
+    mtp_rl: MTPRLConfig = Field(default_factory=MTPRLConfig)
+    """GRPO with MTP-drafted rollouts (MTP-RL) and its baselines."""
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     """MLflow."""
 

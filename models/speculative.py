@@ -1,7 +1,7 @@
 """Tree speculative decoding: draft a sparse tree of candidates, verify it in ONE forward, keep the best path.
 
-The engine shared by every "predict ahead" decoder of the project (Medusa / RLMedusa heads now; MTP and
-COrAL drafts later). It follows Medusa (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration
+The engine shared by every "predict ahead" decoder of the project (Medusa / RLMedusa heads, COrAL's tree,
+MTP's chained drafts — which add :func:`verify_speculative_sampling` for sampled rollouts). It follows Medusa (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration
 Framework with Multiple Decoding Heads", §2.1.2 tree attention, §2.3.1 typical acceptance) as described in
 papers/rlmedusa-paper.txt (introduction) and NOTES.md, built as a pipeline of small pure functions:
 
@@ -208,6 +208,30 @@ def verify_typical(tokens: torch.Tensor, logits: torch.Tensor, tree: Tree, rule:
     return _accepted_path(tree, match)
 
 
+def verify_speculative_sampling(draft_tokens: Sequence[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                                generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Speculative sampling on a chain (Leviathan et al. 2023, Chen et al. 2023): LOSSLESS for sampling.
+
+    ``draft_probs`` (D, V): the distribution each draft token was sampled from (one-hot for top-1 drafts);
+    ``target_probs`` (D+1, V): the model's distribution at the root and after each draft. Draft d is accepted
+    with probability min(1, p(x)/q(x)); at the first rejection the next token is drawn from
+    norm(max(0, p − q)), and when every draft passes, a bonus token from the last p. Every emitted token is
+    then distributed exactly as sampling from the model one token at a time.
+
+    Returns (accepted drafts, next token).
+    """
+    uniforms = torch.rand(len(draft_tokens), generator=generator, device=generator.device if generator else None)
+    for d, token in enumerate(draft_tokens):
+        p, q = target_probs[d], draft_probs[d]
+        if uniforms[d] * q[token] <= p[token]:  # u < p/q, without dividing by a zero q
+            continue
+        residual = (p - q).clamp(min=0)
+        total = residual.sum()
+        residual = residual / total if total > 0 else p  # p == q exactly: any draw from p is right
+        return d, int(torch.multinomial(residual, 1, generator=generator))
+    return len(draft_tokens), int(torch.multinomial(target_probs[-1], 1, generator=generator))
+
+
 def _parents(tree: Tree) -> torch.Tensor:
     """(N+1,) index of each node's parent (root: -1): its deepest strict ancestor."""
     strict = tree.ancestors & ~torch.eye(tree.size, dtype=torch.bool)
@@ -235,11 +259,23 @@ class SpeculativeStats:
     forwards: int = 0  # model forwards, the prefill included
     generated_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # tokens gained per tree forward
+    drafted_tokens: int = 0  # draft tokens offered for verification (chain drafting)
+    accepted_drafts: int = 0  # of which accepted
 
     @property
     def mean_accepted_length(self) -> float:
         """τ: generated tokens per model forward (greedy decoding = 1.0)."""
         return self.generated_tokens / self.forwards if self.forwards else float("nan")
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        """τ as MTP-RL counts it: tokens accepted per draft–verify cycle, the bonus token included."""
+        return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α: the share of draft tokens accepted."""
+        return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else float("nan")
 
 
 @torch.no_grad()

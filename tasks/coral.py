@@ -25,42 +25,20 @@ from foresight.benchmark import interleaved_decoding, markdown_table, speed_row
 from foresight.config import Config
 from foresight.plots import bar_plot, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
-from tasks.data import GPU_TAG, StageResult, load_stage_policy, stage_accelerator
-
-
-def _sft_data(cfg: Config) -> pd.DataFrame:
-    """The responses COrAL learns from (``coral.data``)."""
-    if cfg.coral.data == "distilled":
-        path = cfg.path(cfg.paths.medusa_dir) / "distilled" / "responses.parquet"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: run the train_medusa stage (coral.data: distilled reads it)")
-        responses = read_table(path, "distilled responses")
-    else:
-        scores = read_table(cfg.path(cfg.paths.scores), "scored samples")
-        responses = scores[scores["correct"].fillna(False).astype(bool)].reset_index(drop=True)
-        if responses.empty:
-            raise ValueError(f"{cfg.path(cfg.paths.scores)} has no sample labeled correct: coral.data: correct needs "
-                             "prompts with known answers and a verifiable labeler")
-    if responses.empty:
-        raise ValueError("no responses to train COrAL on")
-    return responses
+from tasks.data import GPU_TAG, StageResult, load_stage_policy, sft_responses, split_responses, stage_accelerator
 
 
 @task(name="train-coral", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def train_coral_task(cfg: Config) -> StageResult:
     """Two-stage COrAL training of the base policy; writes the model folder with its curves and evaluation."""
     from models.coral_training import offset_accuracy, sft_sequences, train_coral
-    from models.medusa_training import split_by_prompt
 
     logger = get_run_logger()
     started = time.perf_counter()
     c = cfg.coral
     policy = load_stage_policy(cfg, "base")
-    responses = _sft_data(cfg)
-    train_rows, eval_rows = split_by_prompt(responses, c.eval_fraction, c.seed)
-    if len(train_rows) == 0 or len(eval_rows) == 0:
-        raise ValueError(f"{len(responses)} responses from {responses['prompt_id'].nunique()} prompt(s) cannot be split "
-                         "into training and held-out prompts: at least 2 prompts are needed")
+    responses = sft_responses(cfg, cfg.coral.data, "coral.data")
+    train_rows, eval_rows = split_responses(responses, c.eval_fraction, c.seed)
     sequences = sft_sequences(policy, responses, c.max_length)
     train, held_out = [sequences[i] for i in train_rows], [sequences[i] for i in eval_rows]
     logger.info("COrAL SFT data (%s): %d training / %d held-out sequences", c.data, len(train), len(held_out))

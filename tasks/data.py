@@ -59,6 +59,36 @@ def stage_accelerator(policy, mixed_precision: str = "no"):
     return Accelerator(cpu=policy.device.type == "cpu", mixed_precision=mixed_precision)
 
 
+def sft_responses(cfg: Config, source: str, key: str) -> pd.DataFrame:
+    """Responses a stage fine-tunes on: ``distilled`` = the policy's own (greedy) responses that ``train_medusa``
+    distilled from; ``correct`` = the generated samples the labeler marked correct. ``key`` names the setting."""
+    if source == "distilled":
+        path = cfg.path(cfg.paths.medusa_dir) / "distilled" / "responses.parquet"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: run the train_medusa stage ({key}: distilled reads it)")
+        responses = read_table(path, "distilled responses")
+    else:
+        scores = read_table(cfg.path(cfg.paths.scores), "scored samples")
+        responses = scores[scores["correct"].fillna(False).astype(bool)].reset_index(drop=True)
+        if responses.empty:
+            raise ValueError(f"{cfg.path(cfg.paths.scores)} has no sample labeled correct: {key}: correct needs "
+                             "prompts with known answers and a verifiable labeler")
+    if responses.empty:
+        raise ValueError(f"no responses to train on ({key}: {source})")
+    return responses
+
+
+def split_responses(responses: pd.DataFrame, eval_fraction: float, seed: int):
+    """Row indices of training and held-out responses, split by prompt; an error if either side is empty."""
+    from models.medusa_training import split_by_prompt
+
+    train_rows, eval_rows = split_by_prompt(responses, eval_fraction, seed)
+    if len(train_rows) == 0 or len(eval_rows) == 0:
+        raise ValueError(f"{len(responses)} responses from {responses['prompt_id'].nunique()} prompt(s) cannot be split "
+                         "into training and held-out prompts: at least 2 prompts are needed")
+    return train_rows, eval_rows
+
+
 def _prompt_split_path(cfg: Config, split: str) -> Path:
     return cfg.path(cfg.paths.prompts_dir) / f"{split}.jsonl"
 

@@ -56,6 +56,10 @@ def tiny_params(root: Path, model: Path, **sections) -> dict:
         "coral": {"stage1_epochs": 1, "stage2_epochs": 1, "batch_size": 4, "max_length": 128, "mixed_precision": "no"},
         "coral_benchmark": {"block_size": 6, "num_prompts": 2, "max_new_tokens": 8, "ablation_block_sizes": [3],
                             "ablation_forward_windows": [2]},
+        "mtp": {"num_depths": 2, "ce_weights": [0.6, 0.4], "epochs": 1, "batch_size": 4, "max_length": 128,
+                "ablation_depths": [1], "mixed_precision": "no"},
+        "mtp_rl": {"steps": 1, "group_size": 2, "max_new_tokens": 6, "eval_prompts": 2,
+                   "variants": ["vanilla", "mtp_rl", "frozen_mtp", "ce_only", "no_backprop"]},
     }
     for name, values in sections.items():
         params.setdefault(name, {}).update(values)

@@ -26,7 +26,7 @@ from tests.conftest import tiny_params
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ["prepare_policy", "prepare_prompts", "generate", "label", "validate", "train_reward", "dpo",
           "train_reward_dpo", "benchmark_sla", "train_medusa", "train_rlmedusa", "benchmark_medusa",
-          "train_coral", "benchmark_coral"]
+          "train_coral", "benchmark_coral", "train_mtp", "train_mtp_rl"]
 NUM_TRAIN, NUM_SAMPLES = 6, 3
 RUNNING = re.compile(r"Running stage '([^']+)'")
 
@@ -162,6 +162,17 @@ def test_pipeline_flow_runs_every_stage_and_pushes(dvc_repo, pipeline_result):
                                          "coral_no_verifier_b3", "coral_no_verifier_kf2"]
     assert coral["accuracy"].between(0, 1).all() and (coral["tokens_per_forward"] > 0).all()
 
+    # MTP: the equipped module with its depth ablation, then every GRPO variant with per-step τ and rollout time
+    assert (repo / "data/mtp/module/mtp.safetensors").is_file() and (repo / "data/mtp/ablation.png").is_file()
+    assert pd.read_csv(repo / "data/mtp/ablation.csv")["num_depths"].tolist() == [1, 2]
+    mtp_rl = pd.read_csv(repo / "data/mtp_rl/table.csv")
+    assert mtp_rl["variant"].tolist() == ["vanilla", "mtp_rl", "frozen_mtp", "ce_only", "no_backprop"]
+    assert (mtp_rl["total_rollout_seconds"] > 0).all() and mtp_rl["accuracy_after"].between(0, 1).all()
+    assert mtp_rl.set_index("variant").loc["vanilla", "rollout_speedup"] == 1.0
+    assert (mtp_rl[mtp_rl["variant"] != "vanilla"]["tau_mean"] >= 1).all()
+    for plot in ("tau.png", "rollout_seconds.png"):
+        assert (repo / "data/mtp_rl" / plot).is_file(), plot
+
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     assert sorted(lock["stages"]) == sorted(STAGES)
     assert lock["stages"]["generate"]["params"]["params.yaml"]["generate"]["seed"] == 0
@@ -197,6 +208,10 @@ def test_pipeline_mlflow_runs_nest_under_one_parent(dvc_repo, pipeline_result):
              for key in ("ce_forward_1", "ce_forward_4", "loss")}
     assert steps["ce_forward_1"] == steps["ce_forward_4"] == steps["loss"] == list(range(1, len(steps["loss"]) + 1))
     assert len(steps["loss"]) >= 2  # stage 1 and stage 2
+    # GRPO: per-step τ and rollout time of every variant as metric histories
+    rl_run = by_stage["train_mtp_rl"].info.run_id
+    for key in ("mtp_rl.tau", "frozen_mtp.tau", "vanilla.rollout_seconds", "mtp_rl.rollout_seconds"):
+        assert [m.step for m in client.get_metric_history(rl_run, key)] == [1], key
 
 
 def test_pipeline_prefect_artifacts(dvc_repo, pipeline_result):

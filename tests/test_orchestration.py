@@ -24,7 +24,7 @@ from tests.conftest import tiny_params
 REPO = Path(__file__).resolve().parent.parent
 FLOW_NAMES = ["pipeline", "prepare-policy", "prepare-prompts", "generate", "label", "validate", "train-reward", "dpo",
               "train-reward-dpo", "benchmark-sla", "train-medusa", "train-rlmedusa", "benchmark-medusa",
-              "train-coral", "benchmark-coral"]
+              "train-coral", "benchmark-coral", "train-mtp", "train-mtp-rl"]
 NUM_TRAIN, NUM_EVAL = 5, 3
 
 

@@ -1,0 +1,374 @@
+"""A parameter-sharing multi-token-prediction (MTP) module over a frozen-or-training causal LM, its losses,
+and its chained drafts for speculative decoding.
+
+MTP-RL (papers/mtp-rl.txt): §2.1 (the DeepSeek-V3 MTP module and eq. 1's weighted cross-entropy), §3.1
+(the MTP-equipped stage: K depths that share ONE set of parameters, embedding and output head shared with
+the main model), §3.2 (eq. 2–4, the advantage-aware KL + CE loss used during RL).
+
+The module. Depth k at position i reads the previous depth's state there and the embedding of the token
+k positions ahead, h^0 being the main model's final hidden state:
+
+    h'^k_i = Proj([RMSNorm(Emb(t_{i+k})) ; RMSNorm(h^{k-1}_i)])      # 2H → H, no bias
+    h^k_i  = DecoderLayer(h'^k_{≤i})                                   # causal over positions, RoPE at i
+    p^k_i  = softmax(lm_head(final_norm(h^k_i)))                       # predicts t_{i+k+1}
+
+One :class:`MTPModule` owns the projection, the two norms and one decoder layer; it is applied K times.
+The embedding, the final norm and the LM head are the main model's, passed in at call time, so they are
+never copied into the module's checkpoint and are trained (or not) with the main model.
+
+Drafting (:class:`MTPDrafter`). After the main model has produced the root t_{L} from h^0_{L-1}, depth 1
+at position L−1 drafts t_{L+1}, depth 2 (fed that draft) t_{L+2}, … — K chained drafts, one verification.
+The decoder layer attends over earlier positions *of its own depth*, so the drafter keeps one KV cache per
+depth holding the positions whose inputs are final (depth k: positions ≤ L − k) and recomputes only the
+k − 1 positions that still depend on drafts: the drafts equal a teacher-forced forward over the same tokens
+(tests compare them).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import DynamicCache
+
+from foresight.storage import atomic_path
+from models.speculative import (
+    SpeculativeStats,
+    chain_tree,
+    keep_accepted,
+    tree_forward,
+    verify_greedy,
+    verify_speculative_sampling,
+)
+
+INIT_CHOICES = ("last_layer", "scratch")
+
+
+@dataclass(frozen=True)
+class MTPModuleConfig:
+    """What rebuilds a saved module (the decoder layer's shape comes from the main model's config)."""
+
+    num_depths: int  # K: chained predictions t+2 … t+K+1
+    init: str = "last_layer"  # the decoder layer starts as a copy of the main model's last layer, or at random
+
+
+def causal_additive_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype
+                         ) -> torch.Tensor:
+    """(1, 1, Q, K) float mask: 0 where the key's position ≤ the query's, dtype-min elsewhere.
+
+    Explicit, because with a KV cache a None mask makes SDPA align its causal triangle top-left (wrong)."""
+    allowed = key_positions[None, :] <= query_positions[:, None]  # (Q, K)
+    return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+
+
+class MTPModule(nn.Module):
+    """One shared MTP block (projection, norms, decoder layer) applied at K depths. See the module docstring."""
+
+    def __init__(self, base, config: MTPModuleConfig):
+        super().__init__()
+        if config.init not in INIT_CHOICES:
+            raise ValueError(f"MTP init must be one of {INIT_CHOICES}, got {config.init!r}")
+        if config.num_depths < 1:
+            raise ValueError(f"an MTP module needs at least one depth, got {config.num_depths}")
+        self.config = config
+        decoder = base.get_decoder()
+        last = decoder.layers[-1]
+        hidden_size = base.config.hidden_size
+        weight = base.get_output_embeddings().weight
+        norm_class, eps = type(decoder.norm), getattr(decoder.norm, "variance_epsilon", 1e-6)
+        self.embedding_norm = norm_class(hidden_size, eps=eps)
+        self.hidden_norm = norm_class(hidden_size, eps=eps)
+        self.projection = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        if config.init == "last_layer":
+            # Start as the identity on the normed hidden state (like Medusa's zero-initialised heads): the layer is
+            # a copy of the main model's last layer with its two output projections zeroed, so it adds nothing
+            # yet, and the projection passes the hidden half through. Training then learns the shift by one token
+            # with the embedding half. Measured here on ~100 responses: held-out depth-1 top-1 0.47 against 0.10
+            # for a projection that sums both halves into an unzeroed layer; a random layer needs far more data.
+            self.layer = copy.deepcopy(last)
+            with torch.no_grad():
+                self.layer.self_attn.o_proj.weight.zero_()
+                self.layer.mlp.down_proj.weight.zero_()
+                self.projection.weight.copy_(torch.cat([torch.zeros(hidden_size, hidden_size),
+                                                        torch.eye(hidden_size)], dim=1))
+        else:
+            self.layer = type(last)(base.config, layer_idx=0)
+        self.layer.self_attn.layer_idx = 0  # its own caches hold one layer
+        self.to(device=weight.device, dtype=weight.dtype)
+        self.requires_grad_(True)
+
+    def depth_input(self, base, hidden: torch.Tensor, ahead_tokens: torch.Tensor) -> torch.Tensor:
+        """h'^k from h^{k−1} (..., H) and t_{i+k} (...,): the projection of both normed inputs."""
+        embedded = base.get_input_embeddings()(ahead_tokens)  # (..., H)
+        return self.projection(torch.cat([self.embedding_norm(embedded), self.hidden_norm(hidden)], dim=-1))
+
+    def layer_forward(self, base, inputs: torch.Tensor, positions: torch.Tensor,
+                      cache: DynamicCache | None = None) -> torch.Tensor:
+        """The shared decoder layer over (B, Q, H) inputs at ``positions`` (Q,), after any cached positions."""
+        past = cache.get_seq_length() if cache is not None else 0
+        key_positions = torch.cat([torch.arange(past, device=positions.device), positions])
+        mask = causal_additive_mask(positions, key_positions, inputs.dtype)
+        position_ids = positions[None]  # (1, Q)
+        rope = base.get_decoder().rotary_emb(inputs, position_ids)
+        return self.layer(inputs, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                          use_cache=cache is not None, position_embeddings=rope)
+
+    def forward(self, base, input_ids: torch.Tensor, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Teacher-forced states of every depth: K tensors (B, S, H); depth k at i predicts t_{i+k+1}.
+
+        ``hidden`` (B, S, H): the main model's final hidden states of ``input_ids`` (B, S), right-padded
+        (padding sits after every real token, so causal attention never lets it reach them). Positions
+        whose token t_{i+k} lies past the end read padding and must be masked out of any loss.
+        """
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        states, previous = [], hidden
+        for k in range(1, self.config.num_depths + 1):
+            ahead = F.pad(input_ids[:, k:], (0, k), value=0)  # (B, S): t_{i+k}, 0 past the end
+            previous = self.layer_forward(base, self.depth_input(base, previous, ahead), positions)
+            states.append(previous)
+        return states
+
+    def save(self, folder: Path) -> None:
+        """``mtp.safetensors`` + ``mtp.json``, written atomically."""
+        with atomic_path(Path(folder)) as tmp:
+            tmp.mkdir(parents=True)
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, tmp / "mtp.safetensors")
+            (tmp / "mtp.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, folder: Path, base) -> MTPModule:
+        """A saved module, on the main model's device and dtype."""
+        folder = Path(folder)
+        if not (folder / "mtp.json").is_file():
+            raise FileNotFoundError(f"no MTP module in {folder} (mtp.json missing): run the train_mtp stage")
+        module = cls(base, MTPModuleConfig(**json.loads((folder / "mtp.json").read_text())))
+        module.load_state_dict(load_file(folder / "mtp.safetensors"))
+        return module
+
+
+def mtp_logits(base, state: torch.Tensor) -> torch.Tensor:
+    """The shared head on MTP states: lm_head(final_norm(h)), (..., H) → (..., V)."""
+    return base.get_output_embeddings()(base.get_decoder().norm(state))
+
+
+def depth_targets(input_ids: torch.Tensor, target_mask: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth k's targets t_{i+k+1} (B, S) and where they count: the target is a ``target_mask`` token."""
+    shift = depth + 1
+    targets = F.pad(input_ids[:, shift:], (0, shift), value=0)  # (B, S)
+    valid = F.pad(target_mask[:, shift:].bool(), (0, shift), value=False)  # (B, S)
+    return targets, valid
+
+
+def mtp_cross_entropy(base, states: Sequence[torch.Tensor], input_ids: torch.Tensor, target_mask: torch.Tensor,
+                      depth_weights: Sequence[float]) -> tuple[torch.Tensor, list[float]]:
+    """Eq. 1: Σ_k λ_k · mean over valid positions of −log p^k(t_{i+k+1}). Returns it and each depth's CE."""
+    total, per_depth = states[0].new_zeros(()), []
+    for k, (state, weight) in enumerate(zip(states, depth_weights, strict=True), start=1):
+        targets, valid = depth_targets(input_ids, target_mask, k)
+        if not valid.any():
+            per_depth.append(float("nan"))
+            continue
+        ce = F.cross_entropy(mtp_logits(base, state[valid]).float(), targets[valid])
+        total = total + weight * ce
+        per_depth.append(ce.item())
+    return total, per_depth
+
+
+def advantage_aware_kl(base, states: Sequence[torch.Tensor], main_logits: torch.Tensor, target_mask: torch.Tensor,
+                       sample_weights: torch.Tensor, depth_weights: Sequence[float]
+                       ) -> tuple[torch.Tensor, list[float]]:
+    """Eq. 3: per sample w_j · (1/S) Σ_i KL(π_main ‖ π_MTP) at the tokens it predicts, averaged over samples
+    and summed over depths with λ_k. ``main_logits`` (B, S, V): the main model's logits at every position
+    (position i + k predicts the token depth k predicts from i); ``sample_weights`` (B,): w(A_j) of eq. 2.
+
+    The KL sums over the vocabulary; eq. 3's extra 1/V would only rescale the term by ~2e-5 against the CE.
+    Returns the loss and each depth's unweighted mean KL over the positive-weight samples (for the logs).
+    """
+    total, per_depth = states[0].new_zeros(()), []
+    batch = main_logits.shape[0]
+    for k, (state, weight) in enumerate(zip(states, depth_weights, strict=True), start=1):
+        _, valid = depth_targets(target_mask, target_mask, k)  # (B, S): positions whose target counts
+        if not valid.any():
+            per_depth.append(float("nan"))
+            continue
+        rows, cols = valid.nonzero(as_tuple=True)
+        main_logps = torch.log_softmax(main_logits[rows, cols + k].float(), dim=-1)  # (N, V)
+        mtp_logps = torch.log_softmax(mtp_logits(base, state[rows, cols]).float(), dim=-1)  # (N, V)
+        kl = (main_logps.exp() * (main_logps - mtp_logps)).sum(dim=-1)  # (N,)
+        per_sample = torch.zeros(batch, device=kl.device).index_add(0, rows, kl)
+        per_sample = per_sample / valid.sum(dim=1).clamp(min=1)  # (B,) token mean per sample
+        total = total + weight * (sample_weights.to(kl.dtype) * per_sample).mean()
+        positive = sample_weights > 0
+        per_depth.append(per_sample[positive].mean().item() if positive.any() else float("nan"))
+    return total, per_depth
+
+
+def advantage_mask(advantages: torch.Tensor) -> torch.Tensor:
+    """Eq. 2: w(A) = 1 where A ≥ 0, else 0."""
+    return (advantages >= 0).to(advantages.dtype)
+
+
+def draft_parts(base, module: MTPModule, dtype: torch.dtype | None = None) -> tuple[nn.Module, MTPModule]:
+    """What drafting reads — the main model's embedding, final norm, rotary embedding and LM head, and the MTP
+    module — in the drafts' precision: the originals, or copies made once per rollout phase.
+
+    Drafts only decide what gets checked (greedy verification) or are corrected exactly (speculative sampling
+    uses the very distribution a draft was sampled from), so a cheaper precision never changes what comes out;
+    on a CPU with bf16 units it halves the drafts' cost, most of which is reading the LM head.
+    """
+    weight = base.get_output_embeddings().weight
+    if dtype is None or dtype == weight.dtype:
+        return base, module
+    return _DraftHead(base, dtype), copy.deepcopy(module).to(dtype).eval()
+
+
+class MTPDrafter:
+    """Chained drafts for one sequence, with one KV cache per depth (see the module docstring).
+
+    ``base``/``module``: as :func:`draft_parts` returns them. ``update(hidden, tokens)`` hands over what the
+    main model finalised since the last call: the final hidden states of the positions it processed (n, H) and
+    the n tokens that follow them (the last is the new root). ``draft(choose)`` then returns the K draft tokens
+    and their logits (K, V); ``choose(logits (V,))`` picks each draft (argmax for greedy verification, a sample
+    for speculative sampling).
+    """
+
+    def __init__(self, base, module: MTPModule):
+        self.base, self.module = base, module
+        weight = base.get_output_embeddings().weight
+        self.dtype = weight.dtype
+        self.num_depths = module.config.num_depths
+        self.caches = [DynamicCache() for _ in range(self.num_depths)]
+        empty = weight.new_zeros(0, base.config.hidden_size)
+        self.final_states: list[torch.Tensor] = [empty] * self.num_depths  # h^k of positions with final inputs
+        self.hidden = empty  # h^0 of positions 0 … L−1
+        self.tokens: list[int] = []  # t_1 … t_L (t_L: the root, not yet run through the main model)
+
+    def update(self, hidden: torch.Tensor, tokens: Sequence[int]) -> None:
+        if len(tokens) != len(hidden):
+            raise ValueError(f"{len(hidden)} new hidden states but {len(tokens)} new tokens")
+        self.hidden = torch.cat([self.hidden, hidden.to(self.dtype)])
+        self.tokens += [int(t) for t in tokens]
+
+    @torch.no_grad()
+    def draft(self, choose) -> tuple[list[int], torch.Tensor]:
+        length = len(self.hidden)  # L: the root is t_L
+        device = self.hidden.device
+        previous, drafts, logits = self.hidden, [], []
+        for k in range(1, self.num_depths + 1):
+            cache, final = self.caches[k - 1], self.final_states[k - 1]
+            start = len(final)  # positions before start are cached at this depth
+            positions = torch.arange(start, length, device=device)
+            # t_{j+k}: a final token up to t_L, a draft beyond
+            ahead = torch.tensor([self.tokens[j + k - 1] if j + k <= length else drafts[j + k - length - 1]
+                                  for j in range(start, length)], dtype=torch.long, device=device)
+            inputs = self.module.depth_input(self.base, previous[start:length], ahead)[None]  # (1, Q, H)
+            states = self.module.layer_forward(self.base, inputs, positions, cache)[0]  # (Q, H)
+            num_final = max(0, length - k + 1 - start)  # depth k's inputs are final up to position L − k
+            self.final_states[k - 1] = torch.cat([final, states[:num_final]])
+            for layer in cache.layers:  # keep only the final positions' keys and values
+                layer.keys = layer.keys[:, :, : start + num_final]
+                layer.values = layer.values[:, :, : start + num_final]
+            previous = torch.cat([final, states])  # (L, H): this depth's states at every position
+            step_logits = mtp_logits(self.base, previous[-1])  # (V,)
+            drafts.append(int(choose(step_logits)))
+            logits.append(step_logits)
+        return drafts, torch.stack(logits)  # (K, V)
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / T) in fp32; T = 0: the one-hot of the argmax (a deterministic draw)."""
+    if temperature == 0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def mtp_generate(model, draft_base, module: MTPModule, input_ids: torch.Tensor, max_new_tokens: int,
+                 eos_token_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
+                 stats: SpeculativeStats | None = None, draft_temperature: float = 0.0) -> list[int]:
+    """Decode one prompt (1, L) with K chained MTP drafts and one verification forward per cycle.
+
+    ``temperature`` 0: greedy verification — output identical to greedy decoding. ``temperature`` > 0:
+    speculative sampling — output distributed exactly as sampling from the model at that temperature (no
+    top-k / top-p), whatever the drafts. ``draft_temperature``: 0 = the MTP module's top-1 tokens (as MTP-RL
+    drafts; under sampling a draft then passes with probability p(draft)); > 0 = drafts sampled from the
+    module at that temperature (they pass with probability Σ min(p, q)). ``draft_base``/``module``:
+    :func:`draft_parts`. Stops after an end token or ``max_new_tokens`` tokens; returns the new tokens.
+    """
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"MTP speculative decoding takes one prompt at a time, got a batch of {input_ids.shape[0]}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be ≥ 0, got {temperature}")
+    stats = stats if stats is not None else SpeculativeStats()
+    tree = chain_tree(module.config.num_depths)
+    drafter = MTPDrafter(draft_base, module)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    stats.forwards += 1
+    root = _draw(_probs(out.logits[0, -1], temperature), generator)
+    drafter.update(out.hidden_states[-1][0], input_ids[0, 1:].tolist() + [root])
+    generated = [root]
+    while generated[-1] not in eos_token_ids and len(generated) < max_new_tokens:
+        drafts, draft_logits = drafter.draft(lambda logits: _draw(_probs(logits, draft_temperature), generator))
+        tokens = torch.tensor([root, *drafts], device=input_ids.device)
+        past_length = cache.get_seq_length()
+        logits, hiddens = tree_forward(model, tokens, tree, cache)
+        stats.forwards += 1
+        if temperature == 0:
+            accepted = len(verify_greedy(tokens, logits, tree)) - 1
+            root = int(logits[accepted].argmax())
+        else:
+            accepted, root = verify_speculative_sampling(drafts, _probs(draft_logits, draft_temperature),
+                                                         _probs(logits, temperature), generator)
+        keep_accepted(cache, past_length, list(range(accepted + 1)))
+        new_tokens = [*drafts[:accepted], root]
+        drafter.update(hiddens[: accepted + 1], new_tokens)
+        stats.drafted_tokens += len(drafts)
+        stats.accepted_drafts += accepted
+        stats.accepted_lengths.append(accepted + 1)
+        generated += new_tokens
+    ended = next((i for i, t in enumerate(generated) if t in eos_token_ids), None)
+    generated = generated[: min(max_new_tokens, ended + 1 if ended is not None else len(generated))]
+    stats.generated_tokens += len(generated)
+    return generated
+
+
+class _DraftHead(nn.Module):
+    """The parts of the main model that :class:`MTPModule` reads, copied in another precision."""
+
+    def __init__(self, base, dtype: torch.dtype):
+        super().__init__()
+        self.config = base.config
+        embedding, lm_head = base.get_input_embeddings(), base.get_output_embeddings()
+        self.lm_head = copy.deepcopy(lm_head).to(dtype)
+        self.embedding = copy.deepcopy(embedding).to(dtype)
+        if embedding.weight is lm_head.weight:  # tied: one copy
+            self.embedding.weight = self.lm_head.weight
+        decoder = base.get_decoder()
+        self.decoder = _DraftDecoder(copy.deepcopy(decoder.norm).to(dtype), decoder.rotary_emb)
+
+    def get_input_embeddings(self):
+        return self.embedding
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def get_decoder(self):
+        return self.decoder
+
+
+@dataclass
+class _DraftDecoder:
+    norm: nn.Module
+    rotary_emb: nn.Module

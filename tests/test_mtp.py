@@ -1,0 +1,261 @@
+"""The MTP module (models/mtp.py), its equip training (models/mtp_training.py) and MTP speculative decoding.
+
+References: hand-built shapes and targets; a teacher-forced forward over the same tokens (the cached chained
+drafts must equal it); HF greedy ``generate`` token for token (greedy losslessness); exact distributions
+(speculative sampling: chi-square tests with fixed seeds, each with a negative control that must fail).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from foresight.config import MTPConfig, PolicyConfig
+from models.mtp import (
+    MTPDrafter,
+    MTPModule,
+    MTPModuleConfig,
+    depth_targets,
+    draft_parts,
+    mtp_cross_entropy,
+    mtp_generate,
+    mtp_logits,
+)
+from models.speculative import SpeculativeStats, verify_speculative_sampling
+from tests.tiny import load_spiky_tiny_llama
+
+QUESTIONS = ["Ben has 4 apples. How many?", "Ivy has 3 cookies and gives 1 to Omar.", "What is 7 * 8?"]
+
+
+def _perturbed_module(model, num_depths: int, scale: float = 0.3, seed: int = 0) -> MTPModule:
+    """A module whose drafts are sometimes right, sometimes wrong (a fresh copy of the last layer would mostly
+    repeat the model's own guesses)."""
+    module = MTPModule(model, MTPModuleConfig(num_depths=num_depths)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return module.requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    model = load_spiky_tiny_llama(tiny_llama)
+    return model, [tok(q, return_tensors="pt").input_ids for q in QUESTIONS]
+
+
+def test_module_shapes_and_shared_parameters(tiny):
+    model, _ = tiny
+    hidden_size = model.config.hidden_size
+    one, three = MTPModule(model, MTPModuleConfig(1)), MTPModule(model, MTPModuleConfig(3))
+    # K depths share ONE set of parameters: the module's size does not grow with K
+    assert sum(p.numel() for p in one.parameters()) == sum(p.numel() for p in three.parameters())
+    layer_size = sum(p.numel() for p in model.get_decoder().layers[-1].parameters())
+    assert sum(p.numel() for p in three.parameters()) == 2 * hidden_size * hidden_size + 2 * hidden_size + layer_size
+    # the embedding, final norm and LM head are the main model's, never the module's own
+    own = {id(p) for p in three.parameters()}
+    shared = [model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+              *model.get_decoder().norm.parameters()]
+    assert not any(id(p) in own for p in shared)
+    own_parts = {name.split(".")[0] for name in three.state_dict()}
+    assert own_parts == {"embedding_norm", "hidden_norm", "projection", "layer"}
+    # the same layer runs once per depth
+    calls = []
+    handle = three.layer.register_forward_hook(lambda *_: calls.append(1))
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    hidden = model(input_ids, output_hidden_states=True).hidden_states[-1]
+    states = three(model, input_ids, hidden)
+    handle.remove()
+    assert len(calls) == 3 and len(states) == 3
+    assert all(s.shape == (2, 9, hidden_size) for s in states)
+    assert mtp_logits(model, states[0]).shape == (2, 9, model.config.vocab_size)
+
+
+def test_depth_targets_by_hand():
+    input_ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    targets, valid = depth_targets(input_ids, mask, depth=1)  # depth 1 at i predicts t_{i+2}
+    assert targets.tolist() == [[3, 4, 5, 6, 0, 0]]
+    assert valid.tolist() == [[True, True, True, True, False, False]]
+    targets, valid = depth_targets(input_ids, mask, depth=3)
+    assert targets.tolist() == [[5, 6, 0, 0, 0, 0]]
+    assert valid.tolist() == [[True, True, False, False, False, False]]
+
+
+def test_cross_entropy_weights_each_depth(tiny):
+    model, _ = tiny
+    module = _perturbed_module(model, 2)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    mask = torch.ones_like(input_ids)
+    hidden = model(input_ids, output_hidden_states=True).hidden_states[-1]
+    states = module(model, input_ids, hidden)
+    total, per_depth = mtp_cross_entropy(model, states, input_ids, mask, [0.6, 0.4])
+    by_hand = []
+    for k, state in enumerate(states, start=1):
+        logits = mtp_logits(model, state[:, : 8 - k - 1])  # positions whose target t_{i+k+1} exists
+        by_hand.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                         input_ids[:, k + 1 :].reshape(-1)).item())
+    assert per_depth == pytest.approx(by_hand, abs=1e-5)
+    assert total.item() == pytest.approx(0.6 * by_hand[0] + 0.4 * by_hand[1], abs=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [[7, 1, 3, 2, 4], [9, 4, 4, 1]])
+def test_cached_chained_drafts_equal_a_teacher_forced_forward(tiny, chunks):
+    """After any sequence of updates, each depth's draft logits are those of one teacher-forced forward over the
+    final tokens followed by the drafts (the caches keep exactly the positions whose inputs are final)."""
+    model, _ = tiny
+    module = _perturbed_module(model, 3)
+    sequence = torch.randint(0, model.config.vocab_size, (1, sum(chunks) + 1))
+    with torch.no_grad():
+        hidden = model(sequence, output_hidden_states=True).hidden_states[-1]
+    drafter = MTPDrafter(model, module)
+    length = 0
+    for size in chunks:
+        drafter.update(hidden[0, length : length + size], sequence[0, length + 1 : length + size + 1].tolist())
+        length += size
+        drafts, logits = drafter.draft(lambda step_logits: int(step_logits.argmax()))
+        # teacher forcing over t_0 … t_L, then the drafts; h^0 only matters up to position L − 1
+        tokens = torch.cat([sequence[:, : length + 1], torch.tensor([drafts])], dim=1)
+        h0 = torch.nn.functional.pad(hidden[:, :length], (0, 0, 0, tokens.shape[1] - length))
+        with torch.no_grad():
+            states = module(model, tokens, h0)
+        for k in range(3):
+            torch.testing.assert_close(logits[k], mtp_logits(model, states[k][0, length - 1]), atol=2e-4, rtol=1e-4)
+            assert drafts[k] == int(logits[k].argmax())
+
+
+@pytest.mark.parametrize("draft_dtype", [None, torch.bfloat16])
+def test_greedy_mtp_decoding_equals_greedy(tiny, draft_dtype):
+    model, prompts = tiny
+    module = _perturbed_module(model, 3, scale=0.05)
+    accepted_some = False
+    for ids in prompts:
+        reference = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, ids.shape[1]:].tolist()
+        stats = SpeculativeStats()
+        tokens = mtp_generate(model, *draft_parts(model, module, draft_dtype), ids, 24, set(), 0.0, stats=stats)
+        assert tokens == reference
+        assert stats.generated_tokens == 24
+        assert stats.drafted_tokens == 3 * len(stats.accepted_lengths)
+        assert stats.tokens_per_cycle == pytest.approx(1 + stats.accepted_drafts / len(stats.accepted_lengths))
+        accepted_some |= stats.accepted_drafts > 0
+    assert accepted_some, "no draft was ever accepted: the test would not exercise the cache bookkeeping"
+
+
+def test_mtp_decoding_stops_at_an_end_token(tiny):
+    model, prompts = tiny
+    module = _perturbed_module(model, 2, scale=0.05)
+    ids = prompts[0]
+    reference = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, ids.shape[1]:].tolist()
+    end = reference[5]
+    tokens = mtp_generate(model, model, module, ids, 12, {end}, 0.0)
+    assert tokens == reference[: reference.index(end) + 1]
+
+
+def _chi_square_p(counts: dict, expected: dict, draws: int) -> float:
+    """Pearson's test of observed counts against exact probabilities, rare outcomes pooled into one cell."""
+    keys = [k for k, p in expected.items() if p * draws >= 5]
+    observed = [counts.get(k, 0) for k in keys] + [draws - sum(counts.get(k, 0) for k in keys)]
+    wanted = [expected[k] * draws for k in keys] + [draws * (1 - sum(expected[k] for k in keys))]
+    if wanted[-1] < 1e-9:
+        observed, wanted = observed[:-1], wanted[:-1]
+    scale = sum(observed) / sum(wanted)
+    return float(chisquare(observed, [w * scale for w in wanted]).pvalue)
+
+
+@pytest.mark.parametrize("top1_drafts", [False, True])
+def test_speculative_sampling_preserves_the_target_distribution(top1_drafts):
+    """Synthetic p and q over 6 tokens, 2 drafts: the first emitted token follows p exactly, although the drafts
+    come from a very different q (sampled, or its top-1 token: a one-hot q); accepting every draft (the negative
+    control) fails the same test."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 6
+    target = torch.softmax(torch.randn(3, vocab, generator=gen) * 1.5, dim=-1)  # p at root, after d1, after d2
+    draft = torch.softmax(torch.randn(2, vocab, generator=gen) * 1.5, dim=-1)  # q of d1, d2 (independent of p)
+    if top1_drafts:
+        draft = torch.nn.functional.one_hot(draft.argmax(-1), vocab).float()
+    draws = 20_000
+    emitted, naive = {}, {}
+    for _ in range(draws):
+        d = [int(torch.multinomial(draft[i], 1, generator=gen)) for i in range(2)]
+        accepted, next_token = verify_speculative_sampling(d, draft, target, gen)
+        first = d[0] if accepted >= 1 else next_token
+        emitted[first] = emitted.get(first, 0) + 1
+        naive[d[0]] = naive.get(d[0], 0) + 1
+    # the first emitted token's law is p[0] (later tokens condition on it; p here is context-free for d ≥ 1)
+    exact = {v: float(target[0, v]) for v in range(vocab)}
+    assert _chi_square_p(emitted, exact, draws) > 1e-3
+    assert _chi_square_p(naive, exact, draws) < 1e-6
+
+
+@pytest.mark.parametrize("draft_temperature", [1.0, 0.0])
+def test_speculative_sampling_with_mtp_drafts_samples_the_model_exactly(tiny, draft_temperature):
+    """End to end on the tiny Llama at T = 1, with sampled or top-1 drafts: the second token of MTP speculative
+    sampling (the first drafted position) has exactly the model's marginal Σ_a p(a) p(b | a), computed over the
+    whole vocabulary."""
+    model, prompts = tiny
+    module = _perturbed_module(model, 2, scale=0.3)
+    ids = prompts[2]
+    with torch.no_grad():
+        first = torch.softmax(model(ids).logits[0, -1], dim=-1)  # (V,)
+        every = torch.arange(len(first))
+        continued = torch.cat([ids.expand(len(every), -1), every[:, None]], dim=1)  # every possible first token
+        second = torch.softmax(model(continued).logits[:, -1], dim=-1)  # (V, V)
+        marginal = (first[:, None] * second).sum(dim=0)  # (V,)
+    exact = {v: float(marginal[v]) for v in range(len(marginal))}
+    gen = torch.Generator().manual_seed(1)
+    draws, counts, stats = 1200, {}, SpeculativeStats()
+    for _ in range(draws):
+        tokens = mtp_generate(model, model, module, ids, 2, set(), 1.0, gen, stats, draft_temperature)
+        counts[tokens[1]] = counts.get(tokens[1], 0) + 1
+    assert 0 < stats.accepted_drafts < stats.drafted_tokens  # both acceptance and residual draws happened
+    assert _chi_square_p(counts, exact, draws) > 1e-3
+    # negative control: the first token's distribution is not the second's
+    first_law = {v: float(first[v]) for v in range(len(first))}
+    assert _chi_square_p(counts, first_law, draws) < 1e-6
+
+
+def test_equip_training_changes_only_the_module_and_lowers_the_loss(tiny_llama):
+    from models.coral_training import sft_sequences
+    from models.mtp_training import chain_acceptance, frozen_states, train_mtp_module
+    from models.policy import load_pretrained
+
+    import pandas as pd
+
+    policy = load_pretrained(tiny_llama, PolicyConfig(model=str(tiny_llama), device="cpu"))
+    responses = pd.DataFrame({"prompt": ["<|im_start|>user\nBen has 4 apples.<|im_end|>\n<|im_start|>assistant\n"] * 8,
+                              "response": ["The answer is 6. Ben has 4 apples and 2 more."] * 8})
+    sequences = sft_sequences(policy, responses, 128)
+    hidden = frozen_states(policy, sequences, batch_size=3)
+    assert [len(h) for h in hidden] == [len(ids) for ids, _ in sequences]
+    before = {name: p.clone() for name, p in policy.model.named_parameters()}
+    cfg = MTPConfig(epochs=6, batch_size=4, learning_rate=3e-3, mixed_precision="no", ablation_depths=[])
+    module, history = train_mtp_module(policy, sequences, hidden, 2, cfg)
+    assert all(torch.equal(before[name], p) for name, p in policy.model.named_parameters())
+    start = MTPModule(policy.model, MTPModuleConfig(2))
+    assert any(not torch.equal(a, b) for a, b in zip(start.state_dict().values(), module.state_dict().values()))
+    assert history["loss"][-1] < history["loss"][0]
+    assert len(history["ce_depth_1"]) == len(history["loss"]) == 6 * 2
+    evaluation = chain_acceptance(policy, module, sequences, hidden)
+    assert 0 <= evaluation["top1_depth_1"] <= 1 and 1 <= evaluation["expected_tau"] <= 3
+    assert evaluation["expected_acceptance_rate"] == pytest.approx((evaluation["expected_tau"] - 1) / 2)
+    assert not math.isnan(evaluation["top1_depth_2"])
+
+
+def test_module_round_trips_through_save_and_load(tiny, tmp_path):
+    model, _ = tiny
+    module = _perturbed_module(model, 3)
+    module.save(tmp_path / "module")
+    loaded = MTPModule.load(tmp_path / "module", model)
+    assert loaded.config == module.config
+    for (name, a), b in zip(module.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(FileNotFoundError, match="train_mtp"):
+        MTPModule.load(tmp_path / "nothing", model)
