@@ -185,7 +185,8 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
         logger.info("%s: held-out greedy accuracy after RL %.3f", name, accuracy_after[name])
         accelerator.free_memory()
         del policy, module, reference
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     bar.close()
 
     rows = _summary(histories, accuracy_before, accuracy_after)
