@@ -143,10 +143,10 @@ def frozen(model: torch.nn.Module):
 def rl_step_loss(model, policy: Policy, module: MTPModule | None, rollouts: Rollouts, advantages: torch.Tensor,
                  old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None, var: Variant, cfg: MTPRLConfig,
                  weights: Sequence[float], backward: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, dict]:
-    """Build (and back-propagate, through ``backward``) one update's loss; returns the token log-probs (for the
-    next pass's ratio) and the step's numbers. ``model``: the policy's model as accelerate prepared it (what the
-    forward runs through); ``policy.model``: the plain model, whose embedding, norm and head the module shares.
-    ``old_logps`` None: this pass's own log-probs, detached (μ = 1)."""
+    """Build (and back-propagate, through ``backward``) one update's loss; returns this pass's token log-probs
+    (detached: π_old of later passes) and the step's numbers. ``model``: the policy's model as accelerate
+    prepared it (what the forward runs through); ``policy.model``: the plain model, whose embedding, norm and
+    head the module shares. ``old_logps`` None: this pass's own log-probs, detached (the first pass)."""
     base = policy.model
     device = policy.device
     batch = right_pad([(p + c, [0] * len(p) + [1] * len(c)) for p, c in
@@ -233,11 +233,12 @@ def train_variant(policy: Policy, module: MTPModule | None, var: Variant, prompt
         ref_logps = reference_logps(reference, rollouts, policy, cfg.temperature) if cfg.kl_beta > 0 else None
         update_started = time.perf_counter()
         model.train()
-        old_logps = None
+        old_logps = None  # π_old: the log-probs of the first pass, before any update of this step
         for _ in range(cfg.iterations):
             with accelerator.autocast():
-                old_logps, stats = rl_step_loss(model, policy, module, rollouts, advantages, old_logps, ref_logps, var,
-                                                cfg, weights, accelerator.backward)
+                logps, stats = rl_step_loss(model, policy, module, rollouts, advantages, old_logps, ref_logps, var,
+                                            cfg, weights, accelerator.backward)
+            old_logps = logps if old_logps is None else old_logps
             optimizer.step()
             optimizer.zero_grad()
         model.eval()

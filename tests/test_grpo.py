@@ -167,3 +167,25 @@ def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
                       MTPRLConfig(steps=3, prompts_per_step=2), [1.0], eos)
     with pytest.raises(ValueError, match="unknown MTP-RL variant"):
         variant("nope", cfg)
+
+
+def test_every_pass_of_a_step_uses_the_first_pass_log_probs_as_pi_old(policy, monkeypatch):
+    """μ = 3 passes over one step's rollouts: passes 2 and 3 compare against the policy before the step's first
+    update (the clip then bounds the whole step's move), not against the previous pass."""
+    import models.mtp_rl as mtp_rl
+    from models.generation import end_token_ids
+
+    seen = []
+    real = mtp_rl.rl_step_loss
+
+    def recording(*args):
+        logps, stats = real(*args)
+        seen.append((args[5], logps))  # (old_logps passed in, logps returned)
+        return logps, stats
+
+    monkeypatch.setattr(mtp_rl, "rl_step_loss", recording)
+    cfg = MTPRLConfig(steps=1, group_size=2, max_new_tokens=4, iterations=3, learning_rate=1e-2)
+    prompts = [policy.tokenizer("What is 2 + 3?", return_tensors="pt").input_ids]
+    train_variant(policy, None, variant("vanilla", cfg), prompts, ["5"], cfg, [1.0], end_token_ids(policy))
+    assert len(seen) == 3 and seen[0][0] is None
+    assert seen[1][0] is seen[0][1] and seen[2][0] is seen[0][1]
