@@ -392,7 +392,7 @@ class SpeculativeConfig(_Section):
     once per RL head (``rlmedusa.inits``), as ``medusa_rl_base`` / ``medusa_rl_supervised``."""
     prompt_lookup_tokens: int = Field(10, ge=1)
     """``prompt_lookup_num_tokens`` of HF prompt-lookup decoding."""
-    num_prompts: int = Field(6, ge=1)
+    num_prompts: int = Field(4, ge=1)
     """Held-out prompts decoded by every decoder (the first ones of the eval split)."""
     draft_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Precision of the drafts (heads + LM head copy). Verification stays in the policy's dtype, so this never
@@ -470,8 +470,8 @@ class CoralBenchmarkConfig(_Section):
     """Longest output."""
     ablation_block_sizes: list[int] = Field(default_factory=lambda: [16])
     """Extra block sizes for COrAL w/o verifier (the speed setting); [] skips the ablation."""
-    ablation_forward_windows: list[int] = Field(default_factory=lambda: [2])
-    """Extra forward windows for COrAL w/o verifier; [] skips the ablation."""
+    ablation_forward_windows: list[int] = Field(default_factory=list)
+    """Extra forward windows for COrAL w/o verifier, e.g. [2]; [] (the default, for the time budget) skips it."""
     seed: int = 0
     """Seeds eq. 8's acceptance draws (decoding is deterministic)."""
 
@@ -526,7 +526,7 @@ class MTPRLConfig(_Section):
     """RL steps per variant (one rollout phase and one update each)."""
     prompts_per_step: int = Field(1, ge=1)
     """Training prompts per step; each gets ``group_size`` rollouts."""
-    group_size: int = Field(4, ge=2)
+    group_size: int = Field(3, ge=2)
     """G: rollouts per prompt; advantages are normalised within each group."""
     temperature: float = Field(0.8, gt=0.0)
     """Rollout sampling temperature (no top-k / top-p: speculative sampling preserves exactly this)."""
