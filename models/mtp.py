@@ -58,6 +58,14 @@ class MTPModuleConfig:
     num_depths: int  # K: chained predictions t+2 … t+K+1
     init: str = "last_layer"  # the decoder layer starts as a copy of the main model's last layer, or at random
 
+    @classmethod
+    def read(cls, folder: Path) -> MTPModuleConfig:
+        """The config saved with a module in ``folder``."""
+        path = Path(folder) / "mtp.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no MTP module in {folder} (mtp.json missing): run the train_mtp stage")
+        return cls(**json.loads(path.read_text()))
+
 
 def causal_additive_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype
                          ) -> torch.Tensor:
@@ -145,11 +153,8 @@ class MTPModule(nn.Module):
     @classmethod
     def load(cls, folder: Path, base) -> MTPModule:
         """A saved module, on the main model's device and dtype."""
-        folder = Path(folder)
-        if not (folder / "mtp.json").is_file():
-            raise FileNotFoundError(f"no MTP module in {folder} (mtp.json missing): run the train_mtp stage")
-        module = cls(base, MTPModuleConfig(**json.loads((folder / "mtp.json").read_text())))
-        module.load_state_dict(load_file(folder / "mtp.safetensors"))
+        module = cls(base, MTPModuleConfig.read(folder))
+        module.load_state_dict(load_file(Path(folder) / "mtp.safetensors"))
         return module
 
 

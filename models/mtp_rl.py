@@ -128,6 +128,14 @@ def collect_rollouts(policy: Policy, module: MTPModule | None, prompts: Sequence
     return Rollouts(prompt_ids, completions, torch.tensor(rewards), time.perf_counter() - started, stats)
 
 
+def rollout_batch(rollouts: Rollouts, pad_token_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Prompt + completion of every rollout, right-padded: ``input_ids``, ``attention_mask`` and ``response_mask``
+    (the completion tokens), each (B, T) on ``device``."""
+    batch = right_pad([(p + c, [0] * len(p) + [1] * len(c)) for p, c in
+                       zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)], pad_token_id)
+    return {key: value.to(device) for key, value in batch.items()}
+
+
 @contextlib.contextmanager
 def frozen(model: torch.nn.Module):
     """The model's parameters take no gradient inside the block (their flags are restored after)."""
@@ -149,10 +157,9 @@ def rl_step_loss(model, policy: Policy, module: MTPModule | None, rollouts: Roll
     head the module shares. ``old_logps`` None: this pass's own log-probs, detached (the first pass)."""
     base = policy.model
     device = policy.device
-    batch = right_pad([(p + c, [0] * len(p) + [1] * len(c)) for p, c in
-                       zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)], padding_id(policy.tokenizer))
-    input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    response_mask = batch["response_mask"].to(device)  # (B, T): completion tokens
+    batch = rollout_batch(rollouts, padding_id(policy.tokenizer), device)
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    response_mask = batch["response_mask"]  # (B, T): completion tokens
     # (B, T): position i predicts a completion token
     completion_mask = torch.nn.functional.pad(response_mask[:, 1:], (0, 1))
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=var.trains_module)
@@ -186,11 +193,9 @@ def rl_step_loss(model, policy: Policy, module: MTPModule | None, rollouts: Roll
 @torch.no_grad()
 def reference_logps(reference, rollouts: Rollouts, policy: Policy, temperature: float) -> torch.Tensor:
     """The reference policy's token log-probs of the rollouts (for the k3 KL)."""
-    batch = right_pad([(p + c, [0] * len(p) + [1] * len(c)) for p, c in
-                       zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)], padding_id(policy.tokenizer))
-    input_ids = batch["input_ids"].to(policy.device)
-    out = reference(input_ids=input_ids, attention_mask=batch["attention_mask"].to(policy.device))
-    return token_logps(out.logits, input_ids, temperature)
+    batch = rollout_batch(rollouts, padding_id(policy.tokenizer), policy.device)
+    out = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return token_logps(out.logits, batch["input_ids"], temperature)
 
 
 def train_variant(policy: Policy, module: MTPModule | None, var: Variant, prompts: Sequence[torch.Tensor],

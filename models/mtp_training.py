@@ -25,11 +25,9 @@ from tqdm.auto import tqdm
 
 from foresight.config import MTPConfig
 from models.mtp import MTPModule, MTPModuleConfig, depth_targets, mtp_cross_entropy, mtp_logits
+from models.coral_training import Sequences
 from models.policy import Policy
 from models.reward_training import padding_id, right_pad
-
-Sequences = list[tuple[list[int], list[int]]]
-"""(ids, response mask) per sequence, as :func:`models.reward_training.tokenize_sequence` returns them."""
 
 
 def depth_weights(weights: Sequence[float], num_depths: int) -> list[float]:

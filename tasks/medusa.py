@@ -29,7 +29,7 @@ from foresight.benchmark import interleaved_decoding, markdown_table, speed_row
 from foresight.config import Config
 from foresight.plots import bar_plot, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
-from tasks.data import GPU_TAG, StageResult, load_stage_policy, stage_accelerator
+from tasks.data import GPU_TAG, StageResult, load_stage_policy, split_responses, stage_accelerator
 
 DISTILLED_FIELDS = ("hidden", "targets", "sample", "rl_rows", "rl_candidates", "rl_probs")
 
@@ -67,7 +67,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
     Writes ``supervised/`` (heads, ``evaluation.json``, ``history.json``, ``loss.png``) and ``distilled/``
     (the responses, the frozen pass's states and RL candidates, and the train/held-out split).
     """
-    from models.medusa_training import evaluate_heads, self_distill, split_by_prompt, train_medusa_heads
+    from models.medusa_training import evaluate_heads, self_distill, train_medusa_heads
 
     logger = get_run_logger()
     started = time.perf_counter()
@@ -77,10 +77,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
     logger.info("self-distillation data: %s", "greedy responses to the training prompts" if m.data == "greedy"
                 else "the generated samples")
     responses = _distillation_data(cfg, policy)
-    train_rows, eval_rows = split_by_prompt(responses, m.eval_fraction, m.seed)
-    if len(train_rows) == 0 or len(eval_rows) == 0:
-        raise ValueError(f"{len(responses)} responses from {responses['prompt_id'].nunique()} prompt(s) cannot be split "
-                         "into training and held-out prompts: at least 2 prompts are needed")
+    train_rows, eval_rows = split_responses(responses, m.eval_fraction, m.seed)
     logger.info("self-distillation pass over %d responses (%d prompts held out)", len(responses),
                 responses.iloc[eval_rows.tolist()]["prompt_id"].nunique())
     data = self_distill(policy, responses, m, cfg.rlmedusa)

@@ -95,7 +95,7 @@ def train_mtp_task(cfg: Config) -> StageResult:
                **{f"held_out_{key}": value for key, value in evaluations[m.num_depths].items()},
                **{f"ablation_k{k}_expected_tau": evaluations[k]["expected_tau"] for k in depths},
                "wall_seconds": time.perf_counter() - started}
-    curves = {key: values for key, values in histories[m.num_depths].items()}
+    curves = dict(histories[m.num_depths])
     create_table_artifact(key="mtp-depth-ablation", table=ablation.to_dict("records"),
                           description="Expected initial acceptance length per number of shared MTP depths")
     return StageResult(metrics=metrics, curves=curves, tables={"mtp_ablation": out / "ablation.csv"},
@@ -133,7 +133,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     import torch
 
     from models.generation import chat_prompts, encode_prompt, end_token_ids
-    from models.mtp import MTPModule
+    from models.mtp import MTPModule, MTPModuleConfig
     from models.mtp_rl import train_variant, variant
     from models.mtp_training import depth_weights
 
@@ -141,8 +141,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     started = time.perf_counter()
     r = cfg.mtp_rl
     module_dir = cfg.path(cfg.paths.mtp_dir) / "module"
-    if not (module_dir / "mtp.json").is_file():
-        raise FileNotFoundError(f"{module_dir} holds no MTP module: run the train_mtp stage first")
+    num_depths = MTPModuleConfig.read(module_dir).num_depths  # fails early, naming the missing stage
     train_prompts = _prompts_with_answers(cfg, "train").sample(frac=1.0, random_state=r.seed).reset_index(drop=True)
     train_prompts = train_prompts.head(r.steps * r.prompts_per_step)
     eval_prompts = _prompts_with_answers(cfg, "eval").head(r.eval_prompts)
@@ -156,7 +155,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     accuracy_before = _greedy_accuracy(policy, eval_ids, eval_prompts["answer"].tolist(), r.max_new_tokens)
     logger.info("held-out greedy accuracy before RL: %.3f on %d prompts", accuracy_before, len(eval_ids))
     accelerator = stage_accelerator(policy, r.mixed_precision)
-    weights = depth_weights(cfg.mtp.ce_weights, MTPModule.load(module_dir, policy.model).config.num_depths)
+    weights = depth_weights(cfg.mtp.ce_weights, num_depths)
 
     total_rollouts = len(r.variants) * r.steps * r.prompts_per_step * r.group_size
     progress_id = create_progress_artifact(progress=0.0, key="mtp-rl-progress", description="Rollouts sampled")
