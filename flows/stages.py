@@ -18,7 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from foresight.config import Config, load_config
 from foresight.storage import read_table, write_json
 from foresight.tracking import log_stage_outputs, stage_run
-from tasks.benchmark import benchmark_sla_task
+from tasks.sla import benchmark_sla_task
 from tasks.coral import benchmark_coral_task, train_coral_task
 from tasks.data import (
     StageResult,
@@ -28,10 +28,10 @@ from tasks.data import (
     prepare_prompts_task,
     validate_task,
 )
-from tasks.dpo import dpo_task
+from tasks.sla import dpo_task
 from tasks.medusa import benchmark_medusa_task, train_medusa_task, train_rlmedusa_task
 from tasks.mtp import train_mtp_rl_task, train_mtp_task
-from tasks.reward import train_reward_task
+from tasks.sla import train_reward_task
 
 
 def metrics_path(cfg: Config, stage: str):
@@ -134,7 +134,7 @@ def train_reward_dpo_flow(params_path: str = "params.yaml", overrides: dict | No
 def benchmark_sla_flow(params_path: str = "params.yaml", overrides: dict | None = None,
                        parent_run_id: str | None = None) -> dict:
     """Compare greedy, sampling, beam and SLA decoding for the base and DPO policies (Table 1)."""
-    return run_stage("benchmark_sla", benchmark_sla_task, ["sla", "benchmark", "label"], params_path, overrides,
+    return run_stage("benchmark_sla", benchmark_sla_task, ["sla", "sla_benchmark", "label"], params_path, overrides,
                      parent_run_id)
 
 
@@ -156,7 +156,7 @@ def train_rlmedusa_flow(params_path: str = "params.yaml", overrides: dict | None
 def benchmark_medusa_flow(params_path: str = "params.yaml", overrides: dict | None = None,
                           parent_run_id: str | None = None) -> dict:
     """Tree speculative decoding with Medusa / RLMedusa heads vs HF greedy and prompt lookup: τ, speedup."""
-    return run_stage("benchmark_medusa", benchmark_medusa_task, ["speculative"], params_path, overrides,
+    return run_stage("benchmark_medusa", benchmark_medusa_task, ["medusa_benchmark"], params_path, overrides,
                      parent_run_id)
 
 

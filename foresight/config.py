@@ -257,7 +257,7 @@ class SLAConfig(_Section):
     """Step size n: tokens decoded greedily per node."""
 
 
-class BenchmarkConfig(_Section):
+class SLABenchmarkConfig(_Section):
     """Decoder comparison on held-out prompts (stage ``benchmark_sla``)."""
 
     num_prompts: int = Field(4, ge=1)
@@ -370,7 +370,7 @@ class RLMedusaConfig(_Section):
     """Seed of initialisation, shuffling and action sampling."""
 
 
-class SpeculativeConfig(_Section):
+class MedusaBenchmarkConfig(_Section):
     """Tree speculative decoding and its benchmark (stage ``benchmark_medusa``)."""
 
     tree: list[list[int]] | Literal["auto"] = "auto"
@@ -603,14 +603,14 @@ class Config(_Section):
     """DPO."""
     sla: SLAConfig = Field(default_factory=SLAConfig)
     """Streaming Looking-Ahead decoding."""
-    benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
-    """Decoder benchmark."""
+    sla_benchmark: SLABenchmarkConfig = Field(default_factory=SLABenchmarkConfig)
+    """SLA decoder benchmark (Table 1)."""
     medusa: MedusaConfig = Field(default_factory=MedusaConfig)
     """Medusa heads."""
     rlmedusa: RLMedusaConfig = Field(default_factory=RLMedusaConfig)
     """RLMedusa."""
-    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
-    """Tree speculative decoding and its benchmark."""
+    medusa_benchmark: MedusaBenchmarkConfig = Field(default_factory=MedusaBenchmarkConfig)
+    """Medusa tree speculative decoding and its benchmark."""
     coral: CoralConfig = Field(default_factory=CoralConfig)
     """COrAL two-stage order-agnostic training."""
     coral_benchmark: CoralBenchmarkConfig = Field(default_factory=CoralBenchmarkConfig)
@@ -624,15 +624,15 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _tree_fits_the_heads(self) -> Config:
-        tree = self.speculative.tree
+        tree = self.medusa_benchmark.tree
         if tree == "auto":
             return self
         if not tree or any(not path or min(path) < 0 for path in tree):
-            raise ValueError("speculative.tree must be a non-empty list of non-empty paths of non-negative ranks, "
+            raise ValueError("medusa_benchmark.tree must be a non-empty list of non-empty paths of non-negative ranks, "
                              "e.g. [[0], [0, 0]]")
         deepest = max(len(path) for path in tree)
         if deepest > self.medusa.num_heads:
-            raise ValueError(f"speculative.tree is {deepest} deep but medusa.num_heads is {self.medusa.num_heads}: "
+            raise ValueError(f"medusa_benchmark.tree is {deepest} deep but medusa.num_heads is {self.medusa.num_heads}: "
                              "each depth needs a head")
         return self
 

@@ -8,7 +8,7 @@ Three sources, one output schema (``prompt_id``, ``question``, ``answer``, ``sou
 - ``dataset``: any Hugging Face dataset through ``datasets.load_dataset`` (UltraFeedback, GSM8K, ...).
 - ``file``: a local jsonl / parquet / csv file, also read through ``datasets``.
 
-The chat template is applied later, by the policy's tokenizer (:func:`models.generation.chat_prompts`),
+The chat template is applied later, by the policy's tokenizer (:func:`models.engine.generation.chat_prompts`),
 because it belongs to the model, not to the prompt.
 """
 

@@ -1,6 +1,6 @@
 """Prefect tasks of the COrAL stages: two-stage order-agnostic training and the decoding benchmark.
 
-Thin wrappers around :mod:`models.coral_training` and :mod:`models.coral_decoding`:
+Thin wrappers around :mod:`models.coral.training` and :mod:`models.coral.decoding`:
 
 * ``train_coral`` — SFT data from the pipeline (the responses ``train_medusa`` distilled from, or the samples
   labeled correct), split by prompt; stage 1 (last layer) then stage 2 (the rest); held-out top-1 accuracy per
@@ -31,7 +31,8 @@ from tasks.data import GPU_TAG, StageResult, load_stage_policy, sft_responses, s
 @task(name="train-coral", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def train_coral_task(cfg: Config) -> StageResult:
     """Two-stage COrAL training of the base policy; writes the model folder with its curves and evaluation."""
-    from models.coral_training import offset_accuracy, sft_sequences, train_coral
+    from models.coral.training import offset_accuracy, train_coral
+    from models.common.sequences import sft_sequences
 
     logger = get_run_logger()
     started = time.perf_counter()
@@ -39,7 +40,7 @@ def train_coral_task(cfg: Config) -> StageResult:
     policy = load_stage_policy(cfg, "base")
     responses = sft_responses(cfg, cfg.coral.data, "coral.data")
     train_rows, eval_rows = split_responses(responses, c.eval_fraction, c.seed)
-    sequences = sft_sequences(policy, responses, c.max_length)
+    sequences = sft_sequences(policy.tokenizer, responses, c.max_length)
     train, held_out = [sequences[i] for i in train_rows], [sequences[i] for i in eval_rows]
     logger.info("COrAL SFT data (%s): %d training / %d held-out sequences", c.data, len(train), len(held_out))
     before = offset_accuracy(policy, held_out, c.forward_window)
@@ -82,8 +83,8 @@ TABLE_COLUMNS = ["decoder", "verifier", "block_size", "forward_window", "accurac
 
 
 def coral_decoders(cfg: Config) -> dict:
-    """Name → :class:`models.coral_decoding.CoralDecoding` of every COrAL decoder the benchmark runs."""
-    from models.coral_decoding import CoralDecoding
+    """Name → :class:`models.coral.decoding.CoralDecoding` of every COrAL decoder the benchmark runs."""
+    from models.coral.decoding import CoralDecoding
 
     b = cfg.coral_benchmark
     base = CoralDecoding(block_size=b.block_size, forward_window=b.forward_window, backward_window=b.backward_window,
@@ -100,11 +101,11 @@ def coral_decoders(cfg: Config) -> dict:
 @task(name="benchmark-coral", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def benchmark_coral_task(cfg: Config) -> StageResult:
     """Next-token greedy vs the COrAL decoders on held-out prompts, at batch 1, on the COrAL-trained model."""
-    from models.coral_decoding import CoralStats, coral_generate
-    from models.decoding import GREEDY, hf_decode
-    from models.generation import chat_prompts, encode_prompt, end_token_ids
-    from models.labelers import is_correct
-    from models.policy import load_pretrained
+    from models.coral.decoding import CoralStats, coral_generate
+    from models.engine.decoding import GREEDY, hf_decode
+    from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
+    from models.labeling.labelers import is_correct
+    from models.engine.policy import load_pretrained
 
     logger = get_run_logger()
     started = time.perf_counter()

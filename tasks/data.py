@@ -42,7 +42,7 @@ POLICY_SOURCES = ("base", "dpo")
 
 def load_stage_policy(cfg: Config, policy_source: str):
     """The policy a stage works on: ``base`` (the prepared policy) or ``dpo`` (the DPO-tuned folder)."""
-    from models.policy import load_policy, load_pretrained
+    from models.engine.policy import load_policy, load_pretrained
 
     if policy_source not in POLICY_SOURCES:
         raise ValueError(f"policy_source must be one of {POLICY_SOURCES}, got {policy_source!r}")
@@ -80,7 +80,7 @@ def sft_responses(cfg: Config, source: str, key: str) -> pd.DataFrame:
 
 def split_responses(responses: pd.DataFrame, eval_fraction: float, seed: int):
     """Row indices of training and held-out responses, split by prompt; an error if either side is empty."""
-    from models.medusa_training import split_by_prompt
+    from models.common.splits import split_by_prompt
 
     train_rows, eval_rows = split_by_prompt(responses, eval_fraction, seed)
     if len(train_rows) == 0 or len(eval_rows) == 0:
@@ -96,7 +96,7 @@ def _prompt_split_path(cfg: Config, split: str) -> Path:
 @task(name="prepare-policy", retries=2, retry_delay_seconds=10, cache_policy=NO_CACHE)
 def prepare_policy_task(cfg: Config) -> StageResult:
     """Make the configured policy available locally (retried: a hub download can fail transiently)."""
-    from models.policy import prepare_policy
+    from models.engine.policy import prepare_policy
 
     started = time.perf_counter()
     manifest = prepare_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
@@ -127,8 +127,8 @@ def prepare_prompts_task(cfg: Config) -> StageResult:
 @task(name="generate-samples", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def generate_task(cfg: Config) -> StageResult:
     """Sample N responses per training prompt from the policy."""
-    from models.generation import chat_prompts, sample
-    from models.policy import load_policy
+    from models.engine.generation import chat_prompts, sample
+    from models.engine.policy import load_policy
 
     logger = get_run_logger()
     started = time.perf_counter()
@@ -177,7 +177,7 @@ def generate_task(cfg: Config) -> StageResult:
 @task(name="label-samples", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def label_task(cfg: Config) -> StageResult:
     """Score every sample with the configured labeler; record correctness wherever the answer is known."""
-    from models.labelers import build_labeler, extract_answer, is_correct
+    from models.labeling.labelers import build_labeler, extract_answer, is_correct
 
     logger = get_run_logger()
     started = time.perf_counter()

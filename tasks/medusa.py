@@ -1,6 +1,6 @@
 """Prefect tasks of the Medusa stages: Medusa-1 heads, RLMedusa's t + 2 head, and the speed benchmark.
 
-Thin wrappers around :mod:`models.medusa_training`, :mod:`models.rlmedusa` and :mod:`models.speculative`:
+Thin wrappers around :mod:`models.medusa.training`, :mod:`models.medusa.rlmedusa` and :mod:`models.engine.speculative`:
 they read the data, split it by prompt, log progress, and write each output folder atomically.
 
 * ``train_medusa`` — the policy's greedy responses to the training prompts (or the generated samples),
@@ -41,7 +41,7 @@ def _medusa_dir(cfg: Config) -> Path:
 def _distillation_data(cfg: Config, policy) -> pd.DataFrame:
     """The responses Medusa learns from (``medusa.data``): the policy's greedy responses to the training
     prompts, or the first ``medusa.samples_per_prompt`` generated samples per prompt."""
-    from models.medusa_training import greedy_responses
+    from models.medusa.training import greedy_responses
 
     m = cfg.medusa
     if m.data == "greedy":
@@ -67,7 +67,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
     Writes ``supervised/`` (heads, ``evaluation.json``, ``history.json``, ``loss.png``) and ``distilled/``
     (the responses, the frozen pass's states and RL candidates, and the train/held-out split).
     """
-    from models.medusa_training import evaluate_heads, self_distill, train_medusa_heads
+    from models.medusa.training import evaluate_heads, self_distill, train_medusa_heads
 
     logger = get_run_logger()
     started = time.perf_counter()
@@ -120,7 +120,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
 
 def load_distilled(cfg: Config):
     """The ``train_medusa`` stage's frozen-pass data and its train / held-out sample split."""
-    from models.medusa_training import DistilledStates
+    from models.medusa.training import DistilledStates
 
     path = _medusa_dir(cfg) / "distilled" / "states.safetensors"
     if not path.is_file():
@@ -138,9 +138,9 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
     with head 1 replaced), the reward model, ``evaluation.json`` (held-out accuracy of every head, and of
     head 1 at t + 2 for supervised, each RL head and its start), ``history.json`` and ``rl.png``.
     """
-    from models.medusa import MedusaHeads
-    from models.medusa_training import evaluate_heads
-    from models.rlmedusa import evaluate_reward_model, fit_reward_model, train_rl_head
+    from models.medusa.heads import MedusaHeads
+    from models.medusa.training import evaluate_heads
+    from models.medusa.rlmedusa import evaluate_reward_model, fit_reward_model, train_rl_head
 
     logger = get_run_logger()
     started = time.perf_counter()
@@ -210,10 +210,10 @@ SPEED_COLUMNS = ["prompt_set", "decoder", "lossless", "tau", "tokens_per_s", "ms
 
 
 def _prompt_sets(cfg: Config) -> dict[str, list[str]]:
-    """``held_out`` (the first ``speculative.num_prompts`` of the eval split) plus one set per prompt file."""
+    """``held_out`` (the first ``medusa_benchmark.num_prompts`` of the eval split) plus one set per prompt file."""
     from foresight.prompts import file_prompts
 
-    s = cfg.speculative
+    s = cfg.medusa_benchmark
     sets = {"held_out": read_table(cfg.path(cfg.paths.prompts_dir) / "eval.jsonl", "held-out prompts")
             ["question"].head(s.num_prompts).tolist()}
     for file_cfg in s.prompt_files:
@@ -227,9 +227,9 @@ def _prompt_sets(cfg: Config) -> dict[str, list[str]]:
 def candidate_tree(cfg: Config):
     """The configured tree, or (``auto``) Medusa's sparse tree from the supervised heads' held-out accuracy
     per rank. Every Medusa decoder uses the same tree, so they differ only in their heads."""
-    from models.speculative import build_tree, sparse_tree
+    from models.engine.speculative import build_tree, sparse_tree
 
-    s = cfg.speculative
+    s = cfg.medusa_benchmark
     if s.tree != "auto":
         return build_tree(s.tree)
     evaluation = _medusa_dir(cfg) / "supervised" / "evaluation.json"
@@ -242,14 +242,14 @@ def candidate_tree(cfg: Config):
 @task(name="benchmark-medusa", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def benchmark_medusa_task(cfg: Config) -> StageResult:
     """Every speculative decoder against HF greedy at batch 1, prompt by prompt, on each prompt set."""
-    from models.decoding import GREEDY, hf_decode
-    from models.generation import chat_prompts, encode_prompt, end_token_ids
-    from models.medusa import MedusaDrafter, MedusaHeads
-    from models.speculative import SpeculativeStats, TypicalAcceptance, speculative_generate
+    from models.engine.decoding import GREEDY, hf_decode
+    from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
+    from models.medusa.heads import MedusaDrafter, MedusaHeads
+    from models.engine.speculative import SpeculativeStats, TypicalAcceptance, speculative_generate
 
     logger = get_run_logger()
     started = time.perf_counter()
-    s = cfg.speculative
+    s = cfg.medusa_benchmark
     policy = load_stage_policy(cfg, "base")
     lm_head = policy.model.get_output_embeddings()
     eos = end_token_ids(policy)
@@ -324,7 +324,7 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
 
 
 def _report(rows: list[dict], tree, cfg: Config) -> str:
-    s = cfg.speculative
+    s = cfg.medusa_benchmark
     rl_eval_path = _medusa_dir(cfg) / "rl" / "evaluation.json"
     lines = [
         "# Speculative decoding benchmark (Medusa, RLMedusa)",

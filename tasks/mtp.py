@@ -1,6 +1,6 @@
 """Prefect tasks of the MTP-RL stages: the MTP-equipped stage, then GRPO with MTP-drafted rollouts.
 
-Thin wrappers around :mod:`models.mtp_training` and :mod:`models.mtp_rl`:
+Thin wrappers around :mod:`models.mtp.training` and :mod:`models.mtp.rl`:
 
 * ``train_mtp`` — self-distilled data (the policy's own greedy responses, as ``train_medusa`` distilled them),
   split by prompt; the main model's states computed once; a K-depth shared MTP module trained with eq. 1's
@@ -38,8 +38,8 @@ from tasks.data import GPU_TAG, StageResult, load_stage_policy, sft_responses, s
 @task(name="train-mtp", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def train_mtp_task(cfg: Config) -> StageResult:
     """Equip the frozen base policy with a K-depth shared MTP module; run the depth ablation."""
-    from models.coral_training import sft_sequences
-    from models.mtp_training import chain_acceptance, frozen_states, train_mtp_module
+    from models.common.sequences import sft_sequences
+    from models.mtp.training import chain_acceptance, frozen_states, train_mtp_module
 
     logger = get_run_logger()
     started = time.perf_counter()
@@ -48,7 +48,7 @@ def train_mtp_task(cfg: Config) -> StageResult:
     policy.model.requires_grad_(False).eval()
     responses = sft_responses(cfg, m.data, "mtp.data")
     train_rows, eval_rows = split_responses(responses, m.eval_fraction, m.seed)
-    sequences = sft_sequences(policy, responses, m.max_length)
+    sequences = sft_sequences(policy.tokenizer, responses, m.max_length)
     hidden = frozen_states(policy, sequences)
     train = ([sequences[i] for i in train_rows], [hidden[i] for i in train_rows])
     held_out = ([sequences[i] for i in eval_rows], [hidden[i] for i in eval_rows])
@@ -109,9 +109,9 @@ SUMMARY_COLUMNS = ["variant", "steps", "tau_first", "tau_last", "tau_mean", "acc
 
 def _greedy_accuracy(policy, prompt_ids: list[list[int]], answers: list[str], max_new_tokens: int) -> float:
     """Share of held-out prompts whose greedy answer is right (batched HF greedy)."""
-    from models.decoding import GREEDY, hf_decode
-    from models.generation import end_token_ids
-    from models.labelers import is_correct
+    from models.engine.decoding import GREEDY, hf_decode
+    from models.engine.generation import end_token_ids
+    from models.labeling.labelers import is_correct
 
     outputs = hf_decode(policy, prompt_ids, GREEDY, max_new_tokens, end_token_ids(policy), batch_size=16)
     decoded = [policy.tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
@@ -132,10 +132,10 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     """GRPO per variant with (or without) MTP-drafted rollouts; τ, rollout time, reward, accuracy."""
     import torch
 
-    from models.generation import chat_prompts, encode_prompt, end_token_ids
-    from models.mtp import MTPModule, MTPModuleConfig
-    from models.mtp_rl import train_variant, variant
-    from models.mtp_training import depth_weights
+    from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
+    from models.mtp.module import MTPModule, MTPModuleConfig
+    from models.mtp.rl import train_variant, variant
+    from models.mtp.training import depth_weights
 
     logger = get_run_logger()
     started = time.perf_counter()

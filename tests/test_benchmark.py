@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from foresight.benchmark import DecodeTimer, markdown_table, speed_row, win_tie_loss
-from foresight.config import BenchmarkConfig, PolicyConfig
-from models.decoding import generate_kwargs, hf_decode
-from models.generation import chat_prompts, end_token_ids
-from models.policy import load_pretrained
+from foresight.config import SLABenchmarkConfig, PolicyConfig
+from models.engine.decoding import generate_kwargs, hf_decode
+from models.engine.generation import chat_prompts, end_token_ids
+from models.engine.policy import load_pretrained
 
 
 def test_win_tie_loss_hand_worked():
@@ -39,7 +39,7 @@ def test_markdown_table():
 
 
 def test_unused_sampling_knobs_are_neutralised():
-    cfg = BenchmarkConfig()
+    cfg = SLABenchmarkConfig()
     assert generate_kwargs("temperature", cfg) == {"do_sample": True, "temperature": 0.8, "top_p": 1.0, "top_k": 0}
     assert generate_kwargs("top_k", cfg)["top_k"] == 50 and generate_kwargs("top_k", cfg)["temperature"] == 1.0
     assert generate_kwargs("beam", cfg)["num_beams"] == 4
@@ -51,7 +51,7 @@ def tiny(tiny_llama):
 
 
 def test_hf_decode_greedy_matches_generate_and_cuts_at_eos(tiny):
-    cfg = BenchmarkConfig(max_new_tokens=10)
+    cfg = SLABenchmarkConfig(max_new_tokens=10)
     prompts = [tiny.tokenizer(p, add_special_tokens=False).input_ids
                for p in chat_prompts(tiny.tokenizer, ["Ben has 4 apples.", "What is 2 + 3 and then more?"])]
     eos = end_token_ids(tiny)
@@ -64,7 +64,7 @@ def test_hf_decode_greedy_matches_generate_and_cuts_at_eos(tiny):
 
 
 def test_hf_decode_sampling_is_seeded(tiny):
-    cfg = BenchmarkConfig(max_new_tokens=8)
+    cfg = SLABenchmarkConfig(max_new_tokens=8)
     prompts = [tiny.tokenizer(p, add_special_tokens=False).input_ids for p in chat_prompts(tiny.tokenizer, ["a", "b"])]
     eos = end_token_ids(tiny)
     first = hf_decode(tiny, prompts, generate_kwargs("temperature", cfg), cfg.max_new_tokens, eos, batch_size=2, seed=3)

@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from foresight.config import CoralConfig, PolicyConfig, load_config
-from models.coral import (
+from models.coral.target_aware import (
     BACKWARD_OFFSETS,
     FORWARD_OFFSETS,
     backward_reconstruction_loss,
@@ -23,7 +23,7 @@ from models.coral import (
     weighted_offset_loss,
     target_aware_logits,
 )
-from models.coral_decoding import (
+from models.coral.decoding import (
     CoralDecoding,
     CoralStats,
     _Forward,
@@ -33,9 +33,10 @@ from models.coral_decoding import (
     coral_generate,
     ensemble,
 )
-from models.coral_training import sft_sequences, stage_parameters, train_coral
-from models.policy import load_pretrained
-from models.speculative import build_tree
+from models.common.sequences import sft_sequences
+from models.coral.training import stage_parameters, train_coral
+from models.engine.policy import load_pretrained
+from models.engine.speculative import build_tree
 
 VOCAB = 64
 
@@ -194,7 +195,7 @@ def test_two_stage_training_changes_the_right_parameters(tiny_llama):
     model = policy.model
     responses = pd.DataFrame({"prompt": ["<|im_start|>user\nBen has 4 apples<|im_end|>\n<|im_start|>assistant\n"] * 4,
                               "response": ["The answer is 6. Ivy has 3 cookies and gives 1 of them"] * 4})
-    sequences = sft_sequences(policy, responses, 64)
+    sequences = sft_sequences(policy.tokenizer, responses, 64)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     last_names = {f"model.layers.{len(model.model.layers) - 1}.{n}" for n, _ in model.model.layers[-1].named_parameters()}
 

@@ -13,9 +13,9 @@ import torch
 from foresight.config import DPOConfig, PolicyConfig, parse_config
 from foresight.pairs import PAIR_COLUMNS
 from foresight.storage import write_table
-from models.dpo import build_trainer, preference_accuracy, tokenize_pair, train_dpo, with_eos
-from models.generation import chat_prompts
-from models.policy import load_pretrained, prepare_policy
+from models.sla.dpo import build_trainer, preference_accuracy, tokenize_pair, train_dpo, with_eos
+from models.engine.generation import chat_prompts
+from models.engine.policy import load_pretrained, prepare_policy
 from tests.conftest import tiny_params
 
 # A learning rate far above the real one, so a handful of steps visibly moves the tiny model.
@@ -110,7 +110,7 @@ def _stage_config(root: Path, tiny_llama: Path, num_pairs: int):
 def test_dpo_task_writes_the_folder_atomically_and_reports(tiny_llama, tmp_path):
     from prefect.logging import disable_run_logger
 
-    from tasks.dpo import dpo_task
+    from tasks.sla import dpo_task
 
     cfg, stale = _stage_config(tmp_path, tiny_llama, num_pairs=8)
     with disable_run_logger():
@@ -129,7 +129,7 @@ def test_dpo_task_writes_the_folder_atomically_and_reports(tiny_llama, tmp_path)
 def test_dpo_task_with_too_few_pairs_fails_clearly_and_keeps_the_previous_output(tiny_llama, tmp_path):
     from prefect.logging import disable_run_logger
 
-    from tasks.dpo import dpo_task
+    from tasks.sla import dpo_task
 
     cfg, stale = _stage_config(tmp_path, tiny_llama, num_pairs=2)  # 1 for training, 1 held out
     with disable_run_logger(), pytest.raises(ValueError, match="at least 2 training pairs, got 1"):

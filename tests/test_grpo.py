@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from foresight.config import MTPRLConfig, PolicyConfig
-from models.grpo import clipped_policy_loss, grpo_loss, group_advantages, k3_kl, token_logps, token_mean
-from models.mtp import MTPModule, MTPModuleConfig, advantage_aware_kl, advantage_mask
-from models.mtp_rl import Rollouts, rl_step_loss, train_variant, variant
-from models.speculative import SpeculativeStats
+from models.mtp.grpo import clipped_policy_loss, grpo_loss, group_advantages, k3_kl, token_logps, token_mean
+from models.mtp.module import MTPModule, MTPModuleConfig, advantage_aware_kl, advantage_mask
+from models.mtp.rl import Rollouts, rl_step_loss, train_variant, variant
+from models.engine.speculative import SpeculativeStats
 
 
 def test_group_advantages_by_hand():
@@ -90,7 +90,7 @@ def test_advantage_mask_zeroes_negative_advantage_samples(tiny_llama):
 
 @pytest.fixture
 def policy(tiny_llama):
-    from models.policy import load_pretrained
+    from models.engine.policy import load_pretrained
 
     return load_pretrained(tiny_llama, PolicyConfig(model=str(tiny_llama), device="cpu"))
 
@@ -140,8 +140,8 @@ def test_rewards_with_a_spread_move_the_policy(policy, name):
 
 
 def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
-    from models.generation import end_token_ids
-    from models.policy import load_pretrained
+    from models.engine.generation import end_token_ids
+    from models.engine.policy import load_pretrained
 
     cfg = MTPRLConfig(steps=2, prompts_per_step=1, group_size=2, max_new_tokens=6, learning_rate=1e-3)
     prompts = [policy.tokenizer(q, return_tensors="pt").input_ids for q in ("What is 2 + 3?", "What is 4 * 2?")]
@@ -172,8 +172,8 @@ def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
 def test_every_pass_of_a_step_uses_the_first_pass_log_probs_as_pi_old(policy, monkeypatch):
     """μ = 3 passes over one step's rollouts: passes 2 and 3 compare against the policy before the step's first
     update (the clip then bounds the whole step's move), not against the previous pass."""
-    import models.mtp_rl as mtp_rl
-    from models.generation import end_token_ids
+    import models.mtp.rl as mtp_rl
+    from models.engine.generation import end_token_ids
 
     seen = []
     real = mtp_rl.rl_step_loss

@@ -3,7 +3,7 @@
 import pytest
 
 from foresight.config import LabelConfig
-from models.labelers import LabelerError, build_labeler, extract_answer, is_correct
+from models.labeling.labelers import LabelerError, build_labeler, extract_answer, is_correct
 
 
 @pytest.mark.parametrize(

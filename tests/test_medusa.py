@@ -9,23 +9,17 @@ import pytest
 import torch
 
 from foresight.config import MedusaConfig, RLMedusaConfig
-from models.medusa import (
-    IGNORE_INDEX,
-    MedusaDrafter,
-    MedusaHeads,
-    heads_for,
-    medusa_loss,
-)
-from models.medusa_training import (
+from models.medusa.heads import IGNORE_INDEX, MedusaDrafter, MedusaHeads, heads_for, medusa_loss
+from models.medusa.training import (
     _head_targets,
     evaluate_heads,
     greedy_responses,
     sample_candidates,
     self_distill,
-    split_by_prompt,
     train_medusa_heads,
 )
-from models.policy import Policy
+from models.common.splits import split_by_prompt
+from models.engine.policy import Policy
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +112,7 @@ def test_medusa_loss_against_hand_worked_numbers():
 
 
 def test_head_accuracies_per_rank():
-    from models.medusa_training import DistilledStates
+    from models.medusa.training import DistilledStates
 
     head_logits = torch.tensor([[[0.0, 3.0, 2.0, 1.0]], [[3.0, 2.0, 1.0, 0.0]], [[0.0, 1.0, 2.0, 3.0]]])  # (3, 1, 4)
     targets = torch.tensor([[1], [1], [IGNORE_INDEX]])  # rank 0 at the first position, rank 1 at the second
@@ -156,7 +150,7 @@ def test_self_distill_targets_and_states_match_a_plain_forward(policy, samples):
     cfg = MedusaConfig(num_heads=2, distill_batch_size=3, mixed_precision="no")
     rl_cfg = RLMedusaConfig(trajectory_tokens=4, top_candidates=2, top_pool=10, random_candidates=3)
     data = self_distill(policy, samples, cfg, rl_cfg)
-    from models.reward_training import tokenize_sequence
+    from models.common.sequences import tokenize_sequence
 
     row, done = 0, 0
     for i, r in samples.iterrows():
@@ -247,10 +241,10 @@ def test_prompt_sets_are_the_held_out_prompts_and_each_prompt_file(tmp_path):
     pd.DataFrame({"question": ["q1", "q2", "q3"]}).to_json(tmp_path / "data/prompts/eval.jsonl", orient="records",
                                                            lines=True)
     pd.DataFrame({"text": ["a", "b"]}).to_csv(tmp_path / "mine.csv", index=False)
-    cfg = parse_config({"speculative": {"num_prompts": 2, "prompt_files": [{"path": "mine.csv", "text_column": "text"}]}},
+    cfg = parse_config({"medusa_benchmark": {"num_prompts": 2, "prompt_files": [{"path": "mine.csv", "text_column": "text"}]}},
                        root=tmp_path)
     assert _prompt_sets(cfg) == {"held_out": ["q1", "q2"], "mine": ["a", "b"]}
     (tmp_path / "empty.csv").write_text("")
-    bad = parse_config({"speculative": {"prompt_files": [{"path": "empty.csv"}]}}, root=tmp_path)
+    bad = parse_config({"medusa_benchmark": {"prompt_files": [{"path": "empty.csv"}]}}, root=tmp_path)
     with pytest.raises(ValueError, match="empty.csv is empty"):
         _prompt_sets(bad)

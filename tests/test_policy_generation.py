@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from foresight.config import GenerateConfig, PolicyConfig
-from models.generation import response_lengths, chat_prompts, sample
-from models.policy import (
+from models.engine.generation import response_lengths, chat_prompts, sample
+from models.engine.policy import (
     MANIFEST,
     PolicyNotFoundError,
     embedded_gguf,

@@ -13,8 +13,8 @@ import torch
 from foresight.config import PolicyConfig, RewardConfig, parse_config
 from foresight.pairs import PAIR_COLUMNS
 from foresight.storage import write_table
-from models.policy import load_pretrained, prepare_policy
-from models.reward_training import (
+from models.engine.policy import load_pretrained, prepare_policy
+from models.sla.reward_training import (
     PairRewards,
     autrc,
     collate_pairs,
@@ -24,7 +24,7 @@ from models.reward_training import (
     tokenize_pairs,
     train_reward_heads,
 )
-from models.reward_transformer import RewardHeadConfig, RewardTransformer
+from models.sla.reward_transformer import RewardHeadConfig, RewardTransformer
 from tests.conftest import tiny_params
 
 CHANNEL = RewardHeadConfig(kind="channel", hidden_size=16)
@@ -192,13 +192,13 @@ def reward_cfg(tiny_llama, tmp_path):
 @pytest.fixture()
 def task_logger(monkeypatch):
     """Run the task's function outside a Prefect run (no API needed): its run logger becomes a plain logger."""
-    import tasks.reward
+    import tasks.sla
 
-    monkeypatch.setattr(tasks.reward, "get_run_logger", lambda: logging.getLogger("test-reward"))
+    monkeypatch.setattr(tasks.sla, "get_run_logger", lambda: logging.getLogger("test-reward"))
 
 
 def test_task_writes_heads_curves_plots_and_metrics(reward_cfg, task_logger):
-    from tasks.reward import train_reward_task
+    from tasks.sla import train_reward_task
 
     out_dir = reward_cfg.path(reward_cfg.paths.reward_dir) / "base"
     result = train_reward_task.fn(reward_cfg, "base", out_dir)
@@ -221,8 +221,8 @@ def test_task_writes_heads_curves_plots_and_metrics(reward_cfg, task_logger):
 
 
 def test_task_on_the_dpo_policy_writes_all_or_nothing(reward_cfg, task_logger, monkeypatch):
-    import models.reward_training
-    from tasks.reward import train_reward_task
+    import models.sla.reward_training
+    from tasks.sla import train_reward_task
 
     out_dir = reward_cfg.path(reward_cfg.paths.reward_dir) / "dpo"
     out_dir.mkdir(parents=True)
@@ -231,7 +231,7 @@ def test_task_on_the_dpo_policy_writes_all_or_nothing(reward_cfg, task_logger, m
     def fail(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(models.reward_training, "plot_losses", fail)  # the last write: everything else is done
+    monkeypatch.setattr(models.sla.reward_training, "plot_losses", fail)  # the last write: everything else is done
     with pytest.raises(RuntimeError, match="disk full"):
         train_reward_task.fn(reward_cfg.model_copy(update={"reward": reward_cfg.reward.model_copy(
             update={"adapter_layers": []})}), "dpo", out_dir)
@@ -240,7 +240,7 @@ def test_task_on_the_dpo_policy_writes_all_or_nothing(reward_cfg, task_logger, m
 
 
 def test_task_fails_clearly_on_too_few_pairs_or_an_unknown_source(reward_cfg, task_logger):
-    from tasks.reward import train_reward_task
+    from tasks.sla import train_reward_task
 
     out_dir = reward_cfg.path(reward_cfg.paths.reward_dir) / "base"
     with pytest.raises(ValueError, match="policy_source"):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from foresight.config import PolicyConfig
-from models.policy import load_pretrained
-from models.reward_transformer import (
+from models.engine.policy import load_pretrained
+from models.sla.reward_transformer import (
     FinalStateAdapter,
     RewardChannel,
     RewardHeadConfig,

@@ -7,8 +7,8 @@ import torch
 from accelerate import Accelerator
 
 from foresight.config import RLMedusaConfig
-from models.medusa import MedusaHeadsConfig, MedusaHeads
-from models.rlmedusa import (
+from models.medusa.heads import MedusaHeadsConfig, MedusaHeads
+from models.medusa.rlmedusa import (
     TokenRewardModel,
     evaluate_reward_model,
     fit_reward_model,

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from foresight.config import SLAConfig
-from models.reward_transformer import RewardTransformer
-from models.sla import Node, SLAStats, backup, greedy_generate, select_action, sla_generate, sla_stream
+from models.sla.reward_transformer import RewardTransformer
+from models.sla.search import Node, SLAStats, backup, greedy_generate, select_action, sla_generate, sla_stream
 from tests.tiny import load_spiky_tiny_llama
 
 QUESTIONS = ["Ben has 4 apples. How many?", "Ivy has 3 cookies and gives 1 to Omar.", "0 1 2 3", "What is 7 * 8?"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from models.speculative import (
+from models.engine.speculative import (
     SpeculativeStats,
     TypicalAcceptance,
     _parents,

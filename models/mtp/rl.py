@@ -19,7 +19,7 @@ Why a compact trainer rather than TRL's ``GRPOTrainer``: MTP-RL needs (a) rollou
 speculative sampler, timed per step, with per-rollout acceptance counters, and (b) a second model (the MTP
 module) trained in the same backward from the policy's hidden states. TRL's trainer owns generation and the
 loss; bending both would take more code than the ~100 lines of GRPO here, whose pieces
-(:mod:`models.grpo`) are tested on hand-worked numbers against TRL's definitions.
+(:mod:`models.mtp.grpo`) are tested on hand-worked numbers against TRL's definitions.
 """
 
 from __future__ import annotations
@@ -32,12 +32,19 @@ from dataclasses import dataclass
 import torch
 
 from foresight.config import MTPRLConfig
-from models.grpo import grpo_loss, group_advantages, token_logps
-from models.labelers import is_correct
-from models.mtp import MTPModule, advantage_aware_kl, advantage_mask, draft_parts, mtp_cross_entropy, mtp_generate
-from models.policy import Policy
-from models.reward_training import padding_id, right_pad
-from models.speculative import SpeculativeStats
+from models.mtp.grpo import grpo_loss, group_advantages, token_logps
+from models.labeling.labelers import is_correct
+from models.mtp.module import (
+    MTPModule,
+    advantage_aware_kl,
+    advantage_mask,
+    draft_parts,
+    mtp_cross_entropy,
+    mtp_generate,
+)
+from models.engine.policy import Policy
+from models.common.sequences import padding_id, right_pad
+from models.engine.speculative import SpeculativeStats
 
 
 @dataclass(frozen=True)

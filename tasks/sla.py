@@ -1,16 +1,28 @@
-"""Prefect task: the SLA paper's decoder comparison (Table 1, Figure 3) on held-out prompts.
+"""Prefect tasks of the SLA stages (Zhang, Hong & Yu, "Streaming Looking Ahead with Token-level Self-reward";
+docs/sla.md): the Reward Transformer's reward channel and its adapter baselines, DPO, and the decoder benchmark.
 
-For the base and the DPO policy, each with its own trained reward channel: greedy, temperature,
-top-p, top-k, beam search and SLA. Quality is judged by the configured labeler (win/tie/loss against
-base greedy, win rate = win + tie/2, mean reward, accuracy where answers are known), plus the
-paper's extra row "DPO + SLA vs DPO + greedy". Speed is measured in the same run at batch 1: tokens/s
-and per-token latency of each decoder relative to greedy, and the reward channel's forward overhead.
+* ``train_reward`` / ``train_reward_dpo`` — on the frozen policy (the base policy or the DPO-tuned one), the
+  reward channel and one final-state adapter per configured depth, on the same training pairs with the same
+  schedule, compared on the same held-out pairs (pair accuracy, token-level reward curve, AuTRC): the
+  paper's Figure 4 ablation.
+* ``dpo`` — the base policy fine-tuned with DPO on the same training pairs (the shared
+  :func:`foresight.pairs.split_pairs` split with ``reward.eval_fraction`` / ``reward.seed``), so the held-out
+  pairs are unseen by both and "SLA on top of DPO" is a fair comparison. The held-out preference accuracy of
+  DPO's implicit reward is reported before (policy = reference: every margin is 0, so 0.5) and after training.
+* ``benchmark_sla`` — the paper's decoder comparison (Table 1, Figure 3) on held-out prompts. For the base and
+  the DPO policy, each with its own trained reward channel: greedy, temperature, top-p, top-k, beam search and
+  SLA. Quality is judged by the configured labeler (win/tie/loss against base greedy, win rate = win + tie/2,
+  mean reward, accuracy where answers are known), plus the paper's extra row "DPO + SLA vs DPO + greedy".
+  Speed is measured in the same run at batch 1: tokens/s and per-token latency of each decoder relative to
+  greedy, and the reward channel's forward overhead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -21,9 +33,121 @@ from tqdm.auto import tqdm
 
 from foresight.benchmark import DecodeTimer, markdown_table, speed_row, win_tie_loss
 from foresight.config import Config, SLAConfig
+from foresight.pairs import split_pairs
 from foresight.plots import bar_plot
 from foresight.storage import atomic_path, read_table, write_table
-from tasks.data import GPU_TAG, StageResult, load_stage_policy
+from tasks.data import GPU_TAG, StageResult, load_stage_policy, stage_accelerator
+
+
+def _metric_key(head_name: str) -> str:
+    """``adapter-4`` → ``adapter4``: metric names without dashes (``pair_accuracy_adapter4``)."""
+    return head_name.replace("-", "")
+
+
+@task(name="train-reward", tags=[GPU_TAG], cache_policy=NO_CACHE)
+def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageResult:
+    """Train the reward channel and the adapter baselines on ``policy_source`` (``base`` or ``dpo``), jointly
+    (one policy forward per batch feeds every head).
+
+    Writes into ``out_dir``, all or nothing: one head folder per model (``channel/``, ``adapter-1/``, …,
+    loadable with ``RewardTransformer.from_head``), ``curves.json`` (held-out metrics and the
+    token-level reward curve of each head), ``history.json`` (training losses), ``autrc.png``, ``loss.png``.
+    """
+    from models.sla.reward_training import evaluate_reward_head, plot_losses, plot_reward_curves, train_reward_heads
+    from models.sla.reward_transformer import RewardHeadConfig
+
+    logger = get_run_logger()
+    started = time.perf_counter()
+    pairs_path = cfg.path(cfg.paths.pairs)
+    pairs = read_table(pairs_path, "preference pairs")
+    train_pairs, held_out = split_pairs(pairs, cfg.reward.eval_fraction, cfg.reward.seed)
+    if train_pairs.empty or held_out.empty:
+        raise ValueError(
+            f"{pairs_path} has {len(pairs)} pair(s) from {pairs['prompt_id'].nunique()} prompt(s): reward training "
+            "needs at least 2 (one to train on, one held out). Sample more prompts (prompts.num_train) or more "
+            "responses per prompt (generate.num_samples)."
+        )
+    policy = load_stage_policy(cfg, policy_source)
+    accelerator = stage_accelerator(policy)
+
+    heads = {"channel": RewardHeadConfig(kind="channel", hidden_size=cfg.reward.hidden_size)}
+    # §5.3's adapters are as wide as the policy: "4K" parameters for 1 layer and 50.3M for 4 layers on
+    # Llama-3-8B are exactly d + 1 and 3·(d² + d) + d + 1 with d = 4096 (reward.hidden_size is the channel's)
+    heads |= {f"adapter-{layers}": RewardHeadConfig(kind="adapter", hidden_size=policy.model.config.hidden_size,
+                                                    adapter_layers=layers)
+              for layers in cfg.reward.adapter_layers}
+    logger.info("training %s on the %s policy (%s): %d train / %d held-out pairs", ", ".join(heads), policy_source,
+                policy.device, len(train_pairs), len(held_out))
+
+    metrics: dict = {"num_train_pairs": len(train_pairs), "num_eval_pairs": len(held_out)}
+
+    def on_step(step: int, num_steps: int, losses: dict[str, float]) -> None:
+        if step % max(1, num_steps // 10) == 0 or step == num_steps:
+            logger.info("step %d/%d, loss %s", step, num_steps, ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))
+
+    train_started = time.perf_counter()
+    models, histories = train_reward_heads(policy, train_pairs, cfg.reward, heads, accelerator, on_step)
+    metrics["train_seconds"] = time.perf_counter() - train_started
+    curves: dict[str, dict] = {}
+    with atomic_path(Path(out_dir)) as tmp:
+        tmp.mkdir(parents=True)
+        for name, model in models.items():
+            evaluation = evaluate_reward_head(model, policy.tokenizer, held_out, cfg.reward)
+            model.save_head(tmp / name)
+            key = _metric_key(name)
+            metrics |= {
+                f"pair_accuracy_{key}": evaluation["pair_accuracy"],
+                f"autrc_{key}": evaluation["autrc"],
+                f"train_pair_accuracy_{key}": histories[name]["train_pair_accuracy"][-1],
+                f"final_loss_{key}": histories[name]["loss"][-1],
+                f"{key}_params": sum(p.numel() for p in model.head.parameters()),
+            }
+            curves[name] = evaluation
+            logger.info("%s: held-out pair accuracy %.3f, AuTRC %.3f (%d params)", name,
+                        evaluation["pair_accuracy"], evaluation["autrc"], metrics[f"{key}_params"])
+        (tmp / "curves.json").write_text(json.dumps(curves, indent=2) + "\n")
+        (tmp / "history.json").write_text(json.dumps(histories, indent=2) + "\n")
+        plot_reward_curves({name: (c["x"], c["accuracy"]) for name, c in curves.items()}, tmp / "autrc.png")
+        plot_losses(histories, tmp / "loss.png")
+    metrics["wall_seconds"] = time.perf_counter() - started
+    return StageResult(metrics=metrics, artifacts={"reward": Path(out_dir)})
+
+
+@task(name="train-dpo", tags=[GPU_TAG], cache_policy=NO_CACHE)
+def dpo_task(cfg: Config) -> StageResult:
+    """Train the DPO policy into ``paths.dpo_dir`` (atomically) and evaluate it on the held-out pairs."""
+    from models.sla.dpo import preference_accuracy, train_dpo
+    from models.engine.policy import load_policy, load_pretrained
+
+    logger = get_run_logger()
+    started = time.perf_counter()
+    pairs = read_table(cfg.path(cfg.paths.pairs), "pairs")
+    train_pairs, held_out = split_pairs(pairs, cfg.reward.eval_fraction, cfg.reward.seed)
+    policy = load_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
+    dpo_dir = cfg.path(cfg.paths.dpo_dir)
+    logger.info("DPO on %d pairs (%d held out) on %s, beta=%g", len(train_pairs), len(held_out), policy.device,
+                cfg.dpo.beta)
+    metrics = train_dpo(policy, train_pairs, cfg.dpo, dpo_dir)
+
+    # The saved folder is what later stages load, so that is what gets evaluated; the untouched base
+    # policy is the reference.
+    tuned = load_pretrained(dpo_dir, cfg.policy)
+    evaluate = dict(tokenizer=policy.tokenizer, pairs=held_out, beta=cfg.dpo.beta, max_length=cfg.dpo.max_length)
+    before = preference_accuracy(policy.model, policy.model, **evaluate)
+    after = preference_accuracy(tuned.model, policy.model, **evaluate)
+    metrics.update({
+        "num_heldout": len(held_out),
+        "heldout_accuracy_before": before["accuracy"],
+        "heldout_margin_before": before["margin"],
+        "heldout_accuracy_after": after["accuracy"],
+        "heldout_margin_after": after["margin"],
+        "wall_seconds": time.perf_counter() - started,
+    })
+    logger.info("DPO loss %.4f → %.4f; held-out implicit-reward accuracy %.3f → %.3f (margin %.4f)",
+                metrics.get("loss_first", float("nan")), metrics.get("loss_last", float("nan")),
+                before["accuracy"], after["accuracy"], after["margin"])
+    return StageResult(metrics=metrics)
+
 
 TABLE_COLUMNS = ["policy", "decoder", "versus", "win", "tie", "loss", "win_rate", "mean_reward", "accuracy",
                  "tokens_per_s", "ms_per_token", "latency_vs_reference"]
@@ -31,7 +155,7 @@ TABLE_COLUMNS = ["policy", "decoder", "versus", "win", "tie", "loss", "win_rate"
 
 def _load(cfg: Config, which: str):
     """(policy, reward transformer) for ``base`` or ``dpo``, each with the reward head trained on it."""
-    from models.reward_transformer import RewardTransformer
+    from models.sla.reward_transformer import RewardTransformer
 
     policy = load_stage_policy(cfg, which)
     head = cfg.path(cfg.paths.reward_dir) / which / "channel"
@@ -63,11 +187,11 @@ def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dic
                 time_sampling: bool) -> tuple[list[dict], dict]:
     """Every decoder on every question for one policy (chat template of its own tokenizer); returns output
     records and speed/overhead stats (the sampling decoders are timed only if ``time_sampling``)."""
-    from models.decoding import HF_DECODERS, generate_kwargs, hf_decode
-    from models.generation import chat_prompts, encode_prompt, end_token_ids
-    from models.sla import sla_generate
+    from models.engine.decoding import HF_DECODERS, generate_kwargs, hf_decode
+    from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
+    from models.sla.search import sla_generate
 
-    b = cfg.benchmark
+    b = cfg.sla_benchmark
     policy, reward_model = _load(cfg, which)
     eos = end_token_ids(policy)
     prompt_ids = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt)]
@@ -110,9 +234,9 @@ def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dic
 def _sla_settings(cfg: Config) -> dict[str, SLAConfig]:
     """The main SLA setting plus the optional sweep (Figure 3: vary one of d, k, n at a time)."""
     main = cfg.sla
-    settings = {"sla": main} if "sla" in cfg.benchmark.decoders else {}
-    for field, values in (("depth", cfg.benchmark.sweep_depth), ("width", cfg.benchmark.sweep_width),
-                          ("step", cfg.benchmark.sweep_step)):
+    settings = {"sla": main} if "sla" in cfg.sla_benchmark.decoders else {}
+    for field, values in (("depth", cfg.sla_benchmark.sweep_depth), ("width", cfg.sla_benchmark.sweep_width),
+                          ("step", cfg.sla_benchmark.sweep_step)):
         for value in values:
             variant = main.model_copy(update={field: value})
             settings[f"sla_d{variant.depth}_k{variant.width}_n{variant.step}"] = variant
@@ -145,11 +269,11 @@ def _table(outputs: pd.DataFrame, speed: dict) -> list[dict]:
 @task(name="benchmark-sla", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def benchmark_sla_task(cfg: Config) -> StageResult:
     """Decode the held-out prompts with every decoder for the base and the DPO policy; score; compare."""
-    from models.labelers import build_labeler, is_correct
+    from models.labeling.labelers import build_labeler, is_correct
 
     logger = get_run_logger()
     started = time.perf_counter()
-    b = cfg.benchmark
+    b = cfg.sla_benchmark
     held_out = read_table(cfg.path(cfg.paths.prompts_dir) / "eval.jsonl", "held-out prompts").head(b.num_prompts)
     if held_out.empty:
         raise ValueError("no held-out prompts: set prompts.num_eval > 0")
@@ -221,10 +345,10 @@ def _report(rows: list[dict], sweep_rows: list[dict], speed: dict, cfg: Config) 
     s = cfg.sla
     lines = [
         "# SLA benchmark (the shape of the SLA paper's Table 1)",
-        f"\n{cfg.benchmark.num_prompts} held-out prompts, max {cfg.benchmark.max_new_tokens} new tokens, "
+        f"\n{cfg.sla_benchmark.num_prompts} held-out prompts, max {cfg.sla_benchmark.max_new_tokens} new tokens, "
         f"labeler `{cfg.label.labeler}`, SLA(d={s.depth}, k={s.width}, n={s.step}). Win rate = win + tie/2 "
         "against the row's reference; speed at batch 1 on the first "
-        f"{cfg.benchmark.speed_prompts} prompts, latency relative to HF greedy on the same policy.\n",
+        f"{cfg.sla_benchmark.speed_prompts} prompts, latency relative to HF greedy on the same policy.\n",
         markdown_table(rows, TABLE_COLUMNS),
         "\n## Reward channel overhead (one forward over the first prompt)\n",
         markdown_table([{"policy": w, **v["overhead"]} for w, v in speed.items()]),

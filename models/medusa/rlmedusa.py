@@ -8,7 +8,7 @@ predicts x_{t+2} from the state after x_{≤t} — is Medusa head k = 1 here (th
    feed-forward network over the context's final hidden state h_t and a candidate token's embedding e,
    fitted by MSE to p₁(x_{t+2} = e | x_{≤t+1}) on 9 candidates per step (top-1, 3 of the top-50,
    5 random) along 20-token trajectories of the policy's own responses (the data:
-   :func:`models.medusa_training.self_distill`).
+   :func:`models.medusa.training.self_distill`).
 2. **Policy gradient** ("Overview of reinforcement learning approach", eq. 1: R = r − β·KL, with p₂
    initialised to p₁): head 1 is the policy over the vocabulary in state h_t. It *samples* G tokens per
    state; each is rewarded r(e_a, h_t) − β·(log p₂(a) − log p_ref(a)) (the usual per-sample KL estimate
@@ -18,7 +18,7 @@ predicts x_{t+2} from the state after x_{≤t} — is Medusa head k = 1 here (th
 What the published code gets wrong and this module does not (NOTES.md): its "action" is an argmax under
 ``no_grad`` (zero policy gradient: only the KL term trained), its reward model is linear in [e; h] (the
 same best token for every context), and its reward and policy read contexts one token apart. Decoding
-with the trained head goes through greedy verification (:mod:`models.speculative`), so output stays
+with the trained head goes through greedy verification (:mod:`models.engine.speculative`), so output stays
 exactly greedy — no "The The symptoms symptoms".
 """
 
@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from foresight.config import RLMedusaConfig
-from models.medusa import MedusaHeads
+from models.medusa.heads import MedusaHeads
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from foresight.config import DPOConfig
-from foresight.storage import atomic_path
-from models.policy import Policy
+from models.common.files import atomic_path
+from models.engine.policy import Policy
 
 if TYPE_CHECKING:  # trl and datasets are imported where used: importing them costs seconds
     from datasets import Dataset

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
-from foresight.storage import atomic_path
+from models.common.files import atomic_path
 
 IGNORE_INDEX = -100
 
@@ -144,7 +144,7 @@ def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float =
 
 
 class MedusaDrafter:
-    """The speculative engine's drafter (:data:`models.speculative.Drafter`): the heads' logits for the
+    """The speculative engine's drafter (:data:`models.engine.speculative.Drafter`): the heads' logits for the
     K positions after the root, from the last accepted token's hidden state.
 
     ``dtype``: the precision the drafts are computed in (a copy of the heads and of the LM head). Under

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from foresight.config import PolicyConfig
-from foresight.storage import atomic_path, write_json
+from models.common.files import atomic_path, write_json
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from foresight.config import LabelConfig
-from models.policy import resolve_device, resolve_dtype
+from models.engine.policy import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from foresight.config import MTPConfig
-from models.mtp import MTPModule, MTPModuleConfig, depth_targets, mtp_cross_entropy, mtp_logits
-from models.coral_training import Sequences
-from models.policy import Policy
-from models.reward_training import padding_id, right_pad
+from models.mtp.module import MTPModule, MTPModuleConfig, depth_targets, mtp_cross_entropy, mtp_logits
+from models.common.sequences import Sequences
+from models.engine.policy import Policy
+from models.common.sequences import padding_id, right_pad
 
 
 def depth_weights(weights: Sequence[float], num_depths: int) -> list[float]:

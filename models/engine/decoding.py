@@ -12,16 +12,16 @@ from collections.abc import Sequence
 
 import torch
 
-from foresight.config import BenchmarkConfig
-from models.generation import response_lengths
-from models.policy import Policy
+from foresight.config import SLABenchmarkConfig
+from models.engine.generation import response_lengths
+from models.engine.policy import Policy
 
 HF_DECODERS = ("greedy", "temperature", "top_p", "top_k", "beam")
 GREEDY = {"do_sample": False}
 """``generate`` arguments of greedy decoding."""
 
 
-def generate_kwargs(decoder: str, cfg: BenchmarkConfig) -> dict:
+def generate_kwargs(decoder: str, cfg: SLABenchmarkConfig) -> dict:
     """``generate`` arguments of one classical decoder. Unused knobs are set to their no-op values
     explicitly, because unset ones fall back to the model's generation_config (e.g. top_k = 50)."""
     neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from foresight.config import SLAConfig
-from models.reward_transformer import RewardTransformer
+from models.sla.reward_transformer import RewardTransformer
 
 
 @dataclass

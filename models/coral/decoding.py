@@ -5,7 +5,7 @@ Xie et al. 2024, papers/coral-order-agnostic-lm.txt. The output is a final prefi
 
     ensemble π (eq. 5) per block position, from the last forward's predictions
       → candidate tree (Appendix C: best-first on confidence, the top-1 chain always included)
-      → ONE target-aware tree forward (tree mask and positions from :mod:`models.speculative`)
+      → ONE target-aware tree forward (tree mask and positions from :mod:`models.engine.speculative`)
       → verify (eq. 6 + eq. 7 per path; keep the best path)
       → accept a prefix of it by ensemble rejection sampling (eq. 8) and slide the block.
 
@@ -37,8 +37,15 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from models.coral import target_aware_hidden
-from models.speculative import Tree, build_tree, keep_accepted, sparse_tree, tree_attention_inputs, tree_candidates
+from models.coral.target_aware import target_aware_hidden
+from models.engine.speculative import (
+    Tree,
+    build_tree,
+    keep_accepted,
+    sparse_tree,
+    tree_attention_inputs,
+    tree_candidates,
+)
 
 
 @dataclass(frozen=True)

@@ -21,19 +21,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from foresight.config import CoralConfig
-from models.coral import backward_reconstruction_loss, corrupt, forward_prediction_loss, weighted_offset_loss
-from models.policy import Policy
-from models.reward_training import padding_id, right_pad, tokenize_sequence
-
-Sequences = list[tuple[list[int], list[int]]]
-"""(ids, response mask) per sequence, as :func:`models.reward_training.tokenize_sequence` returns them."""
-
-
-def sft_sequences(policy: Policy, responses: pd.DataFrame, max_length: int) -> Sequences:
-    """Prompt + response + end token of each row (``prompt`` is already templated)."""
-    return [tokenize_sequence(policy.tokenizer, prompt, response, max_length)
-            for prompt, response in zip(responses["prompt"], responses["response"], strict=True)]
-
+from models.coral.target_aware import (
+    backward_reconstruction_loss,
+    corrupt,
+    forward_prediction_loss,
+    weighted_offset_loss,
+)
+from models.engine.policy import Policy
+from models.common.sequences import padding_id, right_pad, tokenize_sequence
 
 def corrupt_batch(batch: dict[str, torch.Tensor], cfg: CoralConfig, generator: torch.Generator
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +142,7 @@ def train_coral(policy: Policy, sequences: Sequences, cfg: CoralConfig, accelera
 def offset_accuracy(policy: Policy, sequences: Sequences, forward_window: int, batch_size: int = 8
                     ) -> dict[str, float]:
     """Held-out top-1 accuracy of forward prediction per offset (+1 … +k_f) on clean response tokens."""
-    from models.coral import offset_targets, target_aware_hidden
+    from models.coral.target_aware import offset_targets, target_aware_hidden
 
     offsets = tuple(range(1, forward_window + 1))
     lm_head = policy.model.get_output_embeddings()

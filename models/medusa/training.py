@@ -13,7 +13,7 @@ the head stages need, so the backbone runs once:
   and the base model's probability of each as the token two steps ahead, p₁(x_{t+2} | x_{≤t+1}).
 
 Training (:func:`train_medusa_heads`) then touches only the heads: batches of positions, the loss of
-:func:`models.medusa.medusa_loss`, AdamW with a cosine schedule, written with ``accelerate``.
+:func:`models.medusa.heads.medusa_loss`, AdamW with a cosine schedule, written with ``accelerate``.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from foresight.config import MedusaConfig, RLMedusaConfig
-from models.medusa import IGNORE_INDEX, MedusaHeads, heads_for, medusa_loss
-from models.policy import Policy
-from models.reward_training import padding_id, right_pad, tokenize_sequence
+from models.medusa.heads import IGNORE_INDEX, MedusaHeads, heads_for, medusa_loss
+from models.engine.policy import Policy
+from models.common.sequences import padding_id, right_pad, tokenize_sequence
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -60,8 +60,8 @@ def greedy_responses(policy: Policy, prompts: pd.DataFrame, max_new_tokens: int,
                      system_prompt: str | None = None) -> pd.DataFrame:
     """The policy's greedy response to each prompt (``prompt_id``, ``question``), batched, in the shape of the
     samples table that :func:`self_distill` reads (one sample per prompt)."""
-    from models.decoding import GREEDY, hf_decode
-    from models.generation import chat_prompts, end_token_ids
+    from models.engine.decoding import GREEDY, hf_decode
+    from models.engine.generation import chat_prompts, end_token_ids
 
     tok, eos = policy.tokenizer, end_token_ids(policy)
     texts = chat_prompts(tok, prompts["question"].tolist(), system_prompt)
@@ -148,17 +148,6 @@ def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaConfig, rl_cf
                            torch.cat(parts["rl_rows"]), torch.cat(parts["rl_cand"]), torch.cat(parts["rl_probs"]))
 
 
-def split_by_prompt(samples: pd.DataFrame, eval_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample rows for training and for evaluation, split by prompt (no prompt on both sides)."""
-    prompts = sorted(samples["prompt_id"].unique())
-    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed)).tolist()
-    num_eval = max(1, round(eval_fraction * len(prompts))) if len(prompts) > 1 else 0
-    eval_prompts = {prompts[i] for i in order[:num_eval]}
-    is_eval = torch.tensor(samples["prompt_id"].isin(eval_prompts).to_numpy())
-    rows = torch.arange(len(samples))
-    return rows[~is_eval], rows[is_eval]
-
-
 def train_medusa_heads(policy: Policy, data: DistilledStates, cfg: MedusaConfig,
                        accelerator: Accelerator | None = None,
                        on_step: Callable[[int, int, dict[str, float]], None] | None = None,
@@ -208,7 +197,7 @@ def train_medusa_heads(policy: Policy, data: DistilledStates, cfg: MedusaConfig,
 def evaluate_heads(heads: MedusaHeads, lm_head, data: DistilledStates, top_k: int = 5, ranks: int = 10,
                    batch_size: int = 256) -> dict[str, list]:
     """Held-out accuracy per head: ``top1``, ``top{top_k}`` (K,), and ``rank_accuracy`` (K, ranks): how often
-    the head's rank-r token is the target (what :func:`models.speculative.sparse_tree` builds a tree from)."""
+    the head's rank-r token is the target (what :func:`models.engine.speculative.sparse_tree` builds a tree from)."""
     ranks = max(ranks, top_k)
     hits, counts = [], []
     for start in range(0, len(data.hidden), batch_size):

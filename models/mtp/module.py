@@ -38,8 +38,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import DynamicCache
 
-from foresight.storage import atomic_path
-from models.speculative import (
+from models.common.files import atomic_path
+from models.engine.speculative import (
     SpeculativeStats,
     chain_tree,
     keep_accepted,

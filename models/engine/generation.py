@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from foresight.config import GenerateConfig
-from models.policy import Policy
+from models.engine.policy import Policy
 
 
 def chat_prompts(tokenizer, questions: Sequence[str], system_prompt: str | None = None) -> list[str]:

@@ -1,0 +1,68 @@
+"""The code's layout rules, checked on the source: one folder per method under ``models/``, no method imports
+another, and model code never imports the pipeline (``foresight``, ``tasks``, ``flows``, Prefect)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("sla", "medusa", "coral", "mtp")
+SHARED = ("common", "engine", "labeling")
+PIPELINE = ("foresight", "tasks", "flows", "prefect", "mlflow", "dvc", "great_expectations")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (function-local imports included)."""
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules.add(node.module)
+    return modules
+
+
+def model_files(folder: str) -> list[Path]:
+    return sorted((ROOT / "models" / folder).glob("*.py"))
+
+
+def test_models_has_one_folder_per_method_and_nothing_loose():
+    loose = [p.name for p in (ROOT / "models").glob("*.py") if p.name != "__init__.py"]
+    assert loose == [], f"model code outside a method or shared folder: {loose}"
+    folders = {p.name for p in (ROOT / "models").iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert folders == set(METHODS) | set(SHARED)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_no_method_imports_another(method):
+    others = [m for m in METHODS if m != method]
+    offending = {f"{path.relative_to(ROOT)} imports {module}"
+                 for path in model_files(method) for module in imported_modules(path)
+                 if any(module == f"models.{o}" or module.startswith(f"models.{o}.") for o in others)}
+    assert not offending, sorted(offending)
+
+
+@pytest.mark.parametrize("folder", SHARED)
+def test_shared_code_imports_no_method(folder):
+    offending = {f"{path.relative_to(ROOT)} imports {module}"
+                 for path in model_files(folder) for module in imported_modules(path)
+                 if any(module == f"models.{m}" or module.startswith(f"models.{m}.") for m in METHODS)}
+    assert not offending, sorted(offending)
+
+
+@pytest.mark.parametrize("folder", METHODS + SHARED)
+def test_model_code_is_free_of_the_pipeline(folder):
+    offending = {f"{path.relative_to(ROOT)} imports {module}"
+                 for path in model_files(folder) for module in imported_modules(path)
+                 if module.split(".")[0] in PIPELINE}
+    assert not offending, sorted(offending)
+
+
+def test_the_checker_sees_function_local_imports(tmp_path):
+    """The rule would be toothless if imports inside functions slipped through."""
+    path = tmp_path / "probe.py"
+    path.write_text("def f():\n    from models.coral.training import train_coral\n    import foresight.config\n")
+    assert imported_modules(path) == {"models.coral.training", "foresight.config"}
