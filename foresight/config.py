@@ -1,7 +1,7 @@
 """Typed, validated configuration: one section of ``params.yaml`` per pipeline stage.
 
 Every field carries a docstring (pydantic turns it into the field's description, which the
-Prefect UI and ``foresight params`` show). Unknown keys, wrong types and out-of-range values
+Prefect UI and ``foresight check`` show). Unknown keys, wrong types and out-of-range values
 fail at start-up with :class:`ConfigError`, whose message names the offending key (as a dotted
 path) and what is allowed, before any stage writes anything.
 """
@@ -9,8 +9,9 @@ path) and what is allowed, before any stage writes anything.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -18,6 +19,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 class ConfigError(ValueError):
     """params.yaml (or an override) is malformed; the message names the key and the allowed values."""
+
+
+Component = TypeVar("Component")
+
+
+def component(cls: type[Component], section: BaseModel, **values: Any) -> Component:
+    """A model component's own frozen config (a dataclass in ``models/``) from a params section.
+
+    Model code never sees this module: each component takes a small dataclass of its own, whose defaults are
+    the one place a default is written (the section's fields point at them: ``Field(CoralTraining.decay, …)``).
+    Fields the section has under the same name are copied; ``values`` give the rest (or override).
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    copied = {name: getattr(section, name) for name in names if name not in values and name in type(section).model_fields}
+    return cls(**copied, **values)
 
 
 class _Section(BaseModel):
