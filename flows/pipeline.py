@@ -19,35 +19,11 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.stages import STAGE_FLOWS, metrics_path
+from flows.stages import metrics_path
 from foresight.config import Config, load_config
+from foresight.stages import STAGES
 from foresight.tracking import PARENT_RUN_ENV, pipeline_run
 from tasks.data import GPU_TAG
-
-# Metrics shown in the stage table, per stage (everything is in MLflow and data/metrics/ anyway).
-HEADLINE = {
-    "prepare_policy": [],
-    "prepare_prompts": ["num_train", "num_eval"],
-    "generate": ["num_samples", "generation_tokens_per_s", "mean_response_tokens"],
-    "label": ["sample_accuracy", "mean_reward"],
-    "validate": ["num_pairs", "pair_yield", "dropped_no_spread"],
-    "train_reward": ["pair_accuracy_channel", "autrc_channel", "autrc_adapter1", "autrc_adapter4"],
-    "dpo": ["heldout_accuracy_after"],
-    "train_reward_dpo": ["pair_accuracy_channel", "autrc_channel"],
-    "benchmark_sla": ["base_sla.win_rate", "dpo_sla_vs_dpo_greedy.win_rate", "base_sla.latency_vs_greedy",
-                      "base.reward_channel_overhead"],
-    "train_medusa": ["top1_head1", "top1_head2", "top5_head1"],
-    "train_rlmedusa": ["supervised_t2_top1", "rl_base_t2_top1", "rl_supervised_t2_top1"],
-    "benchmark_medusa": ["held_out.medusa_supervised.tau", "held_out.medusa_supervised.speedup_vs_reference",
-                         "held_out.medusa_supervised.identical_to_greedy", "held_out.prompt_lookup.speedup_vs_reference"],
-    "train_coral": ["after_top1_forward_1", "after_top1_forward_2", "after_top1_forward_4"],
-    "benchmark_coral": ["next_token.accuracy", "coral.accuracy", "coral.speedup_vs_reference",
-                        "coral_no_verifier.accuracy", "coral_no_verifier.speedup_vs_reference"],
-    "train_mtp": ["held_out_expected_tau", "held_out_top1_depth_1", "ablation_k1_expected_tau",
-                  "ablation_k4_expected_tau"],
-    "train_mtp_rl": ["mtp_rl.rollout_speedup", "mtp_rl.tau_first", "mtp_rl.tau_last", "frozen_mtp.tau_last",
-                     "accuracy_before", "mtp_rl.accuracy_after"],
-}
 
 
 def _prefect_api_url() -> str | None:
@@ -94,14 +70,14 @@ def push_task(root: Path) -> None:
 
 
 def stage_table(cfg: Config, ran: list[str]) -> list[dict]:
-    """One row per stage: whether it ran now, its wall time and headline metrics."""
+    """One row per stage, in pipeline order: whether it ran now, its wall time and headline metrics."""
     rows = []
-    for stage in STAGE_FLOWS:
-        path = metrics_path(cfg, stage)
+    for stage in STAGES:
+        path = metrics_path(cfg, stage.name)
         metrics = json.loads(path.read_text()) if path.is_file() else {}
-        row = {"stage": stage, "status": "ran" if stage in ran else "up to date",
+        row = {"stage": stage.name, "status": "ran" if stage.name in ran else "up to date",
                "seconds": round(metrics.get("stage_seconds", float("nan")), 1)}
-        for key in HEADLINE[stage]:
+        for key in stage.headline:
             value = metrics.get(key)
             row[key] = round(value, 3) if isinstance(value, float) else value
         rows.append(row)

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def deployments(params_path: Path = ROOT / "params.yaml") -> list:
-    """A deployment per flow; each defaults to this repository's params file."""
+    """A deployment per flow (the pipeline's and one per stage of the stage table); each defaults to this
+    repository's params file and shows its flow's one-line description in the UI."""
     flows = [pipeline_flow, *STAGE_FLOWS.values()]
     return [
         f.to_deployment(name=f.name, parameters={"params_path": str(params_path)}, tags=["foresight"],

@@ -1,4 +1,4 @@
-"""Benchmark machinery shared by every decoder comparison (SLA, Medusa, COrAL; MTP later).
+"""Benchmark machinery shared by the decoder comparisons (the SLA, Medusa and COrAL benchmarks; the MTP-RL report).
 
 - :func:`win_tie_loss`: per-prompt comparison of a decoder's rewards with a reference decoder's,
   summarised as the SLA paper does: win rate = win + tie / 2.

@@ -4,6 +4,7 @@
   where to find the data, the MLflow runs and the Data Docs.
 - ``foresight serve``: deployments for every flow, triggerable from the Prefect UI.
 - ``foresight check``: validate ``params.yaml`` and print the resolved configuration.
+- ``foresight dvc-yaml``: print ``dvc.yaml`` as the stage table (``foresight/stages.py``) declares it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def _check(args) -> int:
     return 0
 
 
+def _dvc_yaml(args) -> int:
+    from foresight.stages import render_dvc_yaml
+
+    print(render_dvc_yaml(), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="foresight", description=__doc__.split("\n")[0])
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
@@ -60,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(func=_pipeline)
     sub.add_parser("serve", help="serve deployments of every flow for the Prefect UI").set_defaults(func=_serve)
     sub.add_parser("check", help="validate params.yaml and print it resolved").set_defaults(func=_check)
+    sub.add_parser("dvc-yaml", help="print dvc.yaml from the stage table (foresight dvc-yaml > dvc.yaml)"
+                   ).set_defaults(func=_dvc_yaml)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

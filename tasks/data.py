@@ -1,6 +1,7 @@
 """Prefect tasks of the data stages: prepare policy → prompts → generate → label → validate + pairs.
 
-Thin wrappers: the work lives in ``models/`` and ``foresight/``. Each task writes its outputs
+Thin wrappers: the work lives in ``models/`` and ``foresight/`` (docs/pipeline.md); model code gets its own
+small configs, built from the params sections with :func:`foresight.config.component`. Each task writes its outputs
 atomically (nothing half-written survives a failure) and returns a :class:`StageResult` of metrics
 and paths, never models or tensors. Tasks that run a neural network are tagged ``gpu`` so a Prefect
 concurrency limit (``prefect concurrency-limit create gpu 1``) can guard the GPUs. DVC decides what
@@ -19,7 +20,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
-from foresight.config import Config
+from foresight.config import Config, component
 from foresight.pairs import SAMPLE_COLUMNS, SCORE_COLUMNS, make_pairs
 from foresight.storage import read_table, write_table
 
@@ -42,13 +43,22 @@ POLICY_SOURCES = ("base", "dpo")
 
 def load_stage_policy(cfg: Config, policy_source: str):
     """The policy a stage works on: ``base`` (the prepared policy) or ``dpo`` (the DPO-tuned folder)."""
-    from models.engine.policy import load_policy, load_pretrained
+    from models.engine.config import PolicySpec
+    from models.engine.policy import load_policy
 
     if policy_source not in POLICY_SOURCES:
         raise ValueError(f"policy_source must be one of {POLICY_SOURCES}, got {policy_source!r}")
     if policy_source == "base":
-        return load_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
-    return load_pretrained(cfg.path(cfg.paths.dpo_dir), cfg.policy)
+        return load_policy(component(PolicySpec, cfg.policy), cfg.path(cfg.paths.policy_dir))
+    return load_trained_policy(cfg, cfg.path(cfg.paths.dpo_dir))
+
+
+def load_trained_policy(cfg: Config, folder: Path):
+    """A model folder a stage wrote (the DPO policy, the COrAL model) on the policy's device, in its dtype."""
+    from models.engine.config import PolicySpec
+    from models.engine.policy import load_pretrained
+
+    return load_pretrained(folder, component(PolicySpec, cfg.policy))
 
 
 def stage_accelerator(policy, mixed_precision: str = "no"):
@@ -96,10 +106,11 @@ def _prompt_split_path(cfg: Config, split: str) -> Path:
 @task(name="prepare-policy", retries=2, retry_delay_seconds=10, cache_policy=NO_CACHE)
 def prepare_policy_task(cfg: Config) -> StageResult:
     """Make the configured policy available locally (retried: a hub download can fail transiently)."""
+    from models.engine.config import PolicySpec
     from models.engine.policy import prepare_policy
 
     started = time.perf_counter()
-    manifest = prepare_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
+    manifest = prepare_policy(component(PolicySpec, cfg.policy), cfg.path(cfg.paths.policy_dir))
     get_run_logger().info("policy ready: %s", manifest)
     return StageResult(metrics={"wall_seconds": time.perf_counter() - started})
 
@@ -127,27 +138,27 @@ def prepare_prompts_task(cfg: Config) -> StageResult:
 @task(name="generate-samples", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def generate_task(cfg: Config) -> StageResult:
     """Sample N responses per training prompt from the policy."""
+    from models.engine.config import Sampling
     from models.engine.generation import chat_prompts, sample
-    from models.engine.policy import load_policy
 
     logger = get_run_logger()
     started = time.perf_counter()
     prompts_df = read_table(_prompt_split_path(cfg, "train"), "training prompts")
-    policy = load_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
+    policy = load_stage_policy(cfg, "base")
     prompts = chat_prompts(policy.tokenizer, prompts_df["question"].tolist(), cfg.prompts.system_prompt)
-    logger.info("sampling %d × %d on %s", len(prompts), cfg.generate.num_samples, policy.device)
+    sampling = component(Sampling, cfg.generate)
+    logger.info("sampling %d × %d on %s", len(prompts), sampling.num_samples, policy.device)
 
     progress_id = create_progress_artifact(progress=0.0, key="generate-progress",
                                            description="Batches of prompts sampled")
-    bar = tqdm(total=-(-len(prompts) // cfg.generate.batch_size), desc="generate", unit="batch")
+    bar = tqdm(total=-(-len(prompts) // sampling.batch_size), desc="generate", unit="batch")
 
     def on_batch(done: int, total: int) -> None:
         bar.update(1)
         update_progress_artifact(progress_id, progress=100.0 * done / total)
 
-    completions, stats = sample(policy, prompts, cfg.generate, on_batch=on_batch)
+    completions, stats = sample(policy, prompts, sampling, on_batch=on_batch)
     bar.close()
-    g = cfg.generate
     rows = []
     for c in completions:
         src = prompts_df.iloc[c.prompt_index]
@@ -156,8 +167,8 @@ def generate_task(cfg: Config) -> StageResult:
             "sample_index": c.sample_index, "question": src["question"], "prompt": prompts[c.prompt_index],
             "response": c.response, "answer": src["answer"], "prompt_tokens": c.prompt_tokens,
             "response_tokens": c.response_tokens, "finish_reason": c.finish_reason,
-            "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
-            "max_new_tokens": g.max_new_tokens, "seed": g.seed, "model": cfg.policy.model,
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+            "max_new_tokens": sampling.max_new_tokens, "seed": sampling.seed, "model": cfg.policy.model,
         })
     samples = pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
     out = write_table(samples, cfg.path(cfg.paths.samples))
@@ -177,6 +188,7 @@ def generate_task(cfg: Config) -> StageResult:
 @task(name="label-samples", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def label_task(cfg: Config) -> StageResult:
     """Score every sample with the configured labeler; record correctness wherever the answer is known."""
+    from models.labeling.config import LabelerSpec
     from models.labeling.labelers import build_labeler, extract_answer, is_correct
 
     logger = get_run_logger()
@@ -184,7 +196,7 @@ def label_task(cfg: Config) -> StageResult:
     samples = read_table(cfg.path(cfg.paths.samples), "samples")
     if samples.empty:
         raise ValueError(f"{cfg.path(cfg.paths.samples)} has no rows: nothing to label")
-    labeler = build_labeler(cfg.label)
+    labeler = build_labeler(component(LabelerSpec, cfg.label))
     logger.info("labeling %d samples with '%s'", len(samples), labeler.name)
     answers = [None if pd.isna(a) else a for a in samples["answer"]]
     scores = labeler.score(samples["question"].tolist(), samples["response"].tolist(), answers)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -26,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from safetensors.torch import load_file, save_file
 
 from foresight.benchmark import interleaved_decoding, markdown_table, speed_row
-from foresight.config import Config
+from foresight.config import Config, component
 from foresight.plots import bar_plot, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
 from tasks.data import GPU_TAG, StageResult, load_stage_policy, split_responses, stage_accelerator
@@ -67,11 +68,13 @@ def train_medusa_task(cfg: Config) -> StageResult:
     Writes ``supervised/`` (heads, ``evaluation.json``, ``history.json``, ``loss.png``) and ``distilled/``
     (the responses, the frozen pass's states and RL candidates, and the train/held-out split).
     """
+    from models.medusa.config import MedusaTraining, RLMedusaCandidates
     from models.medusa.training import evaluate_heads, self_distill, train_medusa_heads
 
     logger = get_run_logger()
     started = time.perf_counter()
     m = cfg.medusa
+    training = component(MedusaTraining, m)
     policy = load_stage_policy(cfg, "base")
     distill_started = time.perf_counter()
     logger.info("self-distillation data: %s", "greedy responses to the training prompts" if m.data == "greedy"
@@ -80,7 +83,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
     train_rows, eval_rows = split_responses(responses, m.eval_fraction, m.seed)
     logger.info("self-distillation pass over %d responses (%d prompts held out)", len(responses),
                 responses.iloc[eval_rows.tolist()]["prompt_id"].nunique())
-    data = self_distill(policy, responses, m, cfg.rlmedusa)
+    data = self_distill(policy, responses, training, component(RLMedusaCandidates, cfg.rlmedusa))
     distill_seconds = time.perf_counter() - distill_started
     train, held_out = data.subset(train_rows), data.subset(eval_rows)
     logger.info("%d training / %d held-out positions; training %d heads", len(train.hidden), len(held_out.hidden),
@@ -91,7 +94,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
             logger.info("step %d/%d, loss %.4f", step, num_steps, losses["loss"])
 
     train_started = time.perf_counter()
-    heads, history = train_medusa_heads(policy, train, m, stage_accelerator(policy, m.mixed_precision), on_step)
+    heads, history = train_medusa_heads(policy, train, training, stage_accelerator(policy, m.mixed_precision), on_step)
     train_seconds = time.perf_counter() - train_started
     lm_head = policy.model.get_output_embeddings()
     accuracy = evaluate_heads(heads, lm_head, held_out, m.eval_top_k)
@@ -138,13 +141,15 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
     with head 1 replaced), the reward model, ``evaluation.json`` (held-out accuracy of every head, and of
     head 1 at t + 2 for supervised, each RL head and its start), ``history.json`` and ``rl.png``.
     """
+    from models.medusa.config import RLMedusaTraining
     from models.medusa.heads import MedusaHeads
-    from models.medusa.training import evaluate_heads
     from models.medusa.rlmedusa import evaluate_reward_model, fit_reward_model, train_rl_head
+    from models.medusa.training import evaluate_heads
 
     logger = get_run_logger()
     started = time.perf_counter()
     r = cfg.rlmedusa
+    training = component(RLMedusaTraining, r)
     data, train_rows, eval_rows = load_distilled(cfg)
     train, held_out = data.subset(train_rows), data.subset(eval_rows)
     if len(train.rl_rows) == 0:
@@ -161,7 +166,7 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
     accelerator = stage_accelerator(policy)
     logger.info("fitting r(e, h) on %d states × %d candidates", len(train.rl_rows), train.rl_candidates.shape[1])
     reward_model, reward_losses = fit_reward_model(train.hidden[train.rl_rows], embed, train.rl_candidates,
-                                                   train.rl_probs, r, accelerator)
+                                                   train.rl_probs, training, accelerator)
     reward_eval = evaluate_reward_model(reward_model, held_out.hidden[held_out.rl_rows],
                                         embed(held_out.rl_candidates), held_out.rl_probs)
     logger.info("reward model held-out: %s", json.dumps(reward_eval))
@@ -179,7 +184,7 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
             start = supervised if init == "supervised" else supervised.with_fresh_head(0, lm_head)
             logger.info("REINFORCE on head 1 from the %s start", init)
             rl_heads, histories[init] = train_rl_head(start, lm_head, reward_model, embed,
-                                                      train.hidden[train.rl_rows], r, accelerator, on_step)
+                                                      train.hidden[train.rl_rows], training, accelerator, on_step)
             rl_heads.save(tmp / init)
             accuracy[f"rl_{init}"] = evaluate_heads(rl_heads, lm_head, held_out, cfg.medusa.eval_top_k)
             accuracy[f"start_{init}"] = (accuracy["supervised"] if start is supervised
@@ -242,62 +247,88 @@ def candidate_tree(cfg: Config):
 @task(name="benchmark-medusa", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def benchmark_medusa_task(cfg: Config) -> StageResult:
     """Every speculative decoder against HF greedy at batch 1, prompt by prompt, on each prompt set."""
-    from models.engine.decoding import GREEDY, hf_decode
-    from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
-    from models.medusa.heads import MedusaDrafter, MedusaHeads
-    from models.engine.speculative import SpeculativeStats, TypicalAcceptance, speculative_generate
+    from models.engine.generation import chat_prompts, encode_prompt
 
     logger = get_run_logger()
     started = time.perf_counter()
-    s = cfg.medusa_benchmark
     policy = load_stage_policy(cfg, "base")
-    lm_head = policy.model.get_output_embeddings()
-    eos = end_token_ids(policy)
     tree = candidate_tree(cfg)
-    acceptance = None if s.acceptance == "greedy" else TypicalAcceptance(s.typical_threshold, s.typical_alpha)
-    folders = {"medusa_supervised": Path("supervised")} if "medusa_supervised" in s.decoders else {}
-    if "medusa_rl" in s.decoders:
-        folders |= {f"medusa_rl_{init}": Path("rl") / init for init in cfg.rlmedusa.inits}
-    draft_dtype = getattr(torch, s.draft_dtype)
-    drafters = {name: MedusaDrafter(policy.model, MedusaHeads.load(_medusa_dir(cfg) / folder, lm_head), draft_dtype)
-                for name, folder in folders.items()}
-    hf_kwargs = {"greedy": GREEDY, "prompt_lookup": {**GREEDY, "prompt_lookup_num_tokens": s.prompt_lookup_tokens}}
-    decoders = ["greedy"] + (["prompt_lookup"] if "prompt_lookup" in s.decoders else []) + list(drafters)
-
-    def decode(decoder: str, ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], SpeculativeStats | None]:
-        if decoder in hf_kwargs:
-            (tokens,) = hf_decode(policy, [ids[0].tolist()], hf_kwargs[decoder], max_new_tokens, eos, batch_size=1)
-            return tokens, None
-        return speculative_generate(policy.model, drafters[decoder], ids, tree, max_new_tokens, eos, acceptance)
-
+    decoders = _medusa_decoders(cfg, policy, tree)
     records, rows = [], []
     for set_name, questions in _prompt_sets(cfg).items():
         prompt_ids = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions,
                                                                       cfg.prompts.system_prompt)]
-        timers, decoded = interleaved_decoding(decoders, prompt_ids, decode, s.max_new_tokens,
-                                               f"speculative decoding ({set_name})")
-        forwards = {d: 0 for d in decoders}
-        for r in decoded:
-            stats, tokens = r["stats"], r["tokens"]
-            if stats is not None:
-                forwards[r["decoder"]] += stats.forwards
-            elif r["decoder"] == "greedy":  # one forward per token, the prefill included (prompt lookup's: not exposed)
-                forwards[r["decoder"]] += len(tokens)
-            records.append({"prompt_set": set_name, "prompt_index": r["prompt_index"], "decoder": r["decoder"],
-                            "tokens": tokens, "new_tokens": len(tokens), "forwards": stats.forwards if stats else None,
-                            "response": policy.tokenizer.decode(tokens, skip_special_tokens=True)})
-        outputs = pd.DataFrame([r for r in records if r["prompt_set"] == set_name])
-        reference = outputs[outputs["decoder"] == "greedy"].set_index("prompt_index")["tokens"]
-        for decoder in decoders:
-            mine = outputs[outputs["decoder"] == decoder].set_index("prompt_index")["tokens"]
-            identical = float(sum(mine[i] == reference[i] for i in reference.index) / len(reference))
-            lossless = decoder in ("greedy", "prompt_lookup") or acceptance is None
-            tau = timers[decoder].tokens / forwards[decoder] if forwards[decoder] else float("nan")
-            rows.append({"prompt_set": set_name, "decoder": decoder, "lossless": lossless, "tau": tau,
-                         **speed_row(timers[decoder], timers["greedy"]), "identical_to_greedy": identical,
-                         "prompts": len(prompt_ids)})
-        logger.info("\n%s", markdown_table([r for r in rows if r["prompt_set"] == set_name], SPEED_COLUMNS))
+        timers, decoded = interleaved_decoding(list(decoders), prompt_ids,
+                                               lambda decoder, ids, n: decoders[decoder](ids, n),
+                                               cfg.medusa_benchmark.max_new_tokens, f"speculative decoding ({set_name})")
+        set_records = [{"prompt_set": set_name, "prompt_index": r["prompt_index"], "decoder": r["decoder"],
+                        "tokens": r["tokens"], "new_tokens": len(r["tokens"]),
+                        "forwards": r["stats"].forwards if r["stats"] else None,
+                        "response": policy.tokenizer.decode(r["tokens"], skip_special_tokens=True)} for r in decoded]
+        set_rows = _speed_rows(cfg, set_name, set_records, timers, len(prompt_ids))
+        logger.info("\n%s", markdown_table(set_rows, SPEED_COLUMNS))
+        records += set_records
+        rows += set_rows
+    return _medusa_report(cfg, records, rows, tree, time.perf_counter() - started)
 
+
+def _medusa_decoders(cfg: Config, policy, tree) -> dict[str, Callable]:
+    """Name → ``decode(ids, max_new_tokens) → (tokens, stats or None)``: HF greedy (the reference), prompt lookup,
+    and one Medusa drafter per trained set of heads, all on ``tree`` with the configured verification."""
+    from models.engine.config import TypicalAcceptance
+    from models.engine.decoding import GREEDY, hf_decode
+    from models.engine.generation import end_token_ids
+    from models.engine.speculative import TreeVerifier, speculative_generate
+    from models.medusa.heads import MedusaDrafter, MedusaHeads
+
+    s = cfg.medusa_benchmark
+    eos = end_token_ids(policy)
+    acceptance = (None if s.acceptance == "greedy"
+                  else TypicalAcceptance(posterior_threshold=s.typical_threshold, posterior_alpha=s.typical_alpha))
+    verifier = TreeVerifier(acceptance)
+    hf_kwargs = {"greedy": GREEDY}
+    if "prompt_lookup" in s.decoders:
+        hf_kwargs["prompt_lookup"] = {**GREEDY, "prompt_lookup_num_tokens": s.prompt_lookup_tokens}
+    folders = {"medusa_supervised": Path("supervised")} if "medusa_supervised" in s.decoders else {}
+    if "medusa_rl" in s.decoders:
+        folders |= {f"medusa_rl_{init}": Path("rl") / init for init in cfg.rlmedusa.inits}
+    lm_head = policy.model.get_output_embeddings()
+    drafters = {name: MedusaDrafter(policy.model, MedusaHeads.load(_medusa_dir(cfg) / folder, lm_head), tree,
+                                    getattr(torch, s.draft_dtype))
+                for name, folder in folders.items()}
+
+    def hf(kwargs):
+        return lambda ids, max_new_tokens: (
+            hf_decode(policy, [ids[0].tolist()], kwargs, max_new_tokens, eos, batch_size=1)[0], None)
+
+    def speculative(drafter):
+        return lambda ids, max_new_tokens: speculative_generate(policy.model, drafter, verifier, ids, max_new_tokens, eos)
+
+    return {name: hf(kwargs) for name, kwargs in hf_kwargs.items()} | {
+        name: speculative(drafter) for name, drafter in drafters.items()}
+
+
+def _speed_rows(cfg: Config, set_name: str, records: list[dict], timers: dict, num_prompts: int) -> list[dict]:
+    """One row per decoder of a prompt set: τ, speed against HF greedy, and the share of outputs equal to greedy's."""
+    outputs = pd.DataFrame(records)
+    reference = outputs[outputs["decoder"] == "greedy"].set_index("prompt_index")["tokens"]
+    rows = []
+    for decoder, mine in outputs.groupby("decoder", sort=False):
+        tokens = mine.set_index("prompt_index")["tokens"]
+        identical = float(sum(tokens[i] == reference[i] for i in reference.index) / len(reference))
+        # greedy makes one forward per token, the prefill included; prompt lookup does not expose its forwards
+        forwards = (mine["forwards"].sum() if mine["forwards"].notna().all()
+                    else mine["new_tokens"].sum() if decoder == "greedy" else 0)
+        lossless = decoder in ("greedy", "prompt_lookup") or cfg.medusa_benchmark.acceptance == "greedy"
+        rows.append({"prompt_set": set_name, "decoder": decoder, "lossless": lossless,
+                     "tau": float(timers[decoder].tokens / forwards) if forwards else float("nan"),
+                     **speed_row(timers[decoder], timers["greedy"]), "identical_to_greedy": identical,
+                     "prompts": num_prompts})
+    return rows
+
+
+def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], tree, seconds: float) -> StageResult:
+    """``benchmarks/medusa``: every output, the speed table, the speedup and τ plots, the report and the tree."""
     out_dir = cfg.path(cfg.paths.benchmarks_dir) / "medusa"
     with atomic_path(out_dir) as tmp:
         tmp.mkdir(parents=True)
@@ -315,7 +346,7 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
     metrics = {f"{r['prompt_set']}.{r['decoder']}.{key}": r[key] for r in rows
                for key in ("tau", "tokens_per_s", "speedup_vs_reference", "identical_to_greedy")
                if r[key] == r[key]}
-    metrics["wall_seconds"] = time.perf_counter() - started
+    metrics["wall_seconds"] = seconds
     create_table_artifact(key="medusa-benchmark", table=[{c: r[c] for c in SPEED_COLUMNS} for r in rows],
                           description="Speculative decoders against HF greedy at batch 1")
     create_markdown_artifact(key="medusa-benchmark-report", markdown=(out_dir / "report.md").read_text(),

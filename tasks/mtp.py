@@ -29,7 +29,7 @@ from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
 from foresight.benchmark import markdown_table
-from foresight.config import Config
+from foresight.config import Config, component
 from foresight.plots import line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
 from tasks.data import GPU_TAG, StageResult, load_stage_policy, sft_responses, split_responses, stage_accelerator
@@ -39,11 +39,13 @@ from tasks.data import GPU_TAG, StageResult, load_stage_policy, sft_responses, s
 def train_mtp_task(cfg: Config) -> StageResult:
     """Equip the frozen base policy with a K-depth shared MTP module; run the depth ablation."""
     from models.common.sequences import sft_sequences
+    from models.mtp.config import MTPTraining
     from models.mtp.training import chain_acceptance, frozen_states, train_mtp_module
 
     logger = get_run_logger()
     started = time.perf_counter()
     m = cfg.mtp
+    training = component(MTPTraining, m, ce_weights=tuple(m.ce_weights))
     policy = load_stage_policy(cfg, "base")
     policy.model.requires_grad_(False).eval()
     responses = sft_responses(cfg, m.data, "mtp.data")
@@ -64,7 +66,7 @@ def train_mtp_task(cfg: Config) -> StageResult:
                 logger.info("K = %d, step %d/%d: loss %.4f", k, step, num_steps, stats["loss"])
 
         depth_started = time.perf_counter()
-        modules[num_depths], histories[num_depths] = train_mtp_module(policy, *train, num_depths, m, accelerator,
+        modules[num_depths], histories[num_depths] = train_mtp_module(policy, *train, num_depths, training, accelerator,
                                                                       on_step)
         seconds[num_depths] = time.perf_counter() - depth_started
         evaluations[num_depths] = chain_acceptance(policy, modules[num_depths], *held_out)
@@ -133,6 +135,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     import torch
 
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
+    from models.mtp.config import MTPRLTraining
     from models.mtp.module import MTPModule, MTPModuleConfig
     from models.mtp.rl import train_variant, variant
     from models.mtp.training import depth_weights
@@ -140,8 +143,10 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     logger = get_run_logger()
     started = time.perf_counter()
     r = cfg.mtp_rl
+    training = component(MTPRLTraining, r)
     module_dir = cfg.path(cfg.paths.mtp_dir) / "module"
-    num_depths = MTPModuleConfig.read(module_dir).num_depths  # fails early, naming the missing stage
+    # K is the saved module's (the one source of truth); reading it fails early, naming the missing stage
+    num_depths = MTPModuleConfig.read(module_dir).num_depths
     train_prompts = _prompts_with_answers(cfg, "train").sample(frac=1.0, random_state=r.seed).reset_index(drop=True)
     train_prompts = train_prompts.head(r.steps * r.prompts_per_step)
     eval_prompts = _prompts_with_answers(cfg, "eval").head(r.eval_prompts)
@@ -167,7 +172,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
 
     histories, accuracy_after = {}, {}
     for name in r.variants:
-        var = variant(name, r)
+        var = variant(name, training)
         policy = load_stage_policy(cfg, "base")
         module = MTPModule.load(module_dir, policy.model) if var.drafts else None
         reference = None
@@ -178,8 +183,8 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
             logger.info("%s step %d/%d: rollouts %.1f s, τ %.2f, α %.2f, reward %.2f", name, step, r.steps,
                         record["rollout_seconds"], record["tau"], record["acceptance_rate"], record["reward"])
 
-        histories[name] = train_variant(policy, module, var, rl_ids, train_prompts["answer"].tolist(), r, weights, eos,
-                                        accelerator, reference, on_step, on_rollout)
+        histories[name] = train_variant(policy, module, var, rl_ids, train_prompts["answer"].tolist(), training, weights,
+                                        eos, accelerator, reference, on_step, on_rollout)
         accuracy_after[name] = _greedy_accuracy(policy, eval_ids, eval_prompts["answer"].tolist(), r.max_new_tokens)
         logger.info("%s: held-out greedy accuracy after RL %.3f", name, accuracy_after[name])
         accelerator.free_memory()
@@ -197,7 +202,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                    tmp / "history.json")
         write_table(pd.DataFrame(rows), tmp / "table.csv")
         _plots(histories, tmp)
-        (tmp / "report.md").write_text(_report(rows, cfg, len(eval_ids)))
+        (tmp / "report.md").write_text(_report(rows, cfg, len(eval_ids), num_depths))
     metrics = {f"{row['variant']}.{key}": row[key] for row in rows for key in SUMMARY_COLUMNS[1:]
                if isinstance(row[key], (int, float))}
     metrics |= {"accuracy_before": accuracy_before, "wall_seconds": time.perf_counter() - started}
@@ -244,13 +249,13 @@ def _plots(histories: dict[str, list[dict]], folder) -> None:
                        for name, history in which.items()}, title, "RL step", ylabel, folder / f"{key}.png")
 
 
-def _report(rows: list[dict], cfg: Config, num_eval: int) -> str:
+def _report(rows: list[dict], cfg: Config, num_eval: int, num_depths: int) -> str:
     r = cfg.mtp_rl
     return "\n".join([
         "# GRPO with MTP-drafted rollouts (MTP-RL) and its baselines",
         f"\n{r.steps} RL steps per variant; each step {r.prompts_per_step} prompt(s) × G = {r.group_size} rollouts at "
         f"temperature {r.temperature}, max {r.max_new_tokens} new tokens, batch 1. Rollouts of the drafting variants "
-        f"use K = {cfg.mtp.num_depths} chained MTP drafts and speculative sampling (the same distribution as plain "
+        f"use K = {num_depths} chained MTP drafts and speculative sampling (the same distribution as plain "
         "sampling); vanilla samples with HF `generate`. Reward = 1 for the right answer, else 0 (so the step's mean "
         "reward is its accuracy). τ = tokens per draft–verify cycle, the bonus token included; α = accepted share of "
         "draft tokens; speedup = vanilla's total rollout time / the variant's. `ms_per_cycle` = rollout time per "

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -32,11 +35,30 @@ from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
 from foresight.benchmark import DecodeTimer, markdown_table, speed_row, win_tie_loss
-from foresight.config import Config, SLAConfig
+from foresight.config import Config, component
 from foresight.pairs import split_pairs
-from foresight.plots import bar_plot
+from foresight.plots import bar_plot, line_plot
 from foresight.storage import atomic_path, read_table, write_table
+from models.sla.config import SLASearch
 from tasks.data import GPU_TAG, StageResult, load_stage_policy, stage_accelerator
+
+
+def plot_reward_curves(curves: dict[str, tuple[Sequence[float], Sequence[float]]], path: Path) -> Path:
+    """One token-level reward curve per head (Figure 4 of the SLA paper), AuTRC in the legend."""
+    from models.sla.reward_training import autrc
+
+    series = {f"{name} (AuTRC {autrc(xs, accuracies):.3f})": ([100 * x for x in xs], accuracies)
+              for name, (xs, accuracies) in curves.items()}
+    return line_plot(series, "Token-level reward curve", "share of the response read (%)",
+                     "held-out accuracy of\nR'(chosen prefix) > R'(rejected prefix)", path,
+                     reference=(0.5, "chance"), ylim=(0, 1))
+
+
+def plot_losses(histories: dict[str, dict[str, list[float]]], path: Path) -> Path:
+    """Training loss per optimizer step of each head; ln 2 marks an untrained (indifferent) head."""
+    series = {name: (range(1, len(h["loss"]) + 1), h["loss"]) for name, h in histories.items()}
+    return line_plot(series, "Reward-head training", "optimizer step", "Bradley–Terry loss (eq. 17)", path,
+                     reference=(math.log(2), "ln 2 (margin 0)"))
 
 
 def _metric_key(head_name: str) -> str:
@@ -53,7 +75,8 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     loadable with ``RewardTransformer.from_head``), ``curves.json`` (held-out metrics and the
     token-level reward curve of each head), ``history.json`` (training losses), ``autrc.png``, ``loss.png``.
     """
-    from models.sla.reward_training import evaluate_reward_head, plot_losses, plot_reward_curves, train_reward_heads
+    from models.sla.config import RewardTraining
+    from models.sla.reward_training import evaluate_reward_head, train_reward_heads
     from models.sla.reward_transformer import RewardHeadConfig
 
     logger = get_run_logger()
@@ -86,13 +109,14 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
             logger.info("step %d/%d, loss %s", step, num_steps, ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))
 
     train_started = time.perf_counter()
-    models, histories = train_reward_heads(policy, train_pairs, cfg.reward, heads, accelerator, on_step)
+    training = component(RewardTraining, cfg.reward)
+    models, histories = train_reward_heads(policy, train_pairs, training, heads, accelerator, on_step)
     metrics["train_seconds"] = time.perf_counter() - train_started
     curves: dict[str, dict] = {}
     with atomic_path(Path(out_dir)) as tmp:
         tmp.mkdir(parents=True)
         for name, model in models.items():
-            evaluation = evaluate_reward_head(model, policy.tokenizer, held_out, cfg.reward)
+            evaluation = evaluate_reward_head(model, policy.tokenizer, held_out, training)
             model.save_head(tmp / name)
             key = _metric_key(name)
             metrics |= {
@@ -116,23 +140,23 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
 @task(name="train-dpo", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def dpo_task(cfg: Config) -> StageResult:
     """Train the DPO policy into ``paths.dpo_dir`` (atomically) and evaluate it on the held-out pairs."""
+    from models.sla.config import DPOTraining
     from models.sla.dpo import preference_accuracy, train_dpo
-    from models.engine.policy import load_policy, load_pretrained
 
     logger = get_run_logger()
     started = time.perf_counter()
     pairs = read_table(cfg.path(cfg.paths.pairs), "pairs")
     train_pairs, held_out = split_pairs(pairs, cfg.reward.eval_fraction, cfg.reward.seed)
-    policy = load_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
-    dpo_dir = cfg.path(cfg.paths.dpo_dir)
+    policy = load_stage_policy(cfg, "base")
+    training = component(DPOTraining, cfg.dpo)
     logger.info("DPO on %d pairs (%d held out) on %s, beta=%g", len(train_pairs), len(held_out), policy.device,
-                cfg.dpo.beta)
-    metrics = train_dpo(policy, train_pairs, cfg.dpo, dpo_dir)
+                training.beta)
+    metrics = train_dpo(policy, train_pairs, training, cfg.path(cfg.paths.dpo_dir))
 
     # The saved folder is what later stages load, so that is what gets evaluated; the untouched base
     # policy is the reference.
-    tuned = load_pretrained(dpo_dir, cfg.policy)
-    evaluate = dict(tokenizer=policy.tokenizer, pairs=held_out, beta=cfg.dpo.beta, max_length=cfg.dpo.max_length)
+    tuned = load_stage_policy(cfg, "dpo")
+    evaluate = dict(tokenizer=policy.tokenizer, pairs=held_out, beta=training.beta, max_length=training.max_length)
     before = preference_accuracy(policy.model, policy.model, **evaluate)
     after = preference_accuracy(tuned.model, policy.model, **evaluate)
     metrics.update({
@@ -183,15 +207,17 @@ def forward_overhead(reward_model, input_ids: torch.Tensor, repeats: int = 5) ->
             "reward_channel_overhead": joint_s / policy_s - 1}
 
 
-def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dict[str, SLAConfig],
+def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dict[str, SLASearch],
                 time_sampling: bool) -> tuple[list[dict], dict]:
     """Every decoder on every question for one policy (chat template of its own tokenizer); returns output
     records and speed/overhead stats (the sampling decoders are timed only if ``time_sampling``)."""
-    from models.engine.decoding import HF_DECODERS, generate_kwargs, hf_decode
+    from models.engine.config import HF_DECODERS, ClassicalDecoding
+    from models.engine.decoding import generate_kwargs, hf_decode
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
     from models.sla.search import sla_generate
 
     b = cfg.sla_benchmark
+    classical = component(ClassicalDecoding, b)
     policy, reward_model = _load(cfg, which)
     eos = end_token_ids(policy)
     prompt_ids = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt)]
@@ -204,7 +230,7 @@ def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dic
     # Quality: the classical decoders (greedy included) batched over all prompts; SLA at batch 1.
     plain = [ids[0].tolist() for ids in prompt_ids]
     for decoder in ("greedy", *(d for d in b.decoders if d in HF_DECODERS and d != "greedy")):
-        outputs = hf_decode(policy, plain, generate_kwargs(decoder, b), b.max_new_tokens, eos,
+        outputs = hf_decode(policy, plain, generate_kwargs(decoder, classical), b.max_new_tokens, eos,
                             batch_size=len(plain), seed=b.seed)
         for i, tokens in enumerate(outputs):
             record(decoder, i, tokens)
@@ -224,21 +250,21 @@ def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dic
         timer = timers["hf_greedy" if decoder == "greedy" else decoder] = DecodeTimer()
         for i, ids in enumerate(plain[: b.speed_prompts]):
             with timer:
-                (tokens,) = hf_decode(policy, [ids], generate_kwargs(decoder, b), b.max_new_tokens, eos,
+                (tokens,) = hf_decode(policy, [ids], generate_kwargs(decoder, classical), b.max_new_tokens, eos,
                                       batch_size=1, seed=b.seed + i)
             timer.add_tokens(len(tokens))
     overhead = forward_overhead(reward_model, prompt_ids[0])
     return records, {"timers": timers, "overhead": overhead}
 
 
-def _sla_settings(cfg: Config) -> dict[str, SLAConfig]:
+def _sla_settings(cfg: Config) -> dict[str, SLASearch]:
     """The main SLA setting plus the optional sweep (Figure 3: vary one of d, k, n at a time)."""
-    main = cfg.sla
+    main = component(SLASearch, cfg.sla)
     settings = {"sla": main} if "sla" in cfg.sla_benchmark.decoders else {}
     for field, values in (("depth", cfg.sla_benchmark.sweep_depth), ("width", cfg.sla_benchmark.sweep_width),
                           ("step", cfg.sla_benchmark.sweep_step)):
         for value in values:
-            variant = main.model_copy(update={field: value})
+            variant = replace(main, **{field: value})
             settings[f"sla_d{variant.depth}_k{variant.width}_n{variant.step}"] = variant
     return settings
 
@@ -269,8 +295,6 @@ def _table(outputs: pd.DataFrame, speed: dict) -> list[dict]:
 @task(name="benchmark-sla", tags=[GPU_TAG], cache_policy=NO_CACHE)
 def benchmark_sla_task(cfg: Config) -> StageResult:
     """Decode the held-out prompts with every decoder for the base and the DPO policy; score; compare."""
-    from models.labeling.labelers import build_labeler, is_correct
-
     logger = get_run_logger()
     started = time.perf_counter()
     b = cfg.sla_benchmark
@@ -286,17 +310,39 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
                                                    {k: v for k, v in settings.items() if k == "sla"},
                                                    time_sampling=which == "base")
         records += policy_records
-    outputs = pd.DataFrame(records)
+    outputs = _scored(pd.DataFrame(records), held_out, cfg)
+    rows = _table(outputs[~outputs["decoder"].str.startswith("sla_")], speed)
+    sweep_rows = _table(outputs[outputs["policy"] == "base"], speed) if len(settings) > 1 else []
+    out_dir = _write_benchmark(cfg, outputs, rows, sweep_rows, speed)
+    metrics = _metrics(rows, speed)
+    metrics["benchmark_seconds"] = time.perf_counter() - started
+    logger.info("\n%s", markdown_table(rows, TABLE_COLUMNS))
+    create_table_artifact(key="sla-benchmark", table=[{c: _json_cell(row.get(c)) for c in TABLE_COLUMNS} for row in rows],
+                          description="Decoders against greedy (the SLA paper's Table 1)")
+    create_markdown_artifact(key="sla-benchmark-report", markdown=(out_dir / "report.md").read_text(),
+                             description="SLA benchmark report")
+    return StageResult(metrics=metrics, tables={"sla_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
+
+
+def _scored(outputs: pd.DataFrame, held_out: pd.DataFrame, cfg: Config) -> pd.DataFrame:
+    """The decoded outputs with their question, known answer, the labeler's score and correctness."""
+    from models.labeling.config import LabelerSpec
+    from models.labeling.labelers import build_labeler, is_correct
+
     answers = [None if pd.isna(a) else a for a in held_out["answer"]]
     outputs["question"] = [held_out["question"].iloc[i] for i in outputs["prompt_index"]]
     outputs["answer"] = [answers[i] for i in outputs["prompt_index"]]
-    labeler = build_labeler(cfg.label)
+    labeler = build_labeler(component(LabelerSpec, cfg.label))
     outputs["score"] = labeler.score(outputs["question"].tolist(), outputs["response"].tolist(),
                                      outputs["answer"].tolist())
     outputs["correct"] = pd.array([is_correct(r, a) for r, a in zip(outputs["response"], outputs["answer"])],
                                   dtype="boolean")
-    rows = _table(outputs[~outputs["decoder"].str.startswith("sla_")], speed)
-    sweep_rows = _table(outputs[outputs["policy"] == "base"], speed) if len(settings) > 1 else []
+    return outputs
+
+
+def _write_benchmark(cfg: Config, outputs: pd.DataFrame, rows: list[dict], sweep_rows: list[dict],
+                     speed: dict) -> Path:
+    """Outputs, table, plots and report into ``benchmarks_dir/sla``, whole or not at all; returns the folder."""
     out_dir = cfg.path(cfg.paths.benchmarks_dir) / "sla"
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
@@ -312,14 +358,7 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
             bar_plot({"base": {r["decoder"]: r["win_rate"] for r in sweep_rows if r["decoder"].startswith("sla")}},
                      "SLA settings (Figure 3): win rate against greedy", "win rate", tmp / "sweep.png", 0.5)
         (tmp / "report.md").write_text(_report(rows, sweep_rows, speed, cfg))
-    metrics = _metrics(rows, speed)
-    metrics["benchmark_seconds"] = time.perf_counter() - started
-    logger.info("\n%s", markdown_table(rows, TABLE_COLUMNS))
-    create_table_artifact(key="sla-benchmark", table=[{c: _json_cell(row.get(c)) for c in TABLE_COLUMNS} for row in rows],
-                          description="Decoders against greedy (the SLA paper's Table 1)")
-    create_markdown_artifact(key="sla-benchmark-report", markdown=(out_dir / "report.md").read_text(),
-                             description="SLA benchmark report")
-    return StageResult(metrics=metrics, tables={"sla_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
+    return out_dir
 
 
 def _json_cell(value):

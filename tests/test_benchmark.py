@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from foresight.benchmark import DecodeTimer, markdown_table, speed_row, win_tie_loss
-from foresight.config import SLABenchmarkConfig, PolicyConfig
+from models.engine.config import ClassicalDecoding, PolicySpec
 from models.engine.decoding import generate_kwargs, hf_decode
 from models.engine.generation import chat_prompts, end_token_ids
 from models.engine.policy import load_pretrained
@@ -39,7 +39,7 @@ def test_markdown_table():
 
 
 def test_unused_sampling_knobs_are_neutralised():
-    cfg = SLABenchmarkConfig()
+    cfg = ClassicalDecoding()
     assert generate_kwargs("temperature", cfg) == {"do_sample": True, "temperature": 0.8, "top_p": 1.0, "top_k": 0}
     assert generate_kwargs("top_k", cfg)["top_k"] == 50 and generate_kwargs("top_k", cfg)["temperature"] == 1.0
     assert generate_kwargs("beam", cfg)["num_beams"] == 4
@@ -47,15 +47,15 @@ def test_unused_sampling_knobs_are_neutralised():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
-    return load_pretrained(tiny_llama, PolicyConfig(device="cpu"))
+    return load_pretrained(tiny_llama, PolicySpec(device="cpu"))
 
 
 def test_hf_decode_greedy_matches_generate_and_cuts_at_eos(tiny):
-    cfg = SLABenchmarkConfig(max_new_tokens=10)
+    cfg, max_new_tokens = ClassicalDecoding(), 10
     prompts = [tiny.tokenizer(p, add_special_tokens=False).input_ids
                for p in chat_prompts(tiny.tokenizer, ["Ben has 4 apples.", "What is 2 + 3 and then more?"])]
     eos = end_token_ids(tiny)
-    batched = hf_decode(tiny, prompts, generate_kwargs("greedy", cfg), cfg.max_new_tokens, eos, batch_size=2)
+    batched = hf_decode(tiny, prompts, generate_kwargs("greedy", cfg), max_new_tokens, eos, batch_size=2)
     for ids, out in zip(prompts, batched):
         alone = tiny.model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
                                     pad_token_id=tiny.tokenizer.pad_token_id)[0, len(ids):].tolist()
@@ -64,11 +64,11 @@ def test_hf_decode_greedy_matches_generate_and_cuts_at_eos(tiny):
 
 
 def test_hf_decode_sampling_is_seeded(tiny):
-    cfg = SLABenchmarkConfig(max_new_tokens=8)
+    cfg, max_new_tokens = ClassicalDecoding(), 8
     prompts = [tiny.tokenizer(p, add_special_tokens=False).input_ids for p in chat_prompts(tiny.tokenizer, ["a", "b"])]
     eos = end_token_ids(tiny)
-    first = hf_decode(tiny, prompts, generate_kwargs("temperature", cfg), cfg.max_new_tokens, eos, batch_size=2, seed=3)
-    assert first == hf_decode(tiny, prompts, generate_kwargs("temperature", cfg), cfg.max_new_tokens, eos, batch_size=2, seed=3)
-    assert first != hf_decode(tiny, prompts, generate_kwargs("temperature", cfg), cfg.max_new_tokens, eos, batch_size=2, seed=4)
-    beams = hf_decode(tiny, prompts, generate_kwargs("beam", cfg), cfg.max_new_tokens, eos, batch_size=2)
+    first = hf_decode(tiny, prompts, generate_kwargs("temperature", cfg), max_new_tokens, eos, batch_size=2, seed=3)
+    assert first == hf_decode(tiny, prompts, generate_kwargs("temperature", cfg), max_new_tokens, eos, batch_size=2, seed=3)
+    assert first != hf_decode(tiny, prompts, generate_kwargs("temperature", cfg), max_new_tokens, eos, batch_size=2, seed=4)
+    beams = hf_decode(tiny, prompts, generate_kwargs("beam", cfg), max_new_tokens, eos, batch_size=2)
     assert len(beams) == 2 and all(1 <= len(b) <= 8 for b in beams)

@@ -11,20 +11,10 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from foresight.config import CoralConfig, PolicyConfig, load_config
-from models.coral.target_aware import (
-    BACKWARD_OFFSETS,
-    FORWARD_OFFSETS,
-    backward_reconstruction_loss,
-    corrupt,
-    offset_cross_entropy,
-    offset_targets,
-    target_aware,
-    weighted_offset_loss,
-    target_aware_logits,
-)
+from foresight.config import load_config
+from models.common.sequences import sft_sequences
+from models.coral.config import CoralDecoding, CoralTraining
 from models.coral.decoding import (
-    CoralDecoding,
     CoralStats,
     _Forward,
     _path_scores,
@@ -33,8 +23,19 @@ from models.coral.decoding import (
     coral_generate,
     ensemble,
 )
-from models.common.sequences import sft_sequences
+from models.coral.target_aware import (
+    BACKWARD_OFFSETS,
+    FORWARD_OFFSETS,
+    backward_reconstruction_loss,
+    corrupt,
+    offset_cross_entropy,
+    offset_targets,
+    target_aware,
+    target_aware_logits,
+    weighted_offset_loss,
+)
 from models.coral.training import stage_parameters, train_coral
+from models.engine.config import PolicySpec
 from models.engine.policy import load_pretrained
 from models.engine.speculative import build_tree
 
@@ -191,7 +192,7 @@ def test_stage_parameters_split_the_model():
 
 
 def test_two_stage_training_changes_the_right_parameters(tiny_llama):
-    policy = load_pretrained(tiny_llama, PolicyConfig(device="cpu"))
+    policy = load_pretrained(tiny_llama, PolicySpec(device="cpu"))
     model = policy.model
     responses = pd.DataFrame({"prompt": ["<|im_start|>user\nBen has 4 apples<|im_end|>\n<|im_start|>assistant\n"] * 4,
                               "response": ["The answer is 6. Ivy has 3 cookies and gives 1 of them"] * 4})
@@ -199,8 +200,7 @@ def test_two_stage_training_changes_the_right_parameters(tiny_llama):
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     last_names = {f"model.layers.{len(model.model.layers) - 1}.{n}" for n, _ in model.model.layers[-1].named_parameters()}
 
-    only_stage1 = CoralConfig(stage1_epochs=2, stage2_epochs=0, batch_size=2, stage1_learning_rate=1e-2,
-                              mixed_precision="no")
+    only_stage1 = CoralTraining(stage1_epochs=2, stage2_epochs=0, batch_size=2, stage1_learning_rate=1e-2)
     history = train_coral(policy, sequences, only_stage1)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed == last_names
@@ -209,7 +209,7 @@ def test_two_stage_training_changes_the_right_parameters(tiny_llama):
     assert any(v == v for v in history["ce_reconstruct_0"])  # corrupted tokens were reconstructed (not all NaN)
 
     after_stage1 = {name: p.detach().clone() for name, p in model.named_parameters()}
-    only_stage2 = only_stage1.model_copy(update={"stage1_epochs": 0, "stage2_epochs": 1, "stage2_learning_rate": 1e-3})
+    only_stage2 = replace(only_stage1, stage1_epochs=0, stage2_epochs=1, stage2_learning_rate=1e-3)
     train_coral(policy, sequences, only_stage2)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, after_stage1[n])}
     assert changed and not changed & last_names
@@ -296,9 +296,9 @@ def test_decoding_terminates_and_is_deterministic(settings):
         runs.append((coral_generate(model, prompt, 20, set(), settings, stats), stats))
     (tokens, stats), (again, _) = runs
     assert tokens == again and len(tokens) == 20 == stats.generated_tokens
-    assert len(stats.accepted_per_step) == stats.forwards - 1  # one step per forward after the prefill
+    assert len(stats.accepted_lengths) == stats.forwards - 1  # one step per forward after the prefill
     assert stats.forwards <= 20 * 3 + 2  # progress every few steps (the stall guard bounds the rest)
-    assert sum(stats.accepted_per_step) == 20
+    assert sum(stats.accepted_lengths) == 20
     different_seed = coral_generate(model, prompt, 20, set(), replace(settings, seed=settings.seed + 1))
     assert len(different_seed) == 20
 

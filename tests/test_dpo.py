@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
-from foresight.config import DPOConfig, PolicyConfig, parse_config
+from foresight.config import component, parse_config
 from foresight.pairs import PAIR_COLUMNS
 from foresight.storage import write_table
-from models.sla.dpo import build_trainer, preference_accuracy, tokenize_pair, train_dpo, with_eos
+from models.engine.config import PolicySpec
 from models.engine.generation import chat_prompts
 from models.engine.policy import load_pretrained, prepare_policy
+from models.sla.config import DPOTraining
+from models.sla.dpo import build_trainer, preference_accuracy, tokenize_pair, train_dpo, with_eos
 from tests.conftest import tiny_params
 
 # A learning rate far above the real one, so a handful of steps visibly moves the tiny model.
-FAST = DPOConfig(learning_rate=1e-3, epochs=2, batch_size=2, max_length=128, seed=0)
+FAST = DPOTraining(learning_rate=1e-3, epochs=2, batch_size=2, max_length=128, seed=0)
 
 
 def make_pairs(tokenizer, n: int) -> pd.DataFrame:
@@ -45,7 +48,7 @@ def folder_digest(folder: Path) -> str:
 
 @pytest.fixture()
 def policy(tiny_llama):
-    return load_pretrained(tiny_llama, PolicyConfig(device="cpu"))
+    return load_pretrained(tiny_llama, PolicySpec(device="cpu"))
 
 
 def test_train_dpo_first_loss_is_log2_and_only_the_copy_changes(policy, tiny_llama, tmp_path):
@@ -97,9 +100,10 @@ def test_preference_accuracy_of_the_untrained_policy_is_a_tie(policy):
 
 
 def _stage_config(root: Path, tiny_llama: Path, num_pairs: int):
-    cfg = parse_config(tiny_params(root, tiny_llama, dpo=FAST.model_dump(), reward={"eval_fraction": 0.25}), root=root)
-    prepare_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
-    tokenizer = load_pretrained(tiny_llama, cfg.policy).tokenizer
+    cfg = parse_config(tiny_params(root, tiny_llama, dpo=asdict(FAST), reward={"eval_fraction": 0.25}), root=root)
+    spec = component(PolicySpec, cfg.policy)
+    prepare_policy(spec, cfg.path(cfg.paths.policy_dir))
+    tokenizer = load_pretrained(tiny_llama, spec).tokenizer
     write_table(make_pairs(tokenizer, num_pairs), cfg.path(cfg.paths.pairs))
     stale = cfg.path(cfg.paths.dpo_dir) / "stale.txt"  # a previous output that must be replaced whole
     stale.parent.mkdir(parents=True)

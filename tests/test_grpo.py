@@ -1,5 +1,5 @@
-"""GRPO (models/grpo.py) on hand-worked numbers, the advantage-aware MTP loss, and the MTP-RL step
-(models/mtp_rl.py): which parameters each variant moves, and a short run of every variant."""
+"""GRPO (models/mtp/grpo.py) on hand-worked numbers, the advantage-aware MTP loss, and the MTP-RL step
+(models/mtp/rl.py): which parameters each variant moves, and a short run of every variant."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from foresight.config import MTPRLConfig, PolicyConfig
-from models.mtp.grpo import clipped_policy_loss, grpo_loss, group_advantages, k3_kl, token_logps, token_mean
-from models.mtp.module import MTPModule, MTPModuleConfig, advantage_aware_kl, advantage_mask
-from models.mtp.rl import Rollouts, rl_step_loss, train_variant, variant
 from models.engine.speculative import SpeculativeStats
+from models.mtp.config import MTPRLTraining
+from models.mtp.grpo import clipped_policy_loss, group_advantages, grpo_loss, k3_kl, token_logps, token_mean
+from models.mtp.module import MTPModule, MTPModuleConfig, advantage_aware_kl, advantage_mask
+from models.mtp.rl import Rollouts, mtp_rl_step_loss, train_variant, variant
 
 
 def test_group_advantages_by_hand():
@@ -90,9 +90,10 @@ def test_advantage_mask_zeroes_negative_advantage_samples(tiny_llama):
 
 @pytest.fixture
 def policy(tiny_llama):
+    from models.engine.config import PolicySpec
     from models.engine.policy import load_pretrained
 
-    return load_pretrained(tiny_llama, PolicyConfig(model=str(tiny_llama), device="cpu"))
+    return load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu"))
 
 
 def _rollouts(policy, rewards: list[float]) -> Rollouts:
@@ -104,7 +105,7 @@ def _rollouts(policy, rewards: list[float]) -> Rollouts:
 
 def _step(policy, module, name: str, rewards: list[float]) -> tuple[bool, bool]:
     """One update of ``name`` on fixed rollouts: did the policy change, did the module change?"""
-    cfg = MTPRLConfig()
+    cfg = MTPRLTraining()
     var = variant(name, cfg)
     policy_before = [p.detach().clone() for p in policy.model.parameters()]
     module_before = [p.detach().clone() for p in module.parameters()]
@@ -114,8 +115,8 @@ def _step(policy, module, name: str, rewards: list[float]) -> tuple[bool, bool]:
     optimizer = torch.optim.AdamW(parameters, lr=1e-2, weight_decay=0.0)
     rollouts = _rollouts(policy, rewards)
     advantages = group_advantages(rollouts.rewards, 4)
-    _, stats = rl_step_loss(policy.model, policy, module, rollouts, advantages, None, None, var, cfg, [0.6, 0.4],
-                            lambda loss: loss.backward())
+    _, stats = mtp_rl_step_loss(policy.model, policy, module, rollouts, advantages, None, None, var, cfg,
+                                [0.6, 0.4], lambda loss: loss.backward())
     optimizer.step()
     policy_changed = any(not torch.equal(a, b) for a, b in zip(policy_before, policy.model.parameters()))
     module_changed = any(not torch.equal(a, b) for a, b in zip(module_before, module.parameters()))
@@ -140,15 +141,16 @@ def test_rewards_with_a_spread_move_the_policy(policy, name):
 
 
 def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
+    from models.engine.config import PolicySpec
     from models.engine.generation import end_token_ids
     from models.engine.policy import load_pretrained
 
-    cfg = MTPRLConfig(steps=2, prompts_per_step=1, group_size=2, max_new_tokens=6, learning_rate=1e-3)
+    cfg = MTPRLTraining(steps=2, prompts_per_step=1, group_size=2, max_new_tokens=6, learning_rate=1e-3)
     prompts = [policy.tokenizer(q, return_tensors="pt").input_ids for q in ("What is 2 + 3?", "What is 4 * 2?")]
     answers = ["5", "8"]
     eos = end_token_ids(policy)
     for name in ("vanilla", "mtp_rl", "frozen_mtp", "ce_only", "no_backprop"):
-        fresh = load_pretrained(tiny_llama, PolicyConfig(model=str(tiny_llama), device="cpu"))
+        fresh = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu"))
         var = variant(name, cfg)
         module = MTPModule(fresh.model, MTPModuleConfig(2)) if var.drafts else None
         history = train_variant(fresh, module, var, prompts, answers, cfg, [0.6, 0.4], eos)
@@ -164,7 +166,7 @@ def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
         assert not fresh.model.training and not any(p.requires_grad for p in fresh.model.parameters())
     with pytest.raises(ValueError, match="need 6 training prompts"):
         train_variant(policy, None, variant("vanilla", cfg), prompts, answers,
-                      MTPRLConfig(steps=3, prompts_per_step=2), [1.0], eos)
+                      MTPRLTraining(steps=3, prompts_per_step=2), [1.0], eos)
     with pytest.raises(ValueError, match="unknown MTP-RL variant"):
         variant("nope", cfg)
 
@@ -176,15 +178,15 @@ def test_every_pass_of_a_step_uses_the_first_pass_log_probs_as_pi_old(policy, mo
     from models.engine.generation import end_token_ids
 
     seen = []
-    real = mtp_rl.rl_step_loss
+    real = mtp_rl.mtp_rl_step_loss
 
     def recording(*args):
         logps, stats = real(*args)
         seen.append((args[5], logps))  # (old_logps passed in, logps returned)
         return logps, stats
 
-    monkeypatch.setattr(mtp_rl, "rl_step_loss", recording)
-    cfg = MTPRLConfig(steps=1, group_size=2, max_new_tokens=4, iterations=3, learning_rate=1e-2)
+    monkeypatch.setattr(mtp_rl, "mtp_rl_step_loss", recording)
+    cfg = MTPRLTraining(steps=1, group_size=2, max_new_tokens=4, iterations=3, learning_rate=1e-2)
     prompts = [policy.tokenizer("What is 2 + 3?", return_tensors="pt").input_ids]
     train_variant(policy, None, variant("vanilla", cfg), prompts, ["5"], cfg, [1.0], end_token_ids(policy))
     assert len(seen) == 3 and seen[0][0] is None

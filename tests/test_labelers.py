@@ -1,8 +1,10 @@
 """Reward labelers: verifiable answers, ArmoRM through its real remote-code loading path, HF classifiers."""
 
+from dataclasses import replace
+
 import pytest
 
-from foresight.config import LabelConfig
+from models.labeling.config import LabelerSpec
 from models.labeling.labelers import LabelerError, build_labeler, extract_answer, is_correct
 
 
@@ -32,7 +34,7 @@ def test_is_correct():
 
 
 def test_verifiable_labeler_scores_and_requires_answers():
-    labeler = build_labeler(LabelConfig())
+    labeler = build_labeler(LabelerSpec())
     assert labeler.score(["q"] * 3, ["The answer is 4.", "It is 5", "none"], ["4", "4", "4"]) == [1.0, 0.0, 0.0]
     with pytest.raises(LabelerError, match="needs known answers.*1 of 2"):
         labeler.score(["q", "q"], ["1", "2"], ["1", None])
@@ -43,24 +45,24 @@ RESPONSES = ["The answer is 4.", "5", "Ivy has 3 cookies, the answer is 3.", "2"
 
 
 def test_armorm_path_reads_output_score_from_remote_code_model(tiny_armorm):
-    cfg = LabelConfig(labeler="armorm", model=str(tiny_armorm), trust_remote_code=True, batch_size=3, device="cpu")
+    cfg = LabelerSpec(labeler="armorm", model=str(tiny_armorm), trust_remote_code=True, batch_size=3, device="cpu")
     labeler = build_labeler(cfg)
     assert type(labeler.model).__name__ == "TinyArmoRM"  # the model's own code was loaded
     scores = labeler.score(QUESTIONS, RESPONSES, [None] * 4)
     assert len(scores) == 4 and len(set(scores)) == 4
     # batching and right padding do not change a score: each row scored alone gives the same value
-    alone = [build_labeler(cfg.model_copy(update={"batch_size": 1})).score([q], [r], [None])[0]
+    alone = [build_labeler(replace(cfg, batch_size=1)).score([q], [r], [None])[0]
              for q, r in zip(QUESTIONS, RESPONSES)]
     assert scores == pytest.approx(alone, abs=1e-5)
 
 
 def test_armorm_needs_explicit_trust_remote_code(tiny_armorm):
     with pytest.raises(LabelerError, match="label.trust_remote_code: true"):
-        build_labeler(LabelConfig(labeler="armorm", model=str(tiny_armorm), device="cpu"))
+        build_labeler(LabelerSpec(labeler="armorm", model=str(tiny_armorm), device="cpu"))
 
 
 def test_armorm_labeler_rejects_a_model_without_score(tiny_classifier):
-    labeler = build_labeler(LabelConfig(labeler="armorm", model=str(tiny_classifier), device="cpu"))
+    labeler = build_labeler(LabelerSpec(labeler="armorm", model=str(tiny_classifier), device="cpu"))
     with pytest.raises(LabelerError, match="no 'score' field.*hf-classifier"):
         labeler.score(QUESTIONS[:1], RESPONSES[:1], [None])
 
@@ -68,7 +70,7 @@ def test_armorm_labeler_rejects_a_model_without_score(tiny_classifier):
 def test_hf_classifier_uses_first_logit(tiny_classifier):
     import torch
 
-    cfg = LabelConfig(labeler="hf-classifier", model=str(tiny_classifier), batch_size=2, device="cpu")
+    cfg = LabelerSpec(labeler="hf-classifier", model=str(tiny_classifier), batch_size=2, device="cpu")
     labeler = build_labeler(cfg)
     scores = labeler.score(QUESTIONS, RESPONSES, [None] * 4)
     enc = labeler._encode(QUESTIONS[:1], RESPONSES[:1])
@@ -79,11 +81,11 @@ def test_hf_classifier_uses_first_logit(tiny_classifier):
 
 def test_missing_reward_model_is_a_clear_error(tmp_path):
     with pytest.raises(LabelerError, match="could not be loaded"):
-        build_labeler(LabelConfig(labeler="hf-classifier", model=str(tmp_path / "absent"), device="cpu"))
+        build_labeler(LabelerSpec(labeler="hf-classifier", model=str(tmp_path / "absent"), device="cpu"))
 
 
 def test_failing_reward_model_names_the_rows(tiny_classifier, monkeypatch):
-    labeler = build_labeler(LabelConfig(labeler="hf-classifier", model=str(tiny_classifier), batch_size=2, device="cpu"))
+    labeler = build_labeler(LabelerSpec(labeler="hf-classifier", model=str(tiny_classifier), batch_size=2, device="cpu"))
 
     def broken(**_):
         raise RuntimeError("CUDA out of memory")
@@ -102,4 +104,4 @@ def test_remote_code_written_for_older_transformers_is_named(tiny_armorm, tmp_pa
     code = folder / "modeling_tiny_armo.py"
     code.write_text("from transformers.models.llama.modeling_llama import LLAMA_INPUTS_DOCSTRING\n" + code.read_text())
     with pytest.raises(LabelerError, match=r"does not import under transformers 5\..*LLAMA_INPUTS_DOCSTRING"):
-        build_labeler(LabelConfig(labeler="armorm", model=str(folder), trust_remote_code=True, device="cpu"))
+        build_labeler(LabelerSpec(labeler="armorm", model=str(folder), trust_remote_code=True, device="cpu"))

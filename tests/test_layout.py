@@ -4,6 +4,8 @@ another, and model code never imports the pipeline (``foresight``, ``tasks``, ``
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,13 @@ def test_the_checker_sees_function_local_imports(tmp_path):
     path = tmp_path / "probe.py"
     path.write_text("def f():\n    from models.coral.training import train_coral\n    import foresight.config\n")
     assert imported_modules(path) == {"models.coral.training", "foresight.config"}
+
+
+def test_loading_the_params_loads_no_model_code():
+    """The params take their defaults from ``models/<folder>/config.py`` only: if ``foresight.config`` imported
+    model code, every stage would depend on every method's code, and any edit would re-run the whole pipeline."""
+    probe = ("import sys, foresight.config; "
+             "print(sorted(m for m in sys.modules if m.startswith('models.') and not m.endswith('.config')"
+             " and m.count('.') > 1))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout

@@ -8,7 +8,10 @@ import pandas as pd
 import pytest
 import torch
 
-from foresight.config import MedusaConfig, RLMedusaConfig
+from models.common.splits import split_by_prompt
+from models.engine.policy import Policy
+from models.engine.speculative import chain_tree
+from models.medusa.config import MedusaTraining, RLMedusaCandidates
 from models.medusa.heads import IGNORE_INDEX, MedusaDrafter, MedusaHeads, heads_for, medusa_loss
 from models.medusa.training import (
     _head_targets,
@@ -18,8 +21,6 @@ from models.medusa.training import (
     self_distill,
     train_medusa_heads,
 )
-from models.common.splits import split_by_prompt
-from models.engine.policy import Policy
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +148,8 @@ def test_sample_candidates_mix():
 
 
 def test_self_distill_targets_and_states_match_a_plain_forward(policy, samples):
-    cfg = MedusaConfig(num_heads=2, distill_batch_size=3, mixed_precision="no")
-    rl_cfg = RLMedusaConfig(trajectory_tokens=4, top_candidates=2, top_pool=10, random_candidates=3)
+    cfg = MedusaTraining(num_heads=2, distill_batch_size=3, mixed_precision="no")
+    rl_cfg = RLMedusaCandidates(trajectory_tokens=4, top_candidates=2, top_pool=10, random_candidates=3)
     data = self_distill(policy, samples, cfg, rl_cfg)
     from models.common.sequences import tokenize_sequence
 
@@ -189,8 +190,8 @@ def test_greedy_responses_are_the_policys_greedy_decoding(policy):
 
 
 def test_split_by_prompt_and_subset(policy, samples):
-    cfg = MedusaConfig(num_heads=2, distill_batch_size=4, mixed_precision="no")
-    data = self_distill(policy, samples, cfg, RLMedusaConfig(trajectory_tokens=3, top_pool=10))
+    cfg = MedusaTraining(num_heads=2, distill_batch_size=4, mixed_precision="no")
+    data = self_distill(policy, samples, cfg, RLMedusaCandidates(trajectory_tokens=3, top_pool=10))
     train_rows, eval_rows = split_by_prompt(samples, eval_fraction=0.25, seed=0)
     assert len(eval_rows) == 2 and samples.iloc[eval_rows.tolist()]["prompt_id"].nunique() == 1
     assert not set(samples.iloc[train_rows.tolist()]["prompt_id"]) & set(samples.iloc[eval_rows.tolist()]["prompt_id"])
@@ -204,9 +205,9 @@ def test_split_by_prompt_and_subset(policy, samples):
 
 
 def test_training_changes_the_heads_not_the_backbone_and_lowers_the_loss(policy, samples):
-    cfg = MedusaConfig(num_heads=2, epochs=4, batch_size=8, learning_rate=1e-2, distill_batch_size=4,
+    cfg = MedusaTraining(num_heads=2, epochs=4, batch_size=8, learning_rate=1e-2, distill_batch_size=4,
                        mixed_precision="no", warmup_ratio=0.0)
-    data = self_distill(policy, samples, cfg, RLMedusaConfig(trajectory_tokens=3, top_pool=10))
+    data = self_distill(policy, samples, cfg, RLMedusaCandidates(trajectory_tokens=3, top_pool=10))
     backbone = {k: v.clone() for k, v in policy.model.state_dict().items()}
     lm_head = policy.model.get_output_embeddings()
     before = evaluate_heads(heads_for(policy.model, 2), lm_head, data)
@@ -226,8 +227,8 @@ def test_drafter_precision_only_changes_the_drafts(policy):
         for p in heads.parameters():
             p.normal_(std=0.1)
     hidden = torch.randn(policy.model.config.hidden_size)
-    exact = MedusaDrafter(policy.model, heads)(hidden, 0)
-    cheap = MedusaDrafter(policy.model, heads, torch.bfloat16)(hidden, 0)
+    exact = MedusaDrafter(policy.model, heads, chain_tree(2)).logits(hidden, 0)
+    cheap = MedusaDrafter(policy.model, heads, chain_tree(2), torch.bfloat16).logits(hidden, 0)
     assert exact.dtype == torch.float32 and cheap.dtype == torch.bfloat16 and exact.shape == cheap.shape == (2, policy.model.config.vocab_size)
     torch.testing.assert_close(cheap.float(), exact, rtol=0.05, atol=0.05)
     assert policy.model.get_output_embeddings().weight.dtype == torch.float32  # the policy is untouched

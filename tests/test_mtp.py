@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from foresight.config import MTPConfig, PolicyConfig
+from models.engine.speculative import SpeculativeStats, verify_speculative_sampling
 from models.mtp.module import (
     MTPDrafter,
     MTPModule,
@@ -24,7 +24,6 @@ from models.mtp.module import (
     mtp_generate,
     mtp_logits,
 )
-from models.engine.speculative import SpeculativeStats, verify_speculative_sampling
 from tests.tiny import load_spiky_tiny_llama
 
 QUESTIONS = ["Ben has 4 apples. How many?", "Ivy has 3 cookies and gives 1 to Omar.", "What is 7 * 8?"]
@@ -223,20 +222,22 @@ def test_speculative_sampling_with_mtp_drafts_samples_the_model_exactly(tiny, dr
 
 
 def test_equip_training_changes_only_the_module_and_lowers_the_loss(tiny_llama):
-    from models.common.sequences import sft_sequences
-    from models.mtp.training import chain_acceptance, frozen_states, train_mtp_module
-    from models.engine.policy import load_pretrained
-
     import pandas as pd
 
-    policy = load_pretrained(tiny_llama, PolicyConfig(model=str(tiny_llama), device="cpu"))
+    from models.common.sequences import sft_sequences
+    from models.engine.config import PolicySpec
+    from models.engine.policy import load_pretrained
+    from models.mtp.config import MTPTraining
+    from models.mtp.training import chain_acceptance, frozen_states, train_mtp_module
+
+    policy = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu"))
     responses = pd.DataFrame({"prompt": ["<|im_start|>user\nBen has 4 apples.<|im_end|>\n<|im_start|>assistant\n"] * 8,
                               "response": ["The answer is 6. Ben has 4 apples and 2 more."] * 8})
     sequences = sft_sequences(policy.tokenizer, responses, 128)
     hidden = frozen_states(policy, sequences, batch_size=3)
     assert [len(h) for h in hidden] == [len(ids) for ids, _ in sequences]
     before = {name: p.clone() for name, p in policy.model.named_parameters()}
-    cfg = MTPConfig(epochs=6, batch_size=4, learning_rate=3e-3, mixed_precision="no", ablation_depths=[])
+    cfg = MTPTraining(epochs=6, batch_size=4, learning_rate=3e-3)
     module, history = train_mtp_module(policy, sequences, hidden, 2, cfg)
     assert all(torch.equal(before[name], p) for name, p in policy.model.named_parameters())
     start = MTPModule(policy.model, MTPModuleConfig(2))

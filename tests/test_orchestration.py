@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from foresight.stages import STAGES
 from tests.conftest import tiny_params
 
 REPO = Path(__file__).resolve().parent.parent
-FLOW_NAMES = ["pipeline", "prepare-policy", "prepare-prompts", "generate", "label", "validate", "train-reward", "dpo",
-              "train-reward-dpo", "benchmark-sla", "train-medusa", "train-rlmedusa", "benchmark-medusa",
-              "train-coral", "benchmark-coral", "train-mtp", "train-mtp-rl"]
+FLOW_NAMES = ["pipeline", *(stage.flow_name for stage in STAGES)]
 NUM_TRAIN, NUM_EVAL = 5, 3
 
 

@@ -1,12 +1,13 @@
 """Policy resolution (alias, folder, hub id) and batched sampling."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
-from foresight.config import GenerateConfig, PolicyConfig
-from models.engine.generation import response_lengths, chat_prompts, sample
+from models.engine.config import PolicySpec, Sampling
+from models.engine.generation import chat_prompts, response_lengths, sample
 from models.engine.policy import (
     MANIFEST,
     PolicyNotFoundError,
@@ -19,7 +20,7 @@ from models.engine.policy import (
 
 @pytest.fixture(scope="module")
 def tiny_policy(tiny_llama, tmp_path_factory):
-    cfg = PolicyConfig(model=str(tiny_llama), device="cpu")
+    cfg = PolicySpec(model=str(tiny_llama), device="cpu")
     policy_dir = tmp_path_factory.mktemp("policy")
     manifest = prepare_policy(cfg, policy_dir)
     assert manifest["kind"] == "folder" and json.loads((policy_dir / MANIFEST).read_text()) == manifest
@@ -28,14 +29,14 @@ def tiny_policy(tiny_llama, tmp_path_factory):
 
 def test_missing_folder_and_offline_hub_id_fail_clearly(tmp_path):
     with pytest.raises(PolicyNotFoundError, match="does not exist"):
-        prepare_policy(PolicyConfig(model="./no/such/folder"), tmp_path / "p")
+        prepare_policy(PolicySpec(model="./no/such/folder"), tmp_path / "p")
     (tmp_path / "empty").mkdir()
     with pytest.raises(PolicyNotFoundError, match="no config.json"):
-        prepare_policy(PolicyConfig(model=str(tmp_path / "empty")), tmp_path / "p")
+        prepare_policy(PolicySpec(model=str(tmp_path / "empty")), tmp_path / "p")
     with pytest.raises(PolicyNotFoundError, match=r"not in the Hugging Face cache.*huggingface-cli download"):
-        prepare_policy(PolicyConfig(model="nobody/not-a-real-model-xyz"), tmp_path / "p")
+        prepare_policy(PolicySpec(model="nobody/not-a-real-model-xyz"), tmp_path / "p")
     with pytest.raises(PolicyNotFoundError, match="run the prepare_policy stage first"):
-        load_policy(PolicyConfig(), tmp_path / "never-prepared")
+        load_policy(PolicySpec(), tmp_path / "never-prepared")
 
 
 def test_embedded_gguf_is_found_without_importing_the_package():
@@ -50,7 +51,7 @@ def test_embedded_model_converts_once(tmp_path):
     """The default policy: GGUF → safetensors, loadable, Llama 30 layers; a second prepare converts nothing."""
     from transformers import AutoConfig
 
-    cfg = PolicyConfig(device="cpu")
+    cfg = PolicySpec(device="cpu")
     prepare_policy(cfg, tmp_path)
     weights = tmp_path / "weights"
     config = AutoConfig.from_pretrained(weights)
@@ -76,7 +77,7 @@ def testresponse_lengths_stop_at_first_end_token():
 
 
 def test_sampling_is_deterministic_and_shaped(tiny_policy):
-    cfg = GenerateConfig(num_samples=3, max_new_tokens=10, batch_size=2, seed=11)
+    cfg = Sampling(num_samples=3, max_new_tokens=10, batch_size=2, seed=11)
     prompts = chat_prompts(tiny_policy.tokenizer, ["Ben has 4 apples.", "What is 2 + 3?", "Ivy has 3 cookies."])
     first, stats = sample(tiny_policy, prompts, cfg)
     second, _ = sample(tiny_policy, prompts, cfg)
@@ -86,14 +87,14 @@ def test_sampling_is_deterministic_and_shaped(tiny_policy):
     assert stats["new_tokens"] == sum(c.response_tokens for c in first) and stats["tokens_per_s"] > 0
     # samples of one prompt differ (a random model at T=0.8 over 320 tokens), and another seed changes them
     assert len({c.response for c in first if c.prompt_index == 0}) > 1
-    other, _ = sample(tiny_policy, prompts, cfg.model_copy(update={"seed": 12}))
+    other, _ = sample(tiny_policy, prompts, replace(cfg, seed=12))
     assert [c.response for c in other] != [c.response for c in first]
 
 
 def test_batch_composition_does_not_change_a_batch_seeded_alone(tiny_policy):
     """Batch b is seeded with seed + b: the first batch's samples are the same whatever follows it."""
     prompts = chat_prompts(tiny_policy.tokenizer, ["a b", "c d", "e f", "g h"])
-    cfg = GenerateConfig(num_samples=2, max_new_tokens=6, batch_size=2, seed=0)
+    cfg = Sampling(num_samples=2, max_new_tokens=6, batch_size=2, seed=0)
     full, _ = sample(tiny_policy, prompts, cfg)
     head, _ = sample(tiny_policy, prompts[:2], cfg)
     assert full[:4] == head

@@ -1,4 +1,4 @@
-"""Reward-head training and evaluation (models/reward_training.py) and the Prefect task (tasks/reward.py)."""
+"""Reward-head training and evaluation (models/sla/reward_training.py) and the Prefect task (tasks/sla.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import pandas as pd
 import pytest
 import torch
 
-from foresight.config import PolicyConfig, RewardConfig, parse_config
+from foresight.config import component, parse_config
 from foresight.pairs import PAIR_COLUMNS
 from foresight.storage import write_table
+from models.engine.config import PolicySpec
 from models.engine.policy import load_pretrained, prepare_policy
+from models.sla.config import RewardTraining
 from models.sla.reward_training import (
     PairRewards,
     autrc,
@@ -29,13 +31,13 @@ from tests.conftest import tiny_params
 
 CHANNEL = RewardHeadConfig(kind="channel", hidden_size=16)
 # A fast, deterministic setting for the tiny model: a high rate, since it must learn within a few steps.
-FAST = dict(hidden_size=16, learning_rate=1e-2, batch_size=4, epochs=4, warmup_ratio=0.0, max_length=64,
+FAST = dict(learning_rate=1e-2, batch_size=4, epochs=4, warmup_ratio=0.0, max_length=64,
             curve_points=10, seed=0)
 
 
 @pytest.fixture(scope="module")
 def policy(tiny_llama):
-    return load_pretrained(tiny_llama, PolicyConfig(device="cpu"))
+    return load_pretrained(tiny_llama, PolicySpec(device="cpu"))
 
 
 def toy_pairs(tokenizer, count: int, start: int = 0) -> pd.DataFrame:
@@ -101,7 +103,7 @@ def test_one_step_trains_the_head_and_leaves_the_policy_bit_identical(policy):
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
     torch.manual_seed(FAST["seed"])  # train_reward_heads seeds the same way: the same initial head
     initial_head = {k: v.clone() for k, v in RewardTransformer(policy.model, CHANNEL).head.state_dict().items()}
-    cfg = RewardConfig(**{**FAST, "epochs": 1})
+    cfg = RewardTraining(**{**FAST, "epochs": 1})
     models, histories = train_reward_heads(policy, pairs, cfg, {"channel": CHANNEL})
     model, history = models["channel"], histories["channel"]
     assert len(history["loss"]) == 1 and len(history["train_pair_accuracy"]) == 1
@@ -118,11 +120,11 @@ def test_one_step_trains_the_head_and_leaves_the_policy_bit_identical(policy):
 def test_half_precision_policy_trains_float32_master_weights(tiny_llama):
     """At the paper's lr 5e-5, Adam's steps are below bfloat16's resolution of the weights: a bf16 head would
     keep ~75 % of its weights at their initial value. The head trains in float32 and is cast back at the end."""
-    policy = load_pretrained(tiny_llama, PolicyConfig(device="cpu", dtype="bfloat16"))
+    policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="bfloat16"))
     head_config = RewardHeadConfig(kind="channel", hidden_size=256)
     torch.manual_seed(0)
     initial = RewardTransformer(policy.model, head_config).head.state_dict()
-    cfg = RewardConfig(**{**FAST, "learning_rate": 5e-5, "batch_size": 2, "epochs": 3})  # 12 steps
+    cfg = RewardTraining(**{**FAST, "learning_rate": 5e-5, "batch_size": 2, "epochs": 3})  # 12 steps
     models, histories = train_reward_heads(policy, toy_pairs(policy.tokenizer, 8), cfg, {"channel": head_config})
     model, history = models["channel"], histories["channel"]
     trained = model.head.state_dict()
@@ -137,7 +139,7 @@ def test_half_precision_policy_trains_float32_master_weights(tiny_llama):
 def test_learns_a_separable_toy_preference(policy, head):
     tok = policy.tokenizer
     train, held_out = toy_pairs(tok, 8), toy_pairs(tok, 6, start=100)
-    cfg = RewardConfig(**FAST)
+    cfg = RewardTraining(**FAST)
     models, histories = train_reward_heads(policy, train, cfg, {"head": head})
     model, history = models["head"], histories["head"]
     assert history["loss"][-1] < history["loss"][0]
@@ -150,7 +152,7 @@ def test_learns_a_separable_toy_preference(policy, head):
 def test_joint_training_equals_training_each_head_alone(policy):
     """One shared policy pass per batch: each head gets exactly its own gradient, Adam is element-wise."""
     pairs = toy_pairs(policy.tokenizer, 6)
-    cfg = RewardConfig(**{**FAST, "epochs": 2})
+    cfg = RewardTraining(**{**FAST, "epochs": 2})
     adapter = RewardHeadConfig(kind="adapter", adapter_layers=2, hidden_size=8)
     joint, joint_histories = train_reward_heads(policy, pairs, cfg, {"channel": CHANNEL, "adapter": adapter})
     alone, alone_histories = train_reward_heads(policy, pairs, cfg, {"channel": CHANNEL})
@@ -181,10 +183,11 @@ def test_reward_curve_and_autrc_by_hand():
 @pytest.fixture()
 def reward_cfg(tiny_llama, tmp_path):
     """A tiny project under tmp_path: prepared policy and 8 toy pairs."""
-    cfg = parse_config(tiny_params(tmp_path, tiny_llama, reward={**FAST, "epochs": 1},
+    cfg = parse_config(tiny_params(tmp_path, tiny_llama, reward={**FAST, "hidden_size": 16, "epochs": 1},
                                    paths={"dpo_dir": str(tiny_llama)}), root=tmp_path)
-    prepare_policy(cfg.policy, cfg.path(cfg.paths.policy_dir))
-    tokenizer = load_pretrained(tiny_llama, cfg.policy).tokenizer
+    spec = component(PolicySpec, cfg.policy)
+    prepare_policy(spec, cfg.path(cfg.paths.policy_dir))
+    tokenizer = load_pretrained(tiny_llama, spec).tokenizer
     write_table(toy_pairs(tokenizer, 8), cfg.path(cfg.paths.pairs))
     return cfg
 
@@ -216,12 +219,12 @@ def test_task_writes_heads_curves_plots_and_metrics(reward_cfg, task_logger):
     assert set(curves) == set(heads) and len(curves["channel"]["accuracy"]) == reward_cfg.reward.curve_points
     assert set(json.loads((out_dir / "history.json").read_text())) == set(heads)
     assert result.artifacts == {"reward": out_dir}
-    policy = load_pretrained(reward_cfg.policy.model, reward_cfg.policy)
+    policy = load_pretrained(reward_cfg.policy.model, component(PolicySpec, reward_cfg.policy))
     assert RewardTransformer.from_head(policy.model, out_dir / "adapter-4").head_config.adapter_layers == 4
 
 
 def test_task_on_the_dpo_policy_writes_all_or_nothing(reward_cfg, task_logger, monkeypatch):
-    import models.sla.reward_training
+    import tasks.sla
     from tasks.sla import train_reward_task
 
     out_dir = reward_cfg.path(reward_cfg.paths.reward_dir) / "dpo"
@@ -231,7 +234,7 @@ def test_task_on_the_dpo_policy_writes_all_or_nothing(reward_cfg, task_logger, m
     def fail(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(models.sla.reward_training, "plot_losses", fail)  # the last write: everything else is done
+    monkeypatch.setattr(tasks.sla, "plot_losses", fail)  # the last write: everything else is done
     with pytest.raises(RuntimeError, match="disk full"):
         train_reward_task.fn(reward_cfg.model_copy(update={"reward": reward_cfg.reward.model_copy(
             update={"adapter_layers": []})}), "dpo", out_dir)

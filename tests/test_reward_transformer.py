@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from foresight.config import PolicyConfig
+from models.engine.config import PolicySpec
 from models.engine.policy import load_pretrained
 from models.sla.reward_transformer import (
     FinalStateAdapter,
@@ -31,7 +31,7 @@ def _num_params(module: torch.nn.Module) -> int:
 
 @pytest.fixture(scope="module")
 def policy(tiny_llama):
-    return load_pretrained(tiny_llama, PolicyConfig(device="cpu"))
+    return load_pretrained(tiny_llama, PolicySpec(device="cpu"))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""RLMedusa (models/rlmedusa.py): the reward model r(e, h) and the policy-gradient t + 2 head."""
+"""RLMedusa (models/medusa/rlmedusa.py): the reward model r(e, h) and the policy-gradient t + 2 head."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from foresight.config import RLMedusaConfig
-from models.medusa.heads import MedusaHeadsConfig, MedusaHeads
+from models.medusa.config import RLMedusaTraining
+from models.medusa.heads import MedusaHeads, MedusaHeadsConfig
 from models.medusa.rlmedusa import (
     TokenRewardModel,
     evaluate_reward_model,
     fit_reward_model,
-    group_advantages,
     reinforce_loss,
-    rl_step_loss,
+    reinforce_step_loss,
     shaped_rewards,
+    state_baselined_advantages,
     train_rl_head,
 )
 
@@ -39,7 +39,7 @@ def test_shaped_rewards_and_group_baseline_by_hand():
     shaped = shaped_rewards(rewards, logprobs, ref_logprobs, beta=0.1)
     assert shaped.tolist()[0] == pytest.approx([0.5 - 0.1 * 0.5, 0.1 - 0.1 * (-1.0)])
     assert not shaped.requires_grad  # the KL estimate is part of the reward, not differentiated
-    advantages = group_advantages(shaped)
+    advantages = state_baselined_advantages(shaped)
     assert advantages.tolist()[0] == pytest.approx([0.125, -0.125])
     loss = reinforce_loss(logprobs, advantages)
     loss.backward()
@@ -53,7 +53,7 @@ def test_policy_gradient_flows_from_the_reward_alone():
     head_logits = torch.randn(16, VOCAB, requires_grad=True)
     reward_model = TokenRewardModel(HIDDEN, HIDDEN, width=16)
     embedding = _embedding()
-    loss, stats = rl_step_loss(head_logits, head_logits.detach(), torch.randn(16, HIDDEN), reward_model, embedding,
+    loss, stats = reinforce_step_loss(head_logits, head_logits.detach(), torch.randn(16, HIDDEN), reward_model, embedding,
                                num_actions=4, beta=0.0, generator=torch.Generator().manual_seed(0))
     loss.backward()
     assert head_logits.grad.abs().sum() > 0
@@ -69,7 +69,7 @@ def test_reward_model_is_nonlinear_enough_for_context_dependent_best_tokens():
     candidates = torch.tensor([[3, 7]]).repeat(128, 1)  # (128, 2)
     probs = torch.tensor([[0.9, 0.05], [0.05, 0.9]]).repeat(64, 1)  # context 0 likes token 3, context 1 token 7
     embedding = _embedding()
-    cfg = RLMedusaConfig(reward_width=32, reward_epochs=60, reward_batch_size=32, reward_learning_rate=3e-3)
+    cfg = RLMedusaTraining(reward_width=32, reward_epochs=60, reward_batch_size=32, reward_learning_rate=3e-3)
     model, losses = fit_reward_model(hidden, embedding, candidates, probs, cfg, Accelerator(cpu=True))
     assert losses[-1] < losses[0] / 10
     rewards = model(states, embedding(torch.tensor([[3, 7], [3, 7]])))  # (2, 2)
@@ -87,7 +87,7 @@ def test_rl_step_changes_head_1_only():
     before = {k: v.clone() for k, v in heads.state_dict().items()}
     torch.manual_seed(0)
     reward_model = TokenRewardModel(HIDDEN, HIDDEN, width=16).eval()
-    cfg = RLMedusaConfig(num_actions=4, batch_size=8, epochs=2, learning_rate=1e-2, beta=0.05)
+    cfg = RLMedusaTraining(num_actions=4, batch_size=8, epochs=2, learning_rate=1e-2, beta=0.05)
     trained, history = train_rl_head(heads, lm_head, reward_model, embedding, torch.randn(32, HIDDEN), cfg,
                                      Accelerator(cpu=True))
     after = trained.state_dict()
@@ -108,7 +108,7 @@ def test_rl_raises_the_reward_of_sampled_tokens():
             return (embeddings == embedding.weight[5]).all(dim=-1).float()  # (N, C)
 
     states = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(0))
-    cfg = RLMedusaConfig(num_actions=8, batch_size=16, epochs=40, learning_rate=3e-2, beta=0.0)
+    cfg = RLMedusaTraining(num_actions=8, batch_size=16, epochs=40, learning_rate=3e-2, beta=0.0)
     start = torch.softmax(heads(states, lm_head, only=0), -1)[:, 5].mean()
     trained, history = train_rl_head(heads, lm_head, LikesToken5(), embedding, states, cfg, Accelerator(cpu=True))
     end = torch.softmax(trained(states, lm_head, only=0), -1)[:, 5].mean()

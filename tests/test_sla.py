@@ -1,4 +1,4 @@
-"""Streaming Looking-Ahead decoding (models/sla.py) on a tiny random Llama with a seeded random reward head.
+"""Streaming Looking-Ahead decoding (models/sla/search.py) on a tiny random Llama with a seeded random reward head.
 
 The key test compares the cached, batched, streaming implementation with a brute-force reference
 written here: an explicit tree rebuilt from scratch at every step, every sequence recomputed with a
@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from foresight.config import SLAConfig
+from models.sla.config import SLASearch
 from models.sla.reward_transformer import RewardTransformer
 from models.sla.search import Node, SLAStats, backup, greedy_generate, select_action, sla_generate, sla_stream
 from tests.tiny import load_spiky_tiny_llama
@@ -127,8 +127,8 @@ def test_depth_zero_and_width_one_are_greedy(tiny, eos):
     model, _, prompts = tiny
     for ids in prompts[:3]:
         greedy, _ = greedy_generate(model, ids, 17, eos)
-        for cfg in (SLAConfig(depth=0, width=3, step=4), SLAConfig(depth=0, width=1, step=1),
-                    SLAConfig(depth=2, width=1, step=3), SLAConfig(depth=3, width=1, step=5)):
+        for cfg in (SLASearch(depth=0, width=3, step=4), SLASearch(depth=0, width=1, step=1),
+                    SLASearch(depth=2, width=1, step=3), SLASearch(depth=3, width=1, step=5)):
             assert sla_generate(model, ids, cfg, 17, eos)[0] == greedy, cfg
 
 
@@ -142,7 +142,7 @@ def test_sla_equals_brute_force_reference(tiny, eos, d, k, n):
     for ids, eos_ids in runs:
         expected, seen = reference_sla(model, ids[0].tolist(), d, k, n, 20, eos_ids)
         finished += seen
-        assert sla_generate(model, ids, SLAConfig(depth=d, width=k, step=n), 20, eos_ids)[0] == expected
+        assert sla_generate(model, ids, SLASearch(depth=d, width=k, step=n), 20, eos_ids)[0] == expected
     assert finished > 0  # trees with finished (end-token) branches were exercised
 
 
@@ -163,13 +163,13 @@ def test_backup_takes_the_best_leaf_and_ties_go_to_the_likelier_child():
 def test_search_changes_the_output(tiny, eos):
     """Not a no-op: with a random head, SLA departs from greedy on some prompt."""
     model, _, prompts = tiny
-    cfg = SLAConfig(depth=2, width=2, step=3)
+    cfg = SLASearch(depth=2, width=2, step=3)
     assert any(sla_generate(model, ids, cfg, 14, eos)[0] != greedy_generate(model, ids, 14, eos)[0] for ids in prompts)
 
 
 def test_stream_determinism_stopping_and_stats(tiny, eos):
     model, _, prompts = tiny
-    cfg = SLAConfig(depth=2, width=2, step=3)
+    cfg = SLASearch(depth=2, width=2, step=3)
     for ids in prompts:
         tokens, stats = sla_generate(model, ids, cfg, 13, eos)
         assert sla_generate(model, ids, cfg, 13, eos) == (tokens, stats)  # deterministic
@@ -192,7 +192,7 @@ def test_stream_determinism_stopping_and_stats(tiny, eos):
 def test_work_grows_with_depth(tiny):
     model, _, prompts = tiny
     ids = prompts[1]
-    runs = {d: sla_generate(model, ids, SLAConfig(depth=d, width=2, step=4), 16, set())[1] for d in (0, 1, 2, 3)}
+    runs = {d: sla_generate(model, ids, SLASearch(depth=d, width=2, step=4), 16, set())[1] for d in (0, 1, 2, 3)}
     greedy = SLAStats()
     greedy_generate(model, ids, 16, set(), greedy)
     assert runs[0].forward_calls == greedy.forward_calls == 17  # prefill + one forward per token

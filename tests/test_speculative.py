@@ -1,4 +1,4 @@
-"""The tree speculative-decoding engine (models/speculative.py) on hand-built trees and a tiny random Llama.
+"""The tree speculative-decoding engine (models/engine/speculative.py) on hand-built trees and a tiny random Llama.
 
 References: hand-worked tree structures; a no-cache full forward per tree path (tree attention must
 give every node exactly the logits of its own path); a plain forward over the accepted tokens (cache
@@ -11,9 +11,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from models.engine.config import TypicalAcceptance
 from models.engine.speculative import (
     SpeculativeStats,
-    TypicalAcceptance,
+    TreeDrafter,
+    TreeVerifier,
     _parents,
     build_tree,
     chain_tree,
@@ -211,16 +213,16 @@ def test_speculative_decoding_is_lossless(tiny, tiny_llama, attn_implementation)
             reference = _greedy(model, ids, max_new_tokens, eos)
             stats = SpeculativeStats()
             oracle = NoisyOracle(reference, stats, model.config.vocab_size, tree.depth, seed=i)
-            steps = list(speculative_stream(model, oracle, ids, tree, max_new_tokens, eos, stats=stats))
+            steps = list(speculative_stream(model, TreeDrafter(tree, oracle), TreeVerifier(), ids, max_new_tokens, eos,
+                                            stats))
             assert [t for step in steps for t in step] == reference, (i, eos, max_new_tokens)
             assert stats.generated_tokens == len(reference)
             assert sum(stats.accepted_lengths) == len(reference) - 1  # the prefill's token, then each tree forward's
             accepted_something |= max(stats.accepted_lengths, default=1) > 1
             # a useless drafter is just as lossless (every step gains the root alone)
             noise = torch.Generator().manual_seed(i)
-            tokens, plain = speculative_generate(model, lambda h, r: torch.randn(3, model.config.vocab_size,
-                                                                                generator=noise),
-                                                 ids, tree, max_new_tokens, eos)
+            noisy = TreeDrafter(tree, lambda h, r: torch.randn(3, model.config.vocab_size, generator=noise))
+            tokens, plain = speculative_generate(model, noisy, TreeVerifier(), ids, max_new_tokens, eos)
             assert tokens == reference
     assert accepted_something  # the test exercised multi-token acceptance
 
@@ -240,8 +242,8 @@ def test_mean_accepted_length_counts_tokens_per_forward(tiny):
                 logits[d, reference[done + d]] = 1.0
         return logits
 
-    tokens = [t for step in speculative_stream(model, always_right, prompts[2], chain, 30, set(), stats=stats)
-              for t in step]
+    tokens = [t for step in speculative_stream(model, TreeDrafter(chain, always_right), TreeVerifier(), prompts[2], 30,
+                                               set(), stats) for t in step]
     assert tokens == reference
     # 1 prefill token, then 4 tokens (3 drafts + the bonus) per tree forward: 1 + 4·7 = 29, one more step for the 30th
     assert stats.accepted_lengths == [4] * 7 + [1]
@@ -271,12 +273,13 @@ def test_typical_acceptance_accepts_whatever_greedy_accepts():
 def test_typical_acceptance_decodes_end_to_end(tiny):
     model, prompts = tiny
     noise = torch.Generator().manual_seed(0)
-    tokens, stats = speculative_generate(model, lambda h, r: torch.randn(3, model.config.vocab_size, generator=noise),
-                                         prompts[0], build_tree(CHOICES), 20, set(), TypicalAcceptance())
+    noisy = TreeDrafter(build_tree(CHOICES), lambda h, r: torch.randn(3, model.config.vocab_size, generator=noise))
+    tokens, stats = speculative_generate(model, noisy, TreeVerifier(TypicalAcceptance()), prompts[0], 20, set())
     assert len(tokens) == 20 and stats.forwards <= 20 and stats.mean_accepted_length >= 1.0
 
 
 def test_batched_input_is_refused(tiny):
     model, prompts = tiny
     with pytest.raises(ValueError, match="one prompt at a time"):
-        speculative_generate(model, lambda h, r: torch.zeros(3, 8), prompts[0].repeat(2, 1), chain_tree(2), 4, set())
+        speculative_generate(model, TreeDrafter(chain_tree(2), lambda h, r: torch.zeros(3, 8)), TreeVerifier(),
+                             prompts[0].repeat(2, 1), 4, set())

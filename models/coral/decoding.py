@@ -1,12 +1,13 @@
 """Sliding blockwise order-agnostic decoding (COrAL §3, Algorithm 1, Appendix C).
 
-Xie et al. 2024, papers/coral-order-agnostic-lm.txt. The output is a final prefix followed by a
-*block* of tentative tokens that every step predicts forward and refines backward:
+Xie et al. 2024, "COrAL: Order-Agnostic Language Modeling for Efficient Iterative Refinement" (docs/coral.md).
+The output is a final prefix followed by a *block* of tentative tokens that every step predicts forward and
+refines backward — three plug-ins of the speculative loop (:func:`models.engine.speculative.speculative_stream`):
 
-    ensemble π (eq. 5) per block position, from the last forward's predictions
+    ensemble π (eq. 5) per block position, from the last forward's predictions       (:class:`EnsembleDrafter`)
       → candidate tree (Appendix C: best-first on confidence, the top-1 chain always included)
-      → ONE target-aware tree forward (tree mask and positions from :mod:`models.engine.speculative`)
-      → verify (eq. 6 + eq. 7 per path; keep the best path)
+      → ONE target-aware tree forward (tree mask and positions from the engine)  (:func:`target_aware_tree_forward`)
+      → verify (eq. 6 + eq. 7 per path; keep the best path)                            (:class:`CoralVerifier`)
       → accept a prefix of it by ensemble rejection sampling (eq. 8) and slide the block.
 
 Positions. The block covers positions ``start … end`` (absolute indices in prompt + output). The tree's
@@ -33,52 +34,32 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers import DynamicCache
 
+from models.coral.config import CoralDecoding
 from models.coral.target_aware import target_aware_hidden
 from models.engine.speculative import (
+    Draft,
+    SpeculativeStats,
     Tree,
+    Verdict,
+    Verifier,
     build_tree,
-    keep_accepted,
     sparse_tree,
+    speculative_generate,
     tree_attention_inputs,
     tree_candidates,
 )
 
 
-@dataclass(frozen=True)
-class CoralDecoding:
-    """Settings of one sliding-blockwise decoder (Appendix D's are block 64, windows 4 / 8, ε 0.2)."""
-
-    block_size: int = 8  # b: the most tentative tokens in flight
-    forward_window: int = 4  # k_f: new positions predicted ahead of the last tentative token (1 = w/o multi-forward)
-    backward_window: int = 8  # k_b: later tokens whose backward predictions refine a token
-    epsilon: float = 0.2  # ε of eq. 8
-    decay: float = 0.8  # λ_δ = decay^|δ − 1|: next-token predictions weigh most, longer dependencies less
-    gamma: tuple[float, ...] = (1.1, 1.2, 1.3)  # Appendix C scaling of the 2nd, 3rd, 4th new token's confidence
-    tree_size: int = 8  # candidate nodes besides the top-1 chain (ignored without the verifier)
-    verify: bool = True  # eq. 6 + 7 selection over a candidate tree; False = the ensemble's top-1 chain only
-    seed: int = 0  # the generator of eq. 8's acceptance draws
-
-    def offsets(self) -> tuple[int, ...]:
-        """Target offsets of the last layer: backward −k_b … 0, then forward +1 … +k_f."""
-        return tuple(range(-self.backward_window, 1)) + tuple(range(1, self.forward_window + 1))
-
-    def weight(self, distance: int) -> float:
-        """λ_δ for a prediction of position j from the context ≤ j − δ."""
-        return self.decay ** abs(distance - 1)
-
-
 @dataclass
-class CoralStats:
-    """Counters of one decoding run."""
+class CoralStats(SpeculativeStats):
+    """Counters of one decoding run (``accepted_lengths``: tokens accepted per step, 0 included)."""
 
-    forwards: int = 0  # model forwards, the prefill included
-    generated_tokens: int = 0
     forced: int = 0  # tokens accepted by the stall guard
-    accepted_per_step: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -138,9 +119,12 @@ class _Forward:
         return int(self.row_of[node, self.offsets.index(offset)])
 
 
-def _tree_forward(model, tokens: torch.Tensor, tree: Tree, cache: DynamicCache, settings: CoralDecoding,
-                  horizon: int) -> _Forward:
-    """One target-aware forward of the tree; log-probabilities only for rows whose target depth is 1…``horizon``."""
+def target_aware_tree_forward(model, tokens: torch.Tensor, tree: Tree, cache: DynamicCache,
+                              settings: CoralDecoding) -> _Forward:
+    """One target-aware forward of the tree (the loop's ``forward``). Log-probabilities only for rows whose
+    target depth is 1 … D + k_f: the block and the new positions a next step can use."""
+    tokens = tokens.to(model.device)
+    horizon = tree.depth + settings.forward_window
     offsets = settings.offsets()
     position_ids, mask = tree_attention_inputs(tree, cache.get_seq_length(), model.dtype, tokens.device)
     hidden = target_aware_hidden(model, tokens[None], offsets, attention_mask=mask, position_ids=position_ids,
@@ -197,58 +181,90 @@ def _predictions_after(forward: _Forward, path: list[int], confidences: list[flo
     return by_position
 
 
-@torch.no_grad()
+@dataclass(frozen=True)
+class BlockDraft(Draft):
+    """A step's candidate tree over the block; ``full``: the block cannot grow this step."""
+
+    full: bool = False
+
+
+@dataclass(frozen=True)
+class CoralVerdict(Verdict):
+    """The best path, the prefix of its block that eq. 8 accepted, and eq. 8's score of each of its block tokens."""
+
+    confidences: list[float] = field(default_factory=list)
+
+
+class EnsembleDrafter:
+    """The block's tokens and every prediction of its positions; each step's tree from their ensemble π (eq. 5).
+
+    The prompt's last token is the first root: the prefill takes the prompt but that token, and the first step
+    runs the root alone (it predicts ahead, accepts nothing). Later roots are the last final token, re-fed.
+    """
+
+    def __init__(self, settings: CoralDecoding):
+        self.settings = settings
+
+    def prefill(self, model, input_ids: torch.Tensor, cache: DynamicCache, verifier: Verifier) -> list[int]:
+        prompt = input_ids[0].tolist()
+        if len(prompt) > 1:
+            model(input_ids=input_ids[:, :-1], past_key_values=cache, use_cache=True)
+        self.sequence, self.start = prompt, len(prompt)  # final tokens: sequence[:start]; tentative: sequence[start:]
+        self.predictions: dict[int, list[_Prediction]] = {}
+        return []
+
+    def propose(self, room: int) -> BlockDraft:
+        s, start = self.settings, self.start
+        last_tentative = len(self.sequence) - 1
+        capacity = min(s.block_size, room)  # the longest block allowed now
+        depth = min(capacity, last_tentative + s.forward_window - start + 1) if self.predictions else 0
+        root = self.sequence[start - 1]
+        if depth == 0:  # the first step: the root alone predicts ahead
+            return BlockDraft(_root_only_tree(), torch.tensor([root]), full=False)
+        log_pi = torch.stack([ensemble(self.predictions[j], s) for j in range(start, start + depth)])  # (D, V)
+        tree = build_tree(candidate_choices(log_pi, last_tentative - start + 1, s))
+        return BlockDraft(tree, tree_candidates(root, log_pi, tree), full=depth >= capacity)
+
+    def accept(self, draft: BlockDraft, out: _Forward, verdict: CoralVerdict) -> None:
+        root_position = self.start - 1
+        self.sequence = self.sequence[: self.start] + draft.tokens[verdict.path[1:]].tolist()
+        self.start += len(verdict.tokens)
+        self.predictions = _predictions_after(out, verdict.path, verdict.confidences, self.start, root_position)
+
+
+class CoralVerifier:
+    """Eq. 6 + 7 pick the best path; eq. 8's draws from a seeded generator accept a prefix of its block (LOSSY).
+
+    The stall guard: a step that accepts nothing while its block is full, or after more than ``block_size``
+    such steps, accepts the block's first token (``forced`` counts them).
+    """
+
+    def __init__(self, settings: CoralDecoding):
+        self.settings = settings
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.stalled = self.forced = 0
+
+    def __call__(self, draft: BlockDraft, out: _Forward) -> CoralVerdict:
+        paths = [[n for n in p.tolist() if n >= 0] for p in draft.tree.paths]
+        (_, confidences), path = max(((_path_scores(out, p, self.settings), p) for p in paths),
+                                     key=lambda item: item[0][0])
+        accepted = 0
+        for confidence in confidences:  # draws after an end token change nothing: the loop stops there
+            if float(torch.rand((), generator=self.generator)) >= confidence:
+                break
+            accepted += 1
+        self.stalled = 0 if accepted else self.stalled + 1
+        if accepted == 0 and len(path) > 1 and (draft.full or self.stalled > self.settings.block_size):
+            accepted, self.forced = 1, self.forced + 1
+        return CoralVerdict(path, draft.tokens[path[1 : accepted + 1]].tolist(), confidences)
+
+
 def coral_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids: set[int],
                    settings: CoralDecoding, stats: CoralStats | None = None) -> list[int]:
     """Decode one prompt (1, L) with sliding blockwise order-agnostic decoding; returns the new tokens."""
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"COrAL decoding takes one prompt at a time, got a batch of {input_ids.shape[0]}")
     stats = stats if stats is not None else CoralStats()
-    generator = torch.Generator().manual_seed(settings.seed)
-    prompt = input_ids[0].tolist()
-    limit = len(prompt) + max_new_tokens  # positions < limit
-    cache = DynamicCache(config=model.config)
-    if len(prompt) > 1:  # the prompt but its last token, which is the first tree's root
-        model(input_ids=input_ids[:, :-1], past_key_values=cache, use_cache=True)
-        stats.forwards += 1
-    sequence, start = list(prompt), len(prompt)  # final tokens: sequence[:start]; tentative: sequence[start:]
-    predictions: dict[int, list[_Prediction]] = {}
-    stalled = 0
-    while True:
-        last_tentative = len(sequence) - 1
-        capacity = min(settings.block_size, limit - start)  # the longest block allowed now
-        depth = min(capacity, last_tentative + settings.forward_window - start + 1) if predictions else 0
-        if depth > 0:
-            end = start + depth - 1
-            log_pi = torch.stack([ensemble(predictions[j], settings) for j in range(start, end + 1)])  # (D, V)
-            tree = build_tree(candidate_choices(log_pi, last_tentative - start + 1, settings))
-            tokens = tree_candidates(sequence[start - 1], log_pi, tree)
-        else:  # the first step: the prompt's last token alone predicts ahead
-            tree, tokens = _root_only_tree(), torch.tensor([sequence[start - 1]])
-        past_length = cache.get_seq_length()
-        forward = _tree_forward(model, tokens.to(model.device), tree, cache, settings, depth + settings.forward_window)
-        stats.forwards += 1
-        scored = [(_path_scores(forward, [n for n in p.tolist() if n >= 0], settings), [n for n in p.tolist() if n >= 0])
-                  for p in tree.paths]
-        (_, confidences), path = max(scored, key=lambda item: item[0][0])
-        block = forward.tokens[path[1:]].tolist()
-        accepted = 0
-        for token, confidence in zip(block, confidences, strict=True):
-            if float(torch.rand((), generator=generator)) >= confidence:
-                break
-            accepted += 1
-            if token in eos_token_ids:
-                break
-        stalled = 0 if accepted else stalled + 1
-        if accepted == 0 and block and (depth >= capacity or stalled > settings.block_size):
-            accepted, stats.forced = 1, stats.forced + 1
-        keep_accepted(cache, past_length, path[:accepted])  # the root and all accepted but the last (the next root)
-        root_position = start - 1
-        sequence = sequence[:start] + block
-        new_tokens = block[:accepted]
-        start += accepted
-        stats.generated_tokens += accepted
-        stats.accepted_per_step.append(accepted)
-        if any(t in eos_token_ids for t in new_tokens) or start >= limit:
-            return sequence[len(prompt) : start]
-        predictions = _predictions_after(forward, path, confidences, start, root_position)
+    verifier = CoralVerifier(settings)
+    tokens, _ = speculative_generate(model, EnsembleDrafter(settings), verifier, input_ids, max_new_tokens,
+                                     eos_token_ids, stats, partial(target_aware_tree_forward, settings=settings))
+    stats.forced += verifier.forced
+    return tokens

@@ -1,7 +1,7 @@
 """COrAL: target-aware RoPE in the last decoder layer, patch corruption, and the order-agnostic losses.
 
 Xie et al. 2024, "COrAL: Order-Agnostic Language Modeling for Efficient Iterative Refinement"
-(papers/coral-order-agnostic-lm.txt): §2.2 (forward prediction + backward reconstruction, corruption
+(docs/coral.md): §2.2 (forward prediction + backward reconstruction, corruption
 strategy), §2.3 (target-aware RoPE, eq. 4), Appendix D (offsets, corruption granularity and ratio).
 
 Target-aware RoPE. Ordinary RoPE rotates the query of position m at m: the representation that

@@ -1,4 +1,4 @@
-"""COrAL's two-stage order-agnostic training (§2.2, §4 "two-stage training", Appendix D) with accelerate.
+"""COrAL's two-stage order-agnostic training (§2.2, §4 "two-stage training", Appendix D; docs/coral.md).
 
 Every step runs two target-aware forwards of one batch: forward prediction (offsets +1 … +k_f) on the
 clean sequences, backward reconstruction (offsets −k_b … 0) on a freshly corrupted copy, loss on the
@@ -7,20 +7,24 @@ one whose queries became target-aware); stage 2 trains everything else, the last
 backward loss never reaches below the last layer (the reference code detaches there), so in stage 2
 only forward prediction — which includes ordinary next-token SFT at offset +1 — moves the trunk, and
 stage 2 skips the corrupted forward altogether.
+
+Both stages run in the shared loop of :mod:`models.common.training`, through :class:`CoralObjective`: the
+step is one call of the prepared (under DDP: wrapped) model, so gradients are all-reduced across processes.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import torch
-from accelerate import Accelerator
-from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
+from torch import nn
 
-from foresight.config import CoralConfig
+from models.common.sequences import Sequences, padding_id, right_pad
+from models.common.training import train
+from models.coral.config import CoralTraining
 from models.coral.target_aware import (
     backward_reconstruction_loss,
     corrupt,
@@ -28,9 +32,13 @@ from models.coral.target_aware import (
     weighted_offset_loss,
 )
 from models.engine.policy import Policy
-from models.common.sequences import padding_id, right_pad, tokenize_sequence
 
-def corrupt_batch(batch: dict[str, torch.Tensor], cfg: CoralConfig, generator: torch.Generator
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+
+def corrupt_batch(batch: dict[str, torch.Tensor], cfg: CoralTraining, generator: torch.Generator
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """A corrupted copy of each right-padded row's response and the mask of its changed tokens, both (B, T)."""
     corrupted, changed = batch["input_ids"].clone(), torch.zeros_like(batch["response_mask"], dtype=torch.bool)
@@ -44,7 +52,7 @@ def corrupt_batch(batch: dict[str, torch.Tensor], cfg: CoralConfig, generator: t
     return corrupted, changed
 
 
-def coral_step_loss(model, batch: dict[str, torch.Tensor], cfg: CoralConfig, generator: torch.Generator,
+def coral_step_loss(model, batch: dict[str, torch.Tensor], cfg: CoralTraining, generator: torch.Generator,
                     reconstruct: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
     """One step's loss, forward prediction + backward reconstruction (each a weighted mean of its offsets'
     cross-entropies; offset +1 weighs ``cfg.next_token_weight``), and every offset's cross-entropy.
@@ -84,18 +92,29 @@ def stage_parameters(model, stage: int) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if (id(p) in last) == (stage == 1)]
 
 
-def train_coral(policy: Policy, sequences: Sequences, cfg: CoralConfig, accelerator: Accelerator | None = None,
+class CoralObjective(nn.Module):
+    """The step's loss as a module's forward, so that it runs through the prepared model (DDP's forward)."""
+
+    def __init__(self, model: nn.Module, cfg: CoralTraining, generator: torch.Generator, reconstruct: bool):
+        super().__init__()
+        self.model, self.cfg, self.generator, self.reconstruct = model, cfg, generator, reconstruct
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        return coral_step_loss(self.model, batch, self.cfg, self.generator, self.reconstruct)
+
+
+def train_coral(policy: Policy, sequences: Sequences, cfg: CoralTraining, accelerator: Accelerator | None = None,
                 on_step: Callable[[str, int, int, dict[str, float]], None] | None = None) -> dict[str, list]:
     """Both stages on ``sequences``; the policy's model is trained in place. Returns the history: per step, the
-    stage, the loss and every offset's cross-entropy."""
+    stage, the learning rate, the loss and every offset's cross-entropy."""
+    from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from transformers import get_cosine_schedule_with_warmup
 
     if not sequences:
         raise ValueError("no sequences to train COrAL on")
     accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu")
     set_seed(cfg.seed)
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)  # the corruption, across both stages
     pad = padding_id(policy.tokenizer)
     history: dict[str, list] = {"stage": []}
     model = policy.model
@@ -107,32 +126,17 @@ def train_coral(policy: Policy, sequences: Sequences, cfg: CoralConfig, accelera
         parameters = stage_parameters(model, stage)
         for p in parameters:
             p.requires_grad_(True)
-        loader = DataLoader(sequences, batch_size=cfg.batch_size, shuffle=True, collate_fn=lambda rows: right_pad(rows, pad),
-                            generator=torch.Generator().manual_seed(cfg.seed + stage))
-        optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=0.0)
-        num_steps = epochs * len(loader)
-        scheduler = get_cosine_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * num_steps), num_steps)
-        prepared, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-        prepared.train()
-        bar = tqdm(total=num_steps, desc=f"COrAL stage {stage}", unit="step", disable=not accelerator.is_local_main_process)
-        for _ in range(epochs):
-            for batch in loader:
-                with accelerator.autocast():
-                    loss, stats = coral_step_loss(accelerator.unwrap_model(prepared), batch, cfg, generator,
-                                                  reconstruct=stage == 1)
-                accelerator.backward(loss)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-                history["stage"].append(stage)
-                for key, value in stats.items():
-                    history.setdefault(key, []).append(value)
-                bar.update(1)
-                bar.set_postfix(loss=f"{stats['loss']:.3f}")
-                if on_step is not None and accelerator.is_main_process:
-                    on_step(f"stage {stage}", bar.n, num_steps, stats)
-        bar.close()
-        model = accelerator.unwrap_model(prepared)
+        objective = CoralObjective(model, cfg, generator, reconstruct=stage == 1).train()
+        report = partial(on_step, f"stage {stage}") if on_step is not None else None
+        objective, stage_history = train(
+            objective, sequences, lambda objective, batch: objective(batch), parameters,
+            partial(torch.optim.AdamW, lr=learning_rate, weight_decay=0.0), accelerator=accelerator, epochs=epochs,
+            batch_size=cfg.batch_size, seed=cfg.seed + stage, warmup_ratio=cfg.warmup_ratio,
+            collate_fn=partial(right_pad, pad_token_id=pad), desc=f"COrAL stage {stage}", on_step=report)
+        model = objective.model
+        history["stage"] += [stage] * len(stage_history["loss"])
+        for key, values in stage_history.items():
+            history.setdefault(key, []).extend(values)
     model.requires_grad_(False)
     model.eval()
     return history

@@ -1,9 +1,9 @@
 """The classical decoders the SLA paper compares against (§2.2, §5): greedy, temperature, top-p,
 top-k sampling and beam search, all through Hugging Face ``generate`` with the paper's settings
-(temperature 0.8, p = 0.9, k = 50, 4 beams).
+(the defaults of :class:`ClassicalDecoding`).
 
 Outputs are token lists cut after the first end token (kept, as HF greedy output keeps it), so every
-decoder's output can be scored, compared and counted the same way as SLA's.
+decoder's output can be scored, compared and counted the same way as SLA's. The benchmark: docs/sla.md.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from collections.abc import Sequence
 
 import torch
 
-from foresight.config import SLABenchmarkConfig
+from models.engine.config import ClassicalDecoding, HFDecoder
 from models.engine.generation import response_lengths
 from models.engine.policy import Policy
 
-HF_DECODERS = ("greedy", "temperature", "top_p", "top_k", "beam")
 GREEDY = {"do_sample": False}
 """``generate`` arguments of greedy decoding."""
 
 
-def generate_kwargs(decoder: str, cfg: SLABenchmarkConfig) -> dict:
+
+def generate_kwargs(decoder: HFDecoder, cfg: ClassicalDecoding) -> dict:
     """``generate`` arguments of one classical decoder. Unused knobs are set to their no-op values
     explicitly, because unset ones fall back to the model's generation_config (e.g. top_k = 50)."""
     neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}

@@ -3,7 +3,7 @@
 Prompts are left-padded so every row of a batch ends at the same position and ``generate`` can
 append to all of them at once; ``num_return_sequences`` expands each prompt to N samples inside
 one batch (sharing nothing but the padding). Batch ``b`` is seeded with ``seed + b`` so a batch's
-samples do not depend on how many batches ran before it.
+samples do not depend on how many batches ran before it. The generate stage: docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from foresight.config import GenerateConfig
+from models.engine.config import Sampling
 from models.engine.policy import Policy
 
 
@@ -70,7 +70,7 @@ def response_lengths(new_tokens: torch.Tensor, eos_ids: set[int]) -> tuple[list[
 def sample(
     policy: Policy,
     prompts: Sequence[str],
-    cfg: GenerateConfig,
+    cfg: Sampling,
     on_batch: Callable[[int, int], None] | None = None,
 ) -> tuple[list[Completion], dict]:
     """Draw ``cfg.num_samples`` completions per (already chat-templated) prompt.

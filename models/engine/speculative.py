@@ -1,30 +1,40 @@
 """Tree speculative decoding: draft a sparse tree of candidates, verify it in ONE forward, keep the best path.
 
-The engine shared by every "predict ahead" decoder of the project (Medusa / RLMedusa heads, COrAL's tree,
-MTP's chained drafts — which add :func:`verify_speculative_sampling` for sampled rollouts). It follows Medusa (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration
-Framework with Multiple Decoding Heads", §2.1.2 tree attention, §2.3.1 typical acceptance) as described in
-papers/rlmedusa-paper.txt (introduction) and NOTES.md, built as a pipeline of small pure functions:
+The engine shared by every "predict ahead" decoder of the project — Medusa / RLMedusa heads, MTP's chained
+drafts, COrAL's blockwise tree (docs/medusa.md, docs/mtp.md, docs/coral.md). It follows Medusa (Cai et al.
+2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads", §2.1.2 tree
+attention, §2.3.1 typical acceptance), built as a pipeline of small pure functions:
 
     draft (drafter)  →  candidates on a tree (:func:`tree_candidates`)
       →  tree forward (:func:`tree_forward`: position ids = cache length + depth, additive 4-D mask)
-      →  evaluate (:func:`verify_greedy` lossless | :func:`verify_typical` lossy)
+      →  evaluate (:func:`verify_greedy` lossless | :func:`verify_typical` lossy | :func:`verify_speculative_sampling`)
       →  update (:func:`keep_accepted`: gather the accepted nodes' keys/values into the cache)
 
 The tree. A candidate tree is a set of *choices*: paths of per-depth ranks, e.g. ``(0, 1)`` = "the
 drafter's best token for position +1, then its second-best for position +2". Node 0 is the *root*: the
-token the model itself already chose (the argmax after the last accepted token — exact, not a guess),
-not yet in the cache. A node at depth d ≥ 1 holds the drafter's rank-r token for the d-th position after
-the root. Every node attends to the prefix and to its ancestors (itself included), never to siblings.
+last token already decided, not yet in the cache. A node at depth d ≥ 1 holds the drafter's rank-r token
+for the d-th position after the root. Every node attends to the prefix and to its ancestors (itself
+included), never to siblings.
 
-One step. With the root and the drafter's (D, V) logits from the last accepted state, all N + 1 tree
-tokens run through the model in one forward; the model's argmax at a node is the true greedy next
-token after that node's path. Greedy verification accepts along a path while the child's token equals
-its parent's argmax, and picks the path with most accepted nodes: the accepted tokens are exactly what
-greedy decoding would have produced, one by one (lossless — tests compare token for token). The argmax
-at the last accepted node is the next root (the "bonus" token), so every step gains ≥ 1 token.
+One step. All N + 1 tree tokens run through the model in one forward; the model's argmax at a node is the
+true greedy next token after that node's path. Greedy verification accepts along a path while the child's
+token equals its parent's argmax, and picks the path with most accepted nodes: the accepted tokens are
+exactly what greedy decoding would have produced, one by one (lossless — tests compare token for token). The
+argmax at the last accepted node is the next root (the "bonus" token), so every step gains ≥ 1 token.
+
+The loop. :func:`speculative_stream` is the one outer loop of every method; what differs is plugged in:
+
+    prefill (``drafter.prefill``)
+      → repeat: ``drafter.propose`` → ``forward`` (default :func:`tree_forward`) → ``verifier`` → :class:`Verdict`
+                → :func:`keep_accepted` → ``drafter.accept``          (until an end token or max_new_tokens)
+
+* Medusa: :class:`TreeDrafter` over the heads + :class:`TreeVerifier` (greedy or typical).
+* MTP: its chain drafter with one KV cache per depth + :class:`TreeVerifier` or :class:`SamplingVerifier`.
+* COrAL: its ensemble drafter + eq. 6/7/8 verifier + target-aware tree forward; its root is the prompt's
+  last token (prefilled without it, re-fed each step), and a step may accept a prefix of a path, no bonus.
 
 Why it pays on a CPU. A forward of a 135M model at batch 1 is memory-bound (every weight is read once
-per forward), so scoring ~20 tree tokens costs little more than scoring one (NOTES.md).
+per forward), so scoring ~20 tree tokens costs little more than scoring one.
 
 τ (mean accepted length) = generated tokens / model forwards, the prefill included: greedy is 1.0.
 """
@@ -34,13 +44,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
-Drafter = Callable[[torch.Tensor, int], torch.Tensor]
-"""``drafter(hidden, root_token) → (D, V)`` logits for the D positions after the root, from the final
-hidden state (H,) of the last accepted token (whose argmax is ``root_token``)."""
+from models.engine.config import TypicalAcceptance
 
 
 @dataclass(frozen=True)
@@ -184,17 +194,6 @@ def verify_greedy(tokens: torch.Tensor, logits: torch.Tensor, tree: Tree) -> lis
     return _accepted_path(tree, match)
 
 
-@dataclass(frozen=True)
-class TypicalAcceptance:
-    """Medusa's typical acceptance (§2.3.1) — LOSSY: output may differ from greedy.
-
-    A node is accepted when its parent's distribution gives its token p > min(ε, α·exp(−H(p))).
-    """
-
-    posterior_threshold: float = 0.09  # ε
-    posterior_alpha: float = 0.3  # α (Medusa's default is √ε)
-    temperature: float = 1.0
-
 
 def verify_typical(tokens: torch.Tensor, logits: torch.Tensor, tree: Tree, rule: TypicalAcceptance) -> list[int]:
     """Lossy: accept a child whose token is "typical" under its parent's distribution. Returns accepted nodes."""
@@ -252,15 +251,86 @@ def keep_accepted(cache: DynamicCache, past_length: int, accepted_nodes: Sequenc
         layer.values = layer.values[:, :, keep]
 
 
+def temperature_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / T) in fp32, over the last dimension; T = 0: the one-hot of the argmax (a deterministic draw)."""
+    if temperature == 0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from ``probs`` (V,)."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the decoding loop and its plug-ins
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What a drafter proposes for one step: a tree and its N + 1 tokens, the root first."""
+
+    tree: Tree
+    tokens: torch.Tensor  # (N+1,)
+    probs: torch.Tensor | None = None  # (D, V) the law each draft of a chain was drawn from (speculative sampling)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a verifier keeps of one step.
+
+    ``path``: the chosen root-to-leaf nodes, root first. ``tokens``: the step's new output tokens — the tokens
+    of ``path[1:]`` it accepts, then the model's own next token where the verifier adds one (the bonus). The
+    last new token is the next root; the nodes before it, ``path[:len(tokens)]``, stay in the KV cache.
+    """
+
+    path: list[int]
+    tokens: list[int]
+
+
+class Verifier(Protocol):
+    """Judges each step's draft: which path, and which of its tokens (plus any of the model's own) go out."""
+
+    def __call__(self, draft: Draft, out) -> Verdict:
+        """The verdict on ``draft`` from the tree forward's output ``out``."""
+
+
+class BonusVerifier(Verifier, Protocol):
+    """A verifier whose steps end with the model's own next token, which it also picks after the prompt."""
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The model's next token from its logits (V,)."""
+
+
+class Drafter(Protocol):
+    """Proposes each step's tree, and follows the verified output."""
+
+    def prefill(self, model, input_ids: torch.Tensor, cache: DynamicCache, verifier: Verifier) -> list[int]:
+        """Run the prompt (1, L), or the part before the first root, into the empty ``cache``; return the
+        tokens the prefill already decides (Medusa, MTP: the model's next token, the first root; COrAL: none —
+        the prompt's last token is the first root, re-fed by the first tree)."""
+
+    def propose(self, room: int) -> Draft:
+        """The next step's draft; ``room``: how many tokens the output may still take."""
+
+    def accept(self, draft: Draft, out, verdict: Verdict) -> None:
+        """Follow the verdict on ``draft`` (``out``: the tree forward's output); the cache already keeps it."""
+
+
+Forward = Callable[[object, torch.Tensor, Tree, DynamicCache], object]
+"""``forward(model, tokens (N+1,), tree, cache)`` → what the verifier reads; appends the N + 1 nodes to the cache."""
+
+
 @dataclass
 class SpeculativeStats:
     """Counters of one decoding run."""
 
     forwards: int = 0  # model forwards, the prefill included
     generated_tokens: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)  # tokens gained per tree forward
-    drafted_tokens: int = 0  # draft tokens offered for verification (chain drafting)
-    accepted_drafts: int = 0  # of which accepted
+    accepted_lengths: list[int] = field(default_factory=list)  # output tokens gained per tree forward
+    drafted_tokens: int = 0  # draft tokens offered for verification (tree nodes besides the root)
+    accepted_drafts: int = 0  # of which in the output
 
     @property
     def mean_accepted_length(self) -> float:
@@ -278,53 +348,126 @@ class SpeculativeStats:
         return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else float("nan")
 
 
-@torch.no_grad()
-def speculative_stream(model, drafter: Drafter, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
-                       eos_token_ids: set[int], acceptance: TypicalAcceptance | None = None,
-                       stats: SpeculativeStats | None = None) -> Iterator[list[int]]:
-    """Decode one prompt (1, L), yielding each step's accepted tokens as soon as they are verified.
+def _output(tokens: list[int], room: int, eos_token_ids: set[int]) -> tuple[list[int], bool]:
+    """The tokens that reach the output — at most ``room``, up to an end token included — and whether it ended."""
+    step = tokens[:room]
+    ended = next((i for i, t in enumerate(step) if t in eos_token_ids), None)
+    return (step, False) if ended is None else (step[: ended + 1], True)
 
-    ``acceptance=None``: greedy verification, output identical to greedy decoding. A
-    :class:`TypicalAcceptance` rule makes it lossy. Stops after an end token (yielded) or
-    ``max_new_tokens`` tokens.
+
+@torch.no_grad()
+def speculative_stream(model, drafter: Drafter, verifier: Verifier, input_ids: torch.Tensor, max_new_tokens: int,
+                       eos_token_ids: set[int], stats: SpeculativeStats | None = None,
+                       forward: Forward = tree_forward) -> Iterator[list[int]]:
+    """Decode one prompt (1, L), yielding each step's new tokens as soon as they are verified.
+
+    prefill → repeat: draft (``drafter.propose``) → ONE ``forward`` of the tree → verdict (``verifier``) →
+    keep the accepted nodes' cache → ``drafter.accept``. Stops after an end token (yielded) or
+    ``max_new_tokens`` tokens; tokens verified beyond either reach neither the output nor the counters.
+    ``stats`` may carry counts of earlier runs: they are added to.
     """
     if input_ids.shape[0] != 1:
         raise ValueError(f"speculative decoding takes one prompt at a time, got a batch of {input_ids.shape[0]}")
     stats = stats if stats is not None else SpeculativeStats()
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    stats.forwards += 1
-    root, hidden = int(out.logits[0, -1].argmax()), out.hidden_states[-1][0, -1]
-    pending = [root]  # tokens known but not yet yielded: the prefill's argmax is the first
-    while True:
-        room = max_new_tokens - stats.generated_tokens
-        step = pending[:room]
-        ended = next((i for i, t in enumerate(step) if t in eos_token_ids), None)
-        if ended is not None:
-            step = step[: ended + 1]
-        stats.generated_tokens += len(step)
-        if stats.forwards > 1:
-            stats.accepted_lengths.append(len(step))
+    first = drafter.prefill(model, input_ids, cache, verifier)
+    stats.forwards += int(cache.get_seq_length() > 0)  # a one-token prompt that is its own root needs no prefill
+    step, ended = _output(first, max_new_tokens, eos_token_ids)
+    generated = len(step)
+    stats.generated_tokens += generated
+    if step:
         yield step
-        if ended is not None or stats.generated_tokens >= max_new_tokens:
-            return
-        tokens = tree_candidates(root, drafter(hidden, root), tree)
+    while not ended and generated < max_new_tokens:
+        draft = drafter.propose(max_new_tokens - generated)
         past_length = cache.get_seq_length()
-        logits, hiddens = tree_forward(model, tokens, tree, cache)
+        out = forward(model, draft.tokens, draft.tree, cache)
+        verdict = verifier(draft, out)
+        step, ended = _output(verdict.tokens, max_new_tokens - generated, eos_token_ids)
+        generated += len(step)
         stats.forwards += 1
-        accepted = (verify_greedy(tokens, logits, tree) if acceptance is None
-                    else verify_typical(tokens, logits, tree, acceptance))
-        keep_accepted(cache, past_length, accepted)
-        last = accepted[-1]
-        root, hidden = int(logits[last].argmax()), hiddens[last]
-        pending = tokens[accepted[1:]].tolist() + [root]  # the root was yielded last step
+        stats.generated_tokens += len(step)
+        stats.accepted_lengths.append(len(step))
+        stats.drafted_tokens += draft.tree.size - 1
+        stats.accepted_drafts += min(len(verdict.path) - 1, len(step))  # the bonus is no draft
+        if step:
+            yield step
+        if ended or generated >= max_new_tokens:
+            return
+        keep_accepted(cache, past_length, verdict.path[: len(verdict.tokens)])
+        drafter.accept(draft, out, verdict)
 
 
-def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
-                         eos_token_ids: set[int], acceptance: TypicalAcceptance | None = None
-                         ) -> tuple[list[int], SpeculativeStats]:
+def speculative_generate(model, drafter: Drafter, verifier: Verifier, input_ids: torch.Tensor, max_new_tokens: int,
+                         eos_token_ids: set[int], stats: SpeculativeStats | None = None,
+                         forward: Forward = tree_forward) -> tuple[list[int], SpeculativeStats]:
     """:func:`speculative_stream` collected: the new tokens and the run's counters."""
-    stats = SpeculativeStats()
-    tokens = [t for step in speculative_stream(model, drafter, input_ids, tree, max_new_tokens, eos_token_ids,
-                                               acceptance, stats) for t in step]
+    stats = stats if stats is not None else SpeculativeStats()
+    tokens = [t for step in speculative_stream(model, drafter, verifier, input_ids, max_new_tokens, eos_token_ids,
+                                               stats, forward) for t in step]
     return tokens, stats
+
+
+def prefill(model, input_ids: torch.Tensor, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole prompt (1, L) into ``cache``: the logits after its last token (V,) and its final hidden states (L, H)."""
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    return out.logits[0, -1], out.hidden_states[-1][0]
+
+
+DraftLogits = Callable[[torch.Tensor, int], torch.Tensor]
+"""``draft_logits(hidden, root_token) → (D, V)`` logits for the D positions after the root, from the final
+hidden state (H,) of the last accepted token (whose next token is ``root_token``)."""
+
+
+class TreeDrafter:
+    """Medusa's drafter (§2.1.2): a fixed ``tree`` filled from ``draft_logits`` of the last accepted token's
+    final hidden state. The root is the model's own next token, so the prefill takes the whole prompt."""
+
+    def __init__(self, tree: Tree, draft_logits: DraftLogits):
+        self.tree, self.draft_logits = tree, draft_logits
+
+    def prefill(self, model, input_ids: torch.Tensor, cache: DynamicCache, verifier: BonusVerifier) -> list[int]:
+        logits, hidden = prefill(model, input_ids, cache)
+        self.root, self.hidden = verifier.choose(logits), hidden[-1]
+        return [self.root]
+
+    def propose(self, room: int) -> Draft:
+        return Draft(self.tree, tree_candidates(self.root, self.draft_logits(self.hidden, self.root), self.tree))
+
+    def accept(self, draft: Draft, out: tuple[torch.Tensor, torch.Tensor], verdict: Verdict) -> None:
+        _, hiddens = out
+        self.root, self.hidden = verdict.tokens[-1], hiddens[verdict.path[len(verdict.tokens) - 1]]
+
+
+class TreeVerifier:
+    """Greedy (``acceptance=None``: lossless, the output is greedy decoding's) or Medusa's typical acceptance
+    (lossy) on :func:`tree_forward`'s output; the argmax after the last accepted node is the bonus token."""
+
+    def __init__(self, acceptance: TypicalAcceptance | None = None):
+        self.acceptance = acceptance
+
+    def choose(self, logits: torch.Tensor) -> int:
+        return int(logits.argmax())
+
+    def __call__(self, draft: Draft, out: tuple[torch.Tensor, torch.Tensor]) -> Verdict:
+        logits, _ = out
+        path = (verify_greedy(draft.tokens, logits, draft.tree) if self.acceptance is None
+                else verify_typical(draft.tokens, logits, draft.tree, self.acceptance))
+        return Verdict(path, draft.tokens[path[1:]].tolist() + [self.choose(logits[path[-1]])])
+
+
+class SamplingVerifier:
+    """Speculative sampling (:func:`verify_speculative_sampling`) of a chain at ``temperature`` > 0: the output
+    is distributed exactly as sampling from the model, whatever the drafts (``draft.probs``: their law)."""
+
+    def __init__(self, temperature: float, generator: torch.Generator | None = None):
+        self.temperature, self.generator = temperature, generator
+
+    def choose(self, logits: torch.Tensor) -> int:
+        return draw(temperature_probs(logits, self.temperature), self.generator)
+
+    def __call__(self, draft: Draft, out: tuple[torch.Tensor, torch.Tensor]) -> Verdict:
+        logits, _ = out
+        drafts = draft.tokens[1:].tolist()
+        accepted, token = verify_speculative_sampling(drafts, draft.probs, temperature_probs(logits, self.temperature),
+                                                      self.generator)
+        return Verdict(list(range(accepted + 1)), [*drafts[:accepted], token])

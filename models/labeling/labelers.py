@@ -8,7 +8,7 @@
 - ``hf-classifier``: any sequence-classification reward model; the reward is the first logit.
 
 Reward models see the conversation through their own chat template, right-padded, because both
-HF sequence classifiers and ArmoRM pool the last non-pad token.
+HF sequence classifiers and ArmoRM pool the last non-pad token. The label stage: docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from typing import Protocol
 
 import torch
 
-from foresight.config import LabelConfig
 from models.engine.policy import resolve_device, resolve_dtype
+from models.labeling.config import LabelerSpec
 
 log = logging.getLogger(__name__)
+
 
 
 class LabelerError(RuntimeError):
@@ -96,7 +97,7 @@ class SequenceClassifierLabeler:
     column) for ordinary sequence classifiers.
     """
 
-    def __init__(self, cfg: LabelConfig, score_field: str):
+    def __init__(self, cfg: LabelerSpec, score_field: str):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.name, self.cfg, self.score_field = cfg.labeler, cfg, score_field
@@ -173,8 +174,8 @@ class SequenceClassifierLabeler:
         return scores
 
 
-def build_labeler(cfg: LabelConfig) -> Labeler:
-    """The labeler named by ``label.labeler``."""
+def build_labeler(cfg: LabelerSpec) -> Labeler:
+    """The labeler named by ``cfg.labeler``."""
     if cfg.labeler == "verifiable":
         return VerifiableLabeler()
     return SequenceClassifierLabeler(cfg, score_field="score" if cfg.labeler == "armorm" else "logits")

@@ -1,7 +1,7 @@
 """Medusa decoding heads over a frozen causal LM, their loss, and their drafts for tree decoding.
 
 Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads"
-(§2.1.1 heads, §2.2.1 Medusa-1 training), as summarised in papers/rlmedusa-paper.txt (introduction) and NOTES.md.
+(§2.1.1 heads, §2.2.1 Medusa-1 training), as summarised in docs/medusa.md#medusa-heads.
 
 Head k (k = 1..K) reads the final hidden state h_t of the backbone and predicts token t + k + 1 (the
 backbone's own LM head predicts t + 1):
@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from models.common.files import atomic_path
+from models.engine.speculative import Tree, TreeDrafter
 
 IGNORE_INDEX = -100
 
@@ -143,9 +144,10 @@ def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float =
     return (weights * per_head).sum(), per_head.detach()
 
 
-class MedusaDrafter:
-    """The speculative engine's drafter (:data:`models.engine.speculative.Drafter`): the heads' logits for the
-    K positions after the root, from the last accepted token's hidden state.
+class MedusaDrafter(TreeDrafter):
+    """Medusa's drafter for the speculative loop (:class:`models.engine.speculative.TreeDrafter`): ``tree``
+    filled from the heads' logits for the K positions after the root, read from the last accepted token's
+    hidden state.
 
     ``dtype``: the precision the drafts are computed in (a copy of the heads and of the LM head). Under
     greedy verification drafts only decide what gets *checked*, never what is output, so a cheaper
@@ -153,13 +155,15 @@ class MedusaDrafter:
     (it reads the whole vocabulary projection once per step).
     """
 
-    def __init__(self, model, heads: MedusaHeads, dtype: torch.dtype | None = None):
+    def __init__(self, model, heads: MedusaHeads, tree: Tree, dtype: torch.dtype | None = None):
         lm_head = model.get_output_embeddings()
         dtype = dtype or lm_head.weight.dtype
         self.lm_head = copy.deepcopy(lm_head).to(dtype) if dtype != lm_head.weight.dtype else lm_head
         self.heads = copy.deepcopy(heads).to(dtype).eval()
         self.dtype = dtype
+        super().__init__(tree, self.logits)
 
     @torch.no_grad()
-    def __call__(self, hidden: torch.Tensor, root_token: int) -> torch.Tensor:
-        return self.heads(hidden.to(self.dtype), self.lm_head)  # (K, V)
+    def logits(self, hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+        """The heads' draft logits (K, V) from a final hidden state (H,)."""
+        return self.heads(hidden.to(self.dtype), self.lm_head)

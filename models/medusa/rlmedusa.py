@@ -1,8 +1,8 @@
-"""RLMedusa done right: a learned token reward r(e, h) and a policy-gradient-trained t + 2 head.
+"""RLMedusa done right: a learned token reward r(e, h) and a policy-gradient-trained t + 2 head (docs/medusa.md).
 
-Nikam et al., "RLMedusa: Reinforcement Learning for Multiple Decoding Heads" (papers/rlmedusa-paper.txt,
-"Methodology"; and papers/rlmedusa-blog.txt). RLMedusa's p₂ — "the second decoding head", which
-predicts x_{t+2} from the state after x_{≤t} — is Medusa head k = 1 here (the backbone's LM head is p₁).
+"RLMedusa: Reinforcement Learning for Multiple Decoding Heads to Accelerate LLM Inference" (ICLR 2025 Workshop
+on Sparsity in LLMs; "Methodology", and the authors' blog post). RLMedusa's p₂ — "the second decoding head",
+which predicts x_{t+2} from the state after x_{≤t} — is Medusa head k = 1 here (the backbone's LM head is p₁).
 
 1. **Reward model** ("Training methodology and data collection"): r(e, h) ∈ (0, 1), a nonlinear
    feed-forward network over the context's final hidden state h_t and a candidate token's embedding e,
@@ -15,7 +15,7 @@ predicts x_{t+2} from the state after x_{≤t} — is Medusa head k = 1 here (th
    against the head at its start, which keeps it near where it began); REINFORCE with the group-mean
    baseline pushes up the log-probability of above-average tokens.
 
-What the published code gets wrong and this module does not (NOTES.md): its "action" is an argmax under
+What the published code gets wrong and this module does not (docs/medusa.md): its "action" is an argmax under
 ``no_grad`` (zero policy gradient: only the KL term trained), its reward model is linear in [e; h] (the
 same best token for every context), and its reward and policy read contexts one token apart. Decoding
 with the trained head goes through greedy verification (:mod:`models.engine.speculative`), so output stays
@@ -26,19 +26,21 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
-from tqdm.auto import tqdm
+from torch.utils.data import TensorDataset
 
-from foresight.config import RLMedusaConfig
+from models.common.training import train
+from models.medusa.config import RLMedusaTraining
 from models.medusa.heads import MedusaHeads
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
 
 
 class TokenRewardModel(nn.Module):
@@ -66,27 +68,25 @@ class TokenRewardModel(nn.Module):
 
 
 def fit_reward_model(hidden: torch.Tensor, candidate_embeddings: Callable[[torch.Tensor], torch.Tensor],
-                     candidates: torch.Tensor, probs: torch.Tensor, cfg: RLMedusaConfig,
+                     candidates: torch.Tensor, probs: torch.Tensor, cfg: RLMedusaTraining,
                      accelerator: Accelerator) -> tuple[TokenRewardModel, list[float]]:
     """MSE fit of r(e, h) to the base model's probabilities. ``hidden`` (R, H), ``candidates`` and
     ``probs`` (R, C); ``candidate_embeddings`` maps token ids to (frozen) input embeddings."""
     torch.manual_seed(cfg.seed)
     embedding_size = candidate_embeddings(candidates[:1]).shape[-1]
     model = TokenRewardModel(hidden.shape[-1], embedding_size, cfg.reward_width)
-    loader = DataLoader(TensorDataset(hidden, candidates, probs), batch_size=cfg.reward_batch_size, shuffle=True,
-                        generator=torch.Generator().manual_seed(cfg.seed))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.reward_learning_rate)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    losses = []
-    for _ in tqdm(range(cfg.reward_epochs), desc="reward model r(e, h)", unit="epoch",
-                  disable=not accelerator.is_local_main_process):
-        for states, tokens, targets in loader:
-            loss = F.mse_loss(model(states.float(), candidate_embeddings(tokens).float()), targets.float())
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(accelerator.reduce(loss.detach(), "mean").item())
-    return accelerator.unwrap_model(model).eval(), losses
+
+    def step(model: TokenRewardModel, batch: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        states, tokens, targets = batch
+        loss = F.mse_loss(model(states.float(), candidate_embeddings(tokens).float()), targets.float())
+        return loss, {"loss": loss.detach()}
+
+    # AdamW at its default weight decay (1e-2) and a constant rate
+    model, history = train(model, TensorDataset(hidden, candidates, probs), step, model.parameters(),
+                           partial(torch.optim.AdamW, lr=cfg.reward_learning_rate), accelerator=accelerator,
+                           epochs=cfg.reward_epochs, batch_size=cfg.reward_batch_size, seed=cfg.seed,
+                           desc="reward model r(e, h)")
+    return model.eval(), history["loss"]
 
 
 @torch.no_grad()
@@ -109,12 +109,12 @@ def reinforce_loss(logprobs: torch.Tensor, advantages: torch.Tensor) -> torch.Te
     return -(advantages.detach() * logprobs).mean()
 
 
-def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+def state_baselined_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """Baseline = the mean reward of the G actions sampled in the same state: (N, G) → (N, G)."""
     return rewards - rewards.mean(dim=-1, keepdim=True)
 
 
-def rl_step_loss(head_logits: torch.Tensor, ref_logits: torch.Tensor, hidden: torch.Tensor,
+def reinforce_step_loss(head_logits: torch.Tensor, ref_logits: torch.Tensor, hidden: torch.Tensor,
                  reward_model: TokenRewardModel, embed: Callable[[torch.Tensor], torch.Tensor], num_actions: int,
                  beta: float, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """One REINFORCE loss over a batch of states: sample ``num_actions`` tokens per state from the head.
@@ -128,7 +128,7 @@ def rl_step_loss(head_logits: torch.Tensor, ref_logits: torch.Tensor, hidden: to
     with torch.no_grad():
         rewards = reward_model(hidden.float(), embed(actions).float())  # (N, G)
     shaped = shaped_rewards(rewards, logprobs, ref_logps.gather(1, actions), beta)
-    advantages = group_advantages(shaped)
+    advantages = state_baselined_advantages(shaped)
     # r is a probability, often ~1e-3: scaling advantages to unit spread keeps the step size independent of it
     advantages = advantages / (advantages.std() + 1e-8)
     loss = reinforce_loss(logprobs, advantages)
@@ -137,15 +137,15 @@ def rl_step_loss(head_logits: torch.Tensor, ref_logits: torch.Tensor, hidden: to
 
 
 def train_rl_head(heads: MedusaHeads, lm_head: nn.Module, reward_model: TokenRewardModel,
-                  embed: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, cfg: RLMedusaConfig,
+                  embed: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, cfg: RLMedusaTraining,
                   accelerator: Accelerator,
                   on_step: Callable[[int, int, dict[str, float]], None] | None = None,
                   ) -> tuple[MedusaHeads, dict[str, list[float]]]:
     """Train head 1 (the t + 2 head) of a copy of ``heads`` by REINFORCE on r − β·KL(· ‖ its start).
 
     Only head 1's parameters change; the other heads are returned as they were. ``hidden`` (R, H) are the
-    trajectory states. Returns the new heads and per-step ``loss``, ``reward`` (mean r of sampled tokens)
-    and ``kl`` (exact, against the start).
+    trajectory states. Returns the new heads and per-step ``loss``, ``reward`` (mean r of sampled tokens),
+    ``kl`` (exact, against the start) and ``learning_rate``.
     """
     torch.manual_seed(cfg.seed)
     lm_head.requires_grad_(False)  # part of the frozen backbone: only head 1's own parameters learn
@@ -154,30 +154,18 @@ def train_rl_head(heads: MedusaHeads, lm_head: nn.Module, reward_model: TokenRew
     trained = [p for name, p in heads.named_parameters() if name.startswith(("blocks.0.", "projections.0."))]
     for p in heads.parameters():
         p.requires_grad_(any(p is q for q in trained))
-    loader = DataLoader(TensorDataset(hidden), batch_size=cfg.batch_size, shuffle=True,
-                        generator=torch.Generator().manual_seed(cfg.seed))
-    optimizer = torch.optim.AdamW(trained, lr=cfg.learning_rate, weight_decay=0.0)
-    heads, optimizer, loader = accelerator.prepare(heads, optimizer, loader)
-    generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
-    history: dict[str, list[float]] = {"loss": [], "reward": [], "kl": []}
-    num_steps = cfg.epochs * len(loader)
-    bar = tqdm(total=num_steps, desc="RL head (t+2)", unit="step", disable=not accelerator.is_local_main_process)
-    for _ in range(cfg.epochs):
-        for (states,) in loader:
-            states = states.to(lm_head.weight.dtype)
-            head_logits = heads(states, lm_head, only=0)  # (N, V)
-            with torch.no_grad():
-                ref_logits = reference(states, lm_head, only=0)
-            loss, stats = rl_step_loss(head_logits, ref_logits, states, reward_model, embed, cfg.num_actions,
-                                       cfg.beta, generator)
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            for key, value in stats.items():
-                history[key].append(value)
-            bar.update(1)
-            bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.3f}")
-            if on_step is not None and accelerator.is_main_process:
-                on_step(len(history["loss"]), num_steps, stats)
-    bar.close()
-    return accelerator.unwrap_model(heads).to(lm_head.weight.dtype).eval(), history
+    generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)  # the sampled actions
+
+    def step(heads: MedusaHeads, batch: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        states = batch[0].to(lm_head.weight.dtype)
+        head_logits = heads(states, lm_head, only=0)  # (N, V)
+        with torch.no_grad():
+            ref_logits = reference(states, lm_head, only=0)
+        return reinforce_step_loss(head_logits, ref_logits, states, reward_model, embed, cfg.num_actions, cfg.beta,
+                                   generator)
+
+    heads, history = train(heads, TensorDataset(hidden), step, trained,
+                           partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=0.0),
+                           accelerator=accelerator, epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed,
+                           desc="RL head (t+2)", show=("reward", "kl"), on_step=on_step)
+    return heads.to(lm_head.weight.dtype).eval(), history

@@ -1,4 +1,5 @@
-"""Self-distilled data and Medusa-1 training of the heads on a frozen backbone (Medusa §2.2.1, §2.3.2).
+"""Self-distilled data and Medusa-1 training of the heads on a frozen backbone (Medusa §2.2.1, §2.3.2;
+docs/medusa.md).
 
 The data are the policy's own responses: by default its greedy responses to the training prompts
 (:func:`greedy_responses`), which is the text the heads will draft for when verification is greedy;
@@ -8,32 +9,36 @@ the head stages need, so the backbone runs once:
 * for Medusa-1 — the final hidden state h_t of every response position and, per head k, the target
   token t + k + 1: the sampled token, or the backbone's greedy choice at that position given the
   sampled prefix (``targets: greedy``: exactly what greedy verification will check);
-* for RLMedusa (papers/rlmedusa-paper.txt, "Training methodology and data collection") — along each response's first ``trajectory_tokens``
-  tokens, 9 candidate tokens per step (top-1, 3 of the top-50, 5 random; :func:`sample_candidates`)
-  and the base model's probability of each as the token two steps ahead, p₁(x_{t+2} | x_{≤t+1}).
+* for RLMedusa (its paper's "Training methodology and data collection") — along each response's first
+  ``trajectory_tokens`` tokens, 9 candidate tokens per step (top-1, 3 of the top-50, 5 random;
+  :func:`sample_candidates`) and the base model's probability of each as the token two steps ahead, p₁(x_{t+2} | x_{≤t+1}).
 
 Training (:func:`train_medusa_heads`) then touches only the heads: batches of positions, the loss of
-:func:`models.medusa.heads.medusa_loss`, AdamW with a cosine schedule, written with ``accelerate``.
+:func:`models.medusa.heads.medusa_loss`, AdamW with a cosine schedule, in the shared loop of
+:mod:`models.common.training`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
-from foresight.config import MedusaConfig, RLMedusaConfig
-from models.medusa.heads import IGNORE_INDEX, MedusaHeads, heads_for, medusa_loss
-from models.engine.policy import Policy
 from models.common.sequences import padding_id, right_pad, tokenize_sequence
+from models.common.training import train
+from models.engine.policy import Policy
+from models.medusa.config import MedusaTraining, RLMedusaCandidates
+from models.medusa.heads import IGNORE_INDEX, MedusaHeads, heads_for, medusa_loss
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
 
 
 @dataclass
@@ -102,7 +107,8 @@ def _head_targets(next_tokens: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaConfig, rl_cfg: RLMedusaConfig) -> DistilledStates:
+def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaTraining, rl_cfg: RLMedusaCandidates
+                 ) -> DistilledStates:
     """One frozen forward per batch of (prompt + response) sequences; see the module docstring.
 
     Under ``mixed_precision: bf16`` the pass runs in bfloat16 autocast (~2.5× faster on a CPU with bf16
@@ -148,7 +154,7 @@ def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaConfig, rl_cf
                            torch.cat(parts["rl_rows"]), torch.cat(parts["rl_cand"]), torch.cat(parts["rl_probs"]))
 
 
-def train_medusa_heads(policy: Policy, data: DistilledStates, cfg: MedusaConfig,
+def train_medusa_heads(policy: Policy, data: DistilledStates, cfg: MedusaTraining,
                        accelerator: Accelerator | None = None,
                        on_step: Callable[[int, int, dict[str, float]], None] | None = None,
                        ) -> tuple[MedusaHeads, dict[str, list]]:
@@ -156,41 +162,23 @@ def train_medusa_heads(policy: Policy, data: DistilledStates, cfg: MedusaConfig,
     (``loss`` and per-head ``ce_head{k}`` per step, ``learning_rate``)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from transformers import get_cosine_schedule_with_warmup
 
     accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu")
     set_seed(cfg.seed)
     policy.model.requires_grad_(False)  # Medusa-1: the backbone (and its shared LM head) never gets a gradient
     lm_head = policy.model.get_output_embeddings()
-    heads = heads_for(policy.model, cfg.num_heads, cfg.num_layers, cfg.untie).float()
-    loader = DataLoader(TensorDataset(data.hidden, data.targets), batch_size=cfg.batch_size, shuffle=True,
-                        generator=torch.Generator().manual_seed(cfg.seed))
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
-    num_steps = cfg.epochs * len(loader)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * num_steps), num_steps)
-    heads, optimizer, loader, scheduler = accelerator.prepare(heads, optimizer, loader, scheduler)
-    history: dict[str, list] = {"loss": [], "learning_rate": []} | {f"ce_head{k + 1}": [] for k in range(cfg.num_heads)}
-    bar = tqdm(total=cfg.epochs * len(loader), desc="Medusa heads", unit="step",
-               disable=not accelerator.is_local_main_process)
-    for _ in range(cfg.epochs):
-        for hidden, targets in loader:
-            with accelerator.autocast():
-                logits = heads(hidden.to(lm_head.weight.dtype), lm_head)  # (N, K, V)
-            loss, per_head = medusa_loss(logits, targets, cfg.loss_decay)
-            accelerator.backward(loss)
-            history["learning_rate"].append(scheduler.get_last_lr()[0])
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            history["loss"].append(accelerator.reduce(loss.detach(), "mean").item())
-            for k, value in enumerate(accelerator.reduce(per_head, "mean").tolist()):
-                history[f"ce_head{k + 1}"].append(value)
-            bar.update(1)
-            bar.set_postfix(loss=f"{history['loss'][-1]:.3f}")
-            if on_step is not None and accelerator.is_main_process:
-                on_step(len(history["loss"]), num_steps, {"loss": history["loss"][-1]})
-    bar.close()
-    return accelerator.unwrap_model(heads).to(lm_head.weight.dtype), history
+    heads = heads_for(policy.model, cfg.num_heads, cfg.num_layers, cfg.untie)
+
+    def step(heads: MedusaHeads, batch: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        hidden, targets = batch
+        logits = heads(hidden.to(lm_head.weight.dtype), lm_head)  # (N, K, V)
+        loss, per_head = medusa_loss(logits, targets, cfg.loss_decay)
+        return loss, {"loss": loss.detach(), **{f"ce_head{k + 1}": ce for k, ce in enumerate(per_head)}}
+
+    return train(heads, TensorDataset(data.hidden, data.targets), step, heads.parameters(),
+                 partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=0.0), accelerator=accelerator,
+                 epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed, warmup_ratio=cfg.warmup_ratio,
+                 desc="Medusa heads", on_step=on_step)
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 
 Shao et al. 2024 (DeepSeekMath, §4.1 GRPO) as TRL's ``GRPOTrainer`` and verl implement it, with DAPO's
 asymmetric clip (Yu et al. 2025, ε_low 0.2 / ε_high 0.28) and token-mean aggregation — the RL algorithm of
-MTP-RL's experiments (papers/mtp-rl.txt §4, NOTES.md). The training step that combines them with the MTP
+MTP-RL's experiments (§4; docs/mtp.md). The training step that combines them with the MTP
 loss lives in :mod:`models.mtp.rl`; why a compact trainer instead of TRL's is said there.
 """
 

@@ -1,7 +1,8 @@
 """A parameter-sharing multi-token-prediction (MTP) module over a frozen-or-training causal LM, its losses,
 and its chained drafts for speculative decoding.
 
-MTP-RL (papers/mtp-rl.txt): §2.1 (the DeepSeek-V3 MTP module and eq. 1's weighted cross-entropy), §3.1
+MTP-RL, "Acceleration of Reinforcement Learning Rollouts with Policy-Aligned Multi-Token Prediction"
+(docs/mtp.md): §2.1 (the DeepSeek-V3 MTP module and eq. 1's weighted cross-entropy), §3.1
 (the MTP-equipped stage: K depths that share ONE set of parameters, embedding and output head shared with
 the main model), §3.2 (eq. 2–4, the advantage-aware KL + CE loss used during RL).
 
@@ -21,7 +22,8 @@ at position L−1 drafts t_{L+1}, depth 2 (fed that draft) t_{L+2}, … — K ch
 The decoder layer attends over earlier positions *of its own depth*, so the drafter keeps one KV cache per
 depth holding the positions whose inputs are final (depth k: positions ≤ L − k) and recomputes only the
 k − 1 positions that still depend on drafts: the drafts equal a teacher-forced forward over the same tokens
-(tests compare them).
+(tests compare them). :func:`mtp_generate` plugs it into the speculative loop of :mod:`models.engine.speculative`
+with greedy verification (lossless) or speculative sampling (exact in distribution).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
@@ -40,15 +43,19 @@ from transformers import DynamicCache
 
 from models.common.files import atomic_path
 from models.engine.speculative import (
+    BonusVerifier,
+    Draft,
+    SamplingVerifier,
     SpeculativeStats,
+    TreeVerifier,
+    Verdict,
     chain_tree,
-    keep_accepted,
-    tree_forward,
-    verify_greedy,
-    verify_speculative_sampling,
+    draw,
+    prefill,
+    speculative_generate,
+    temperature_probs,
 )
-
-INIT_CHOICES = ("last_layer", "scratch")
+from models.mtp.config import MTPInit
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ class MTPModuleConfig:
     """What rebuilds a saved module (the decoder layer's shape comes from the main model's config)."""
 
     num_depths: int  # K: chained predictions t+2 … t+K+1
-    init: str = "last_layer"  # the decoder layer starts as a copy of the main model's last layer, or at random
+    init: MTPInit = "last_layer"
 
     @classmethod
     def read(cls, folder: Path) -> MTPModuleConfig:
@@ -81,8 +88,8 @@ class MTPModule(nn.Module):
 
     def __init__(self, base, config: MTPModuleConfig):
         super().__init__()
-        if config.init not in INIT_CHOICES:
-            raise ValueError(f"MTP init must be one of {INIT_CHOICES}, got {config.init!r}")
+        if config.init not in get_args(MTPInit):
+            raise ValueError(f"MTP init must be one of {get_args(MTPInit)}, got {config.init!r}")
         if config.num_depths < 1:
             raise ValueError(f"an MTP module needs at least one depth, got {config.num_depths}")
         self.config = config
@@ -235,25 +242,47 @@ def draft_parts(base, module: MTPModule, dtype: torch.dtype | None = None) -> tu
 
 
 class MTPDrafter:
-    """Chained drafts for one sequence, with one KV cache per depth (see the module docstring).
+    """Chained drafts for one sequence, with one KV cache per depth (see the module docstring): the speculative
+    loop's drafter (:class:`models.engine.speculative.Drafter`) on a chain of K drafts.
 
-    ``base``/``module``: as :func:`draft_parts` returns them. ``update(hidden, tokens)`` hands over what the
-    main model finalised since the last call: the final hidden states of the positions it processed (n, H) and
-    the n tokens that follow them (the last is the new root). ``draft(choose)`` then returns the K draft tokens
-    and their logits (K, V); ``choose(logits (V,))`` picks each draft (argmax for greedy verification, a sample
-    for speculative sampling).
+    ``base``/``module``: as :func:`draft_parts` returns them. ``draft_temperature``: 0 = the module's top-1
+    tokens; > 0 = drafts drawn from the module at that temperature with ``generator``.
+
+    The bookkeeping underneath: ``update(hidden, tokens)`` hands over what the main model finalised since the
+    last call: the final hidden states of the positions it processed (n, H) and the n tokens that follow them
+    (the last is the new root). ``draft(choose)`` then returns the K draft tokens and their logits (K, V);
+    ``choose(logits (V,))`` picks each draft.
     """
 
-    def __init__(self, base, module: MTPModule):
+    def __init__(self, base, module: MTPModule, draft_temperature: float = 0.0,
+                 generator: torch.Generator | None = None):
         self.base, self.module = base, module
+        self.draft_temperature, self.generator = draft_temperature, generator
         weight = base.get_output_embeddings().weight
         self.dtype = weight.dtype
         self.num_depths = module.config.num_depths
+        self.tree = chain_tree(self.num_depths)
         self.caches = [DynamicCache() for _ in range(self.num_depths)]
         empty = weight.new_zeros(0, base.config.hidden_size)
         self.final_states: list[torch.Tensor] = [empty] * self.num_depths  # h^k of positions with final inputs
         self.hidden = empty  # h^0 of positions 0 … L−1
         self.tokens: list[int] = []  # t_1 … t_L (t_L: the root, not yet run through the main model)
+
+    def prefill(self, model, input_ids: torch.Tensor, cache: DynamicCache, verifier: BonusVerifier) -> list[int]:
+        logits, hidden = prefill(model, input_ids, cache)
+        root = verifier.choose(logits)
+        self.update(hidden, input_ids[0, 1:].tolist() + [root])
+        return [root]
+
+    def propose(self, room: int) -> Draft:
+        drafts, logits = self.draft(lambda step_logits: draw(temperature_probs(step_logits, self.draft_temperature),
+                                                             self.generator))
+        tokens = torch.tensor([self.tokens[-1], *drafts], device=self.hidden.device)  # (K+1,) the root first
+        return Draft(self.tree, tokens, temperature_probs(logits, self.draft_temperature))
+
+    def accept(self, draft: Draft, out: tuple[torch.Tensor, torch.Tensor], verdict: Verdict) -> None:
+        _, hiddens = out
+        self.update(hiddens[verdict.path[: len(verdict.tokens)]], verdict.tokens)
 
     def update(self, hidden: torch.Tensor, tokens: Sequence[int]) -> None:
         if len(tokens) != len(hidden):
@@ -287,18 +316,6 @@ class MTPDrafter:
         return drafts, torch.stack(logits)  # (K, V)
 
 
-def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / T) in fp32; T = 0: the one-hot of the argmax (a deterministic draw)."""
-    if temperature == 0:
-        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return torch.softmax(logits.float() / temperature, dim=-1)
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-@torch.no_grad()
 def mtp_generate(model, draft_base, module: MTPModule, input_ids: torch.Tensor, max_new_tokens: int,
                  eos_token_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
                  stats: SpeculativeStats | None = None, draft_temperature: float = 0.0) -> list[int]:
@@ -311,42 +328,12 @@ def mtp_generate(model, draft_base, module: MTPModule, input_ids: torch.Tensor, 
     module at that temperature (they pass with probability Σ min(p, q)). ``draft_base``/``module``:
     :func:`draft_parts`. Stops after an end token or ``max_new_tokens`` tokens; returns the new tokens.
     """
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"MTP speculative decoding takes one prompt at a time, got a batch of {input_ids.shape[0]}")
     if temperature < 0:
         raise ValueError(f"temperature must be ≥ 0, got {temperature}")
-    stats = stats if stats is not None else SpeculativeStats()
-    tree = chain_tree(module.config.num_depths)
-    drafter = MTPDrafter(draft_base, module)
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    stats.forwards += 1
-    root = _draw(_probs(out.logits[0, -1], temperature), generator)
-    drafter.update(out.hidden_states[-1][0], input_ids[0, 1:].tolist() + [root])
-    generated = [root]
-    while generated[-1] not in eos_token_ids and len(generated) < max_new_tokens:
-        drafts, draft_logits = drafter.draft(lambda logits: _draw(_probs(logits, draft_temperature), generator))
-        tokens = torch.tensor([root, *drafts], device=input_ids.device)
-        past_length = cache.get_seq_length()
-        logits, hiddens = tree_forward(model, tokens, tree, cache)
-        stats.forwards += 1
-        if temperature == 0:
-            accepted = len(verify_greedy(tokens, logits, tree)) - 1
-            root = int(logits[accepted].argmax())
-        else:
-            accepted, root = verify_speculative_sampling(drafts, _probs(draft_logits, draft_temperature),
-                                                         _probs(logits, temperature), generator)
-        keep_accepted(cache, past_length, list(range(accepted + 1)))
-        new_tokens = [*drafts[:accepted], root]
-        drafter.update(hiddens[: accepted + 1], new_tokens)
-        stats.drafted_tokens += len(drafts)
-        stats.accepted_drafts += accepted
-        stats.accepted_lengths.append(accepted + 1)
-        generated += new_tokens
-    ended = next((i for i, t in enumerate(generated) if t in eos_token_ids), None)
-    generated = generated[: min(max_new_tokens, ended + 1 if ended is not None else len(generated))]
-    stats.generated_tokens += len(generated)
-    return generated
+    verifier = TreeVerifier() if temperature == 0 else SamplingVerifier(temperature, generator)
+    drafter = MTPDrafter(draft_base, module, draft_temperature, generator)
+    tokens, _ = speculative_generate(model, drafter, verifier, input_ids, max_new_tokens, eos_token_ids, stats)
+    return tokens
 
 
 class _DraftHead(nn.Module):

@@ -1,7 +1,7 @@
-"""GRPO with MTP-drafted rollouts and the advantage-aware MTP loss (MTP-RL §3.2, eq. 2–5, papers/mtp-rl.txt),
+"""GRPO with MTP-drafted rollouts and the advantage-aware MTP loss (MTP-RL §3.2, eq. 2–5, docs/mtp.md),
 and the paper's baselines (§2.2, Table 1) in one harness.
 
-One RL step (:func:`rl_step`): sample G rollouts per prompt at temperature T — by plain sampling (vanilla
+One RL step (of :func:`train_variant`): sample G rollouts per prompt at temperature T — by plain sampling (vanilla
 GRPO) or speculatively with K chained MTP drafts and speculative sampling, which leaves the rollouts'
 distribution exactly the policy's — reward each with the verifiable arithmetic check, normalise advantages
 within each group, then one update:
@@ -31,9 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from foresight.config import MTPRLConfig
-from models.mtp.grpo import grpo_loss, group_advantages, token_logps
+from models.common.sequences import padding_id, right_pad
+from models.engine.policy import Policy
+from models.engine.speculative import SpeculativeStats
 from models.labeling.labelers import is_correct
+from models.mtp.config import MTPRLTraining, VariantName
+from models.mtp.grpo import group_advantages, grpo_loss, token_logps
 from models.mtp.module import (
     MTPModule,
     advantage_aware_kl,
@@ -42,16 +45,13 @@ from models.mtp.module import (
     mtp_cross_entropy,
     mtp_generate,
 )
-from models.engine.policy import Policy
-from models.common.sequences import padding_id, right_pad
-from models.engine.speculative import SpeculativeStats
 
 
 @dataclass(frozen=True)
 class Variant:
     """What one RL run does with the MTP module."""
 
-    name: str
+    name: VariantName
     drafts: bool  # rollouts drafted by the module (else plain sampling)
     trains_module: bool  # the module gets an optimizer and L_Adv
     kl: bool  # L_Adv includes the advantage-aware KL
@@ -59,8 +59,8 @@ class Variant:
     backprop_into_policy: bool  # L_Adv's gradient reaches the policy
 
 
-def variant(name: str, cfg: MTPRLConfig) -> Variant:
-    """The named variant with its weights from the config (see ``MTPRLConfig.variants``)."""
+def variant(name: VariantName, cfg: MTPRLTraining) -> Variant:
+    """The named variant with its loss weights from ``cfg`` (what each changes: the module docstring)."""
     variants = {
         "vanilla": Variant("vanilla", drafts=False, trains_module=False, kl=False, ce_weight=0.0,
                            backprop_into_policy=False),
@@ -108,7 +108,7 @@ def sample_plainly(model, input_ids: torch.Tensor, max_new_tokens: int, eos_toke
 
 
 def collect_rollouts(policy: Policy, module: MTPModule | None, prompts: Sequence[torch.Tensor],
-                     answers: Sequence[str], cfg: MTPRLConfig, step: int, eos_token_ids: set[int],
+                     answers: Sequence[str], cfg: MTPRLTraining, step: int, eos_token_ids: set[int],
                      on_rollout: Callable[[], None] | None = None) -> Rollouts:
     """G rollouts per prompt at batch 1 (plain sampling when ``module`` is None) and their 0/1 rewards."""
     model = policy.model.eval()
@@ -155,9 +155,9 @@ def frozen(model: torch.nn.Module):
             p.requires_grad_(flag)
 
 
-def rl_step_loss(model, policy: Policy, module: MTPModule | None, rollouts: Rollouts, advantages: torch.Tensor,
-                 old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None, var: Variant, cfg: MTPRLConfig,
-                 weights: Sequence[float], backward: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, dict]:
+def mtp_rl_step_loss(model, policy: Policy, module: MTPModule | None, rollouts: Rollouts, advantages: torch.Tensor,
+                     old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None, var: Variant, cfg: MTPRLTraining,
+                     weights: Sequence[float], backward: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, dict]:
     """Build (and back-propagate, through ``backward``) one update's loss; returns this pass's token log-probs
     (detached: π_old of later passes) and the step's numbers. ``model``: the policy's model as accelerate
     prepared it (what the forward runs through); ``policy.model``: the plain model, whose embedding, norm and
@@ -206,7 +206,7 @@ def reference_logps(reference, rollouts: Rollouts, policy: Policy, temperature: 
 
 
 def train_variant(policy: Policy, module: MTPModule | None, var: Variant, prompts: Sequence[torch.Tensor],
-                  answers: Sequence[str], cfg: MTPRLConfig, weights: Sequence[float], eos_token_ids: set[int],
+                  answers: Sequence[str], cfg: MTPRLTraining, weights: Sequence[float], eos_token_ids: set[int],
                   accelerator=None,
                   reference=None, on_step: Callable[[int, dict], None] | None = None,
                   on_rollout: Callable[[], None] | None = None) -> list[dict]:
@@ -248,8 +248,8 @@ def train_variant(policy: Policy, module: MTPModule | None, var: Variant, prompt
         old_logps = None  # π_old: the log-probs of the first pass, before any update of this step
         for _ in range(cfg.iterations):
             with accelerator.autocast():
-                logps, stats = rl_step_loss(model, policy, module, rollouts, advantages, old_logps, ref_logps, var,
-                                            cfg, weights, accelerator.backward)
+                logps, stats = mtp_rl_step_loss(model, policy, module, rollouts, advantages, old_logps, ref_logps,
+                                                var, cfg, weights, accelerator.backward)
             old_logps = logps if old_logps is None else old_logps
             optimizer.step()
             optimizer.zero_grad()

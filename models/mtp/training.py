@@ -1,4 +1,4 @@
-"""The MTP-equipped stage (MTP-RL §3.1, papers/mtp-rl.txt): train a shared-parameter MTP module on the main
+"""The MTP-equipped stage (MTP-RL §3.1; docs/mtp.md): train a shared-parameter MTP module on the main
 model's own responses with eq. 1's weighted cross-entropy, the main model frozen; and measure how many tokens
 its chained drafts would get accepted.
 
@@ -17,17 +17,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
-from accelerate import Accelerator
-from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
-from foresight.config import MTPConfig
-from models.mtp.module import MTPModule, MTPModuleConfig, depth_targets, mtp_cross_entropy, mtp_logits
-from models.common.sequences import Sequences
+from models.common.sequences import Sequences, padding_id, right_pad
+from models.common.training import train
 from models.engine.policy import Policy
-from models.common.sequences import padding_id, right_pad
+from models.mtp.config import MTPTraining
+from models.mtp.module import MTPModule, MTPModuleConfig, depth_targets, mtp_cross_entropy, mtp_logits
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
 
 
 def depth_weights(weights: Sequence[float], num_depths: int) -> list[float]:
@@ -60,53 +63,36 @@ def _collate(rows: list[tuple[list[int], list[int], torch.Tensor]], pad: int) ->
 
 
 def train_mtp_module(policy: Policy, sequences: Sequences, hidden: list[torch.Tensor], num_depths: int,
-                     cfg: MTPConfig, accelerator: Accelerator | None = None,
+                     cfg: MTPTraining, accelerator: Accelerator | None = None,
                      on_step: Callable[[int, int, dict[str, float]], None] | None = None
                      ) -> tuple[MTPModule, dict[str, list[float]]]:
     """A fresh K-depth module trained on ``sequences`` (response tokens as targets) with the main model frozen.
-    Returns it (eval mode, no gradients) and the per-step history: the loss and each depth's cross-entropy."""
+    Returns it (eval mode, no gradients) and the per-step history: the learning rate, the loss and each
+    depth's cross-entropy."""
+    from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from transformers import get_cosine_schedule_with_warmup
 
     if not sequences:
         raise ValueError("no sequences to train the MTP module on")
     accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu")
     set_seed(cfg.seed)
     base = policy.model.requires_grad_(False).eval()
-    module = MTPModule(base, MTPModuleConfig(num_depths=num_depths, init=cfg.init))
+    module = MTPModule(base, MTPModuleConfig(num_depths=num_depths, init=cfg.init)).train()
     weights = depth_weights(cfg.ce_weights, num_depths)
-    pad = padding_id(policy.tokenizer)
+
+    def step(module: MTPModule, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        states = module(base, batch["input_ids"], batch["hidden"].to(base.dtype))
+        loss, per_depth = mtp_cross_entropy(base, states, batch["input_ids"], batch["response_mask"], weights)
+        return loss, {"loss": loss.detach(), **{f"ce_depth_{k}": v for k, v in enumerate(per_depth, start=1)}}
+
     rows = [(ids, mask, h.cpu()) for (ids, mask), h in zip(sequences, hidden, strict=True)]
-    loader = DataLoader(rows, batch_size=cfg.batch_size, shuffle=True, collate_fn=lambda b: _collate(b, pad),
-                        generator=torch.Generator().manual_seed(cfg.seed))
-    optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
-    num_steps = cfg.epochs * len(loader)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * num_steps), num_steps)
-    prepared, optimizer, loader, scheduler = accelerator.prepare(module, optimizer, loader, scheduler)
-    prepared.train()
-    history: dict[str, list[float]] = {"loss": [], **{f"ce_depth_{k}": [] for k in range(1, num_depths + 1)}}
-    bar = tqdm(total=num_steps, desc=f"MTP equip (K = {num_depths})", unit="step",
-               disable=not accelerator.is_local_main_process)
-    for _ in range(cfg.epochs):
-        for batch in loader:
-            with accelerator.autocast():
-                states = prepared(base, batch["input_ids"], batch["hidden"].to(base.dtype))
-                loss, per_depth = mtp_cross_entropy(base, states, batch["input_ids"], batch["response_mask"], weights)
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            history["loss"].append(loss.item())
-            for k, value in enumerate(per_depth, start=1):
-                history[f"ce_depth_{k}"].append(value)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-            if on_step is not None and accelerator.is_main_process:
-                on_step(bar.n, num_steps, {"loss": loss.item(), **{f"ce_depth_{k}": v for k, v in
-                                                                  enumerate(per_depth, start=1)}})
-    bar.close()
-    module = accelerator.unwrap_model(prepared).eval().requires_grad_(False)
-    return module, history
+    module, history = train(
+        module, rows, step, module.parameters(),
+        partial(torch.optim.AdamW, lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=0.0),
+        accelerator=accelerator, epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed,
+        warmup_ratio=cfg.warmup_ratio, collate_fn=partial(_collate, pad=padding_id(policy.tokenizer)),
+        desc=f"MTP equip (K = {num_depths})", on_step=on_step)
+    return module.eval().requires_grad_(False), history
 
 
 @torch.no_grad()

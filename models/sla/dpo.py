@@ -8,7 +8,7 @@ minimising
 
 where π_ref is a frozen copy of the initial policy and β·log π_θ/π_ref is the *implicit reward*.
 The SLA paper (Zhang, Hong & Yu, "Streaming Looking Ahead with Token-level Self-reward";
-papers/sla-streaming-looking-ahead.txt) uses DPO as an orthogonal way to improve the policy and
+docs/sla.md) uses DPO as an orthogonal way to improve the policy and
 shows that SLA decoding still adds on top of a DPO-tuned policy; the pipeline reproduces that by
 training DPO on exactly the pairs (and the same held-out split) that the reward heads train on.
 
@@ -32,9 +32,9 @@ import pandas as pd
 import torch
 from torch import nn
 
-from foresight.config import DPOConfig
 from models.common.files import atomic_path
 from models.engine.policy import Policy
+from models.sla.config import DPOTraining
 
 if TYPE_CHECKING:  # trl and datasets are imported where used: importing them costs seconds
     from datasets import Dataset
@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # trl and datasets are imported where used: importing them co
 
 MIN_TRAIN_PAIRS = 2
 """Fewer pairs give no meaningful optimisation (one pair = one step, nothing to shuffle or average)."""
+
 
 
 def with_eos(response: str, eos_token: str) -> str:
@@ -70,7 +71,7 @@ def preference_dataset(pairs: pd.DataFrame, eos_token: str) -> Dataset:
     })
 
 
-def build_trainer(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOConfig, output_dir: Path) -> DPOTrainer:
+def build_trainer(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, output_dir: Path) -> DPOTrainer:
     """A TRL ``DPOTrainer`` over a float32 copy of the policy; the reference is a second, frozen copy.
 
     - Copies, so the caller's policy object stays the untouched initial model (TRL patches the forward,
@@ -82,13 +83,12 @@ def build_trainer(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOConfig, out
     - No gradient checkpointing (TRL's default): a ~135M policy fits easily and recomputation costs ~20 %.
     - Device follows the policy: a policy configured on CPU trains on CPU even when CUDA is visible.
     """
-    from trl import DPOConfig as TRLDPOConfig
-    from trl import DPOTrainer
+    from trl import DPOConfig, DPOTrainer
 
     model = copy.deepcopy(policy.model).float()
     reference = copy.deepcopy(policy.model).float().eval().requires_grad_(False)
     on_cuda = policy.device.type == "cuda"
-    args = TRLDPOConfig(
+    args = DPOConfig(
         output_dir=str(output_dir),
         beta=cfg.beta,
         learning_rate=cfg.learning_rate,
@@ -116,7 +116,7 @@ def _first_last(history: list[dict], key: str, name: str) -> dict[str, float]:
     return {f"{name}_first": float(values[0]), f"{name}_last": float(values[-1])} if values else {}
 
 
-def train_dpo(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOConfig, out_dir: Path) -> dict:
+def train_dpo(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, out_dir: Path) -> dict:
     """Fine-tune a copy of ``policy`` with DPO on ``train_pairs``; save it with its tokenizer to ``out_dir``.
 
     The folder appears whole or not at all (written to a temporary sibling and renamed). Under several

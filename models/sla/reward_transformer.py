@@ -1,6 +1,7 @@
-"""Reward Transformer: a reward channel inside the policy that scores every prefix (SLA paper, §4.2–4.3).
+"""Reward Transformer: a reward channel inside the policy that scores every prefix (SLA paper, §4.2–4.3;
+docs/sla.md).
 
-Zhang, Hong & Yu, "Streaming Looking Ahead with Token-level Self-reward" (papers/sla-streaming-looking-ahead.txt).
+Zhang, Hong & Yu, "Streaming Looking Ahead with Token-level Self-reward".
 
 The policy is any Hugging Face decoder LM that returns per-layer hidden states. Beside it runs a
 narrow *reward channel* (hidden size 256 by default) with no attention of its own: at every layer it
@@ -10,7 +11,7 @@ has to process the new tokens: it carries no cache.
 
 Which variant of eq. 14. The paper writes a post-norm FFN over the concatenation,
 ``h_r^{j+1} = Norm(h_r^j + FFN([h_p^j ; h_r^j]))``; the authors' released code is pre-norm with a
-single projection, which is what we implement (NOTES.md):
+single projection, which is what we implement (docs/sla.md):
 
     h_r^0     = SiLU(W_0 · RMSNorm(h_p^0))                         h_p^0 = token embeddings   [d → r]
     h_r^{j+1} = h_r^j + SiLU(W_{j+1} · RMSNorm([h_p^j ; h_r^j]))   for each decoder layer j   [(d+r) → r]

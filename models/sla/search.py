@@ -1,7 +1,7 @@
 """Streaming Looking-Ahead (SLA) decoding with a Reward Transformer's token-level self-reward.
 
 Zhang, Hong & Yu, "Streaming Looking Ahead with Token-level Self-reward"
-(papers/sla-streaming-looking-ahead.txt): Algorithm 2 (one step of the search) and §4.1 (streaming,
+(docs/sla.md): Algorithm 2 (one step of the search) and §4.1 (streaming,
 batched expansion, cost O(t_p + T_max · d · t_d) instead of MCTS's k^d trajectories per action).
 
 One prompt (batch size 1). Below the committed text C sits a balanced tree of depth d:
@@ -11,7 +11,7 @@ One prompt (batch size 1). Below the committed text C sits a balanced tree of de
   early on an end token (it is then *finished*: never extended again, its segment is shorter).
 * **Self-evaluation** — a leaf's score is the mean reward R' over its whole response so far (every
   token generated since the prompt, committed ones included, up to the leaf's last token). This is
-  what the authors' code does (NOTES.md); Algorithm 2's text says "R' at the last token".
+  what the authors' code does; Algorithm 2's text says "R' at the last token".
 * **Backup** — Q(node) = max over the leaves of its subtree (a finished node is a leaf of its own).
 * **Action** — the first-level child with the largest Q; ties go to the lower index, i.e. the more
   probable forked token, so decoding is deterministic.
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from foresight.config import SLAConfig
+from models.sla.config import SLASearch
 from models.sla.reward_transformer import RewardTransformer
 
 
@@ -203,7 +203,7 @@ def prune(level: Level, new_root: Node) -> Level:
 # public API
 
 
-def sla_stream(model: RewardTransformer, input_ids: torch.LongTensor, cfg: SLAConfig, max_new_tokens: int,
+def sla_stream(model: RewardTransformer, input_ids: torch.LongTensor, cfg: SLASearch, max_new_tokens: int,
                eos_token_ids: set[int], stats: SLAStats | None = None) -> Iterator[list[int]]:
     """Decode one prompt ``input_ids`` (1, T) with SLA(d, k, n); yield each committed segment as it is decided.
 
@@ -234,7 +234,7 @@ def sla_stream(model: RewardTransformer, input_ids: torch.LongTensor, cfg: SLACo
         level = expand(model, prune(level, root), width, step, eos, stats)  # restore depth d
 
 
-def sla_generate(model: RewardTransformer, input_ids: torch.LongTensor, cfg: SLAConfig, max_new_tokens: int,
+def sla_generate(model: RewardTransformer, input_ids: torch.LongTensor, cfg: SLASearch, max_new_tokens: int,
                  eos_token_ids: set[int]) -> tuple[list[int], SLAStats]:
     """The whole SLA response (token ids) and the run's counters."""
     stats = SLAStats()

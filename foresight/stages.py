@@ -1,0 +1,440 @@
+"""The pipeline's stages, declared once: ``dvc.yaml``, the Prefect flows and deployments, the pipeline's stage
+table and the tests all follow from :data:`STAGES`.
+
+A stage declares what it reads: config keys (``params``), code (``code``: files or folders) and data
+(``inputs``), and what it writes (``outputs``). DVC re-runs a stage when any of them changes, so a read left
+undeclared lets ``dvc repro`` call a stale result up to date. The declarations are therefore checked every
+time a stage runs (``flows.stages.run_stage``): the task gets a :class:`RecordingConfig` that records every
+config key it reads (:func:`undeclared_reads`), and a stage process started by DVC checks that every project
+module it imported lies in the stage's declared code (:func:`undeclared_modules`). Either finding fails the
+stage, naming the undeclared reads.
+
+``foresight dvc-yaml > dvc.yaml`` writes the DVC pipeline (:func:`render_dvc_yaml`); a test keeps the
+committed file equal to it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+PATH_EXPRESSION = re.compile(r"^\$\{paths\.(\w+)\}(?:/(.+))?$")
+"""``${paths.NAME}`` or ``${paths.NAME}/sub/path``: a location under a ``paths`` entry of params.yaml, as DVC
+interpolates it in ``dvc.yaml``."""
+
+ALWAYS_ALLOWED_PATHS = ("metrics_dir",)
+"""``paths`` entries every stage may read: each writes its own metrics file there."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: the task it runs and everything it reads and writes."""
+
+    name: str
+    """The DVC stage name (``python -m flows.stages NAME``); its flow and deployment are NAME with dashes."""
+    description: str
+    """One line: what the stage does (the flow's description in the Prefect UI)."""
+    task: str
+    """``module:function`` of the stage's Prefect task (with ``cache_policy=NO_CACHE``: a cache key would read the
+    whole config); the module is imported only when the stage runs."""
+    params: tuple[str, ...]
+    """Config sections (``medusa``) or dotted keys (``prompts.system_prompt``) the task reads."""
+    code: tuple[str, ...]
+    """Files and folders (relative to the repository root) holding every project module the stage imports."""
+    outputs: tuple[str, ...]
+    """Path expressions (``${paths.X}`` or ``${paths.X}/sub``) the stage writes, each replaced atomically."""
+    inputs: tuple[str, ...] = ()
+    """Path expressions of the data the stage reads (other stages' outputs)."""
+    headline: tuple[str, ...] = ()
+    """Metrics shown in the pipeline's stage table (all metrics are in MLflow and data/metrics/ anyway)."""
+    task_kwargs: Mapping[str, str] = field(default_factory=dict)
+    """Arguments after the config, for a task that serves several stages; a path expression is passed as the
+    absolute path it names."""
+
+    @property
+    def flow_name(self) -> str:
+        """The Prefect flow's (and deployment's) name: ``train_reward_dpo`` → ``train-reward-dpo``."""
+        return self.name.replace("_", "-")
+
+    @property
+    def metrics_file(self) -> str:
+        """The stage's DVC metrics file, as a path expression."""
+        return f"${{paths.metrics_dir}}/{self.name}.json"
+
+
+def _parse_path(expression: str) -> tuple[str, str | None]:
+    match = PATH_EXPRESSION.match(expression)
+    if match is None:
+        raise ValueError(f"{expression!r} is not a path expression (${{paths.NAME}} or ${{paths.NAME}}/sub/path)")
+    return match.group(1), match.group(2)
+
+
+def path_name(expression: str) -> str:
+    """The ``paths`` entry a path expression starts from: ``${paths.reward_dir}/base`` → ``reward_dir``."""
+    return _parse_path(expression)[0]
+
+
+def resolve_path(cfg, expression: str) -> Path:
+    """The absolute path a path expression names under ``cfg`` (its ``paths`` entry relative to the params file)."""
+    name, sub = _parse_path(expression)
+    base = cfg.path(getattr(cfg.paths, name))
+    return base / sub if sub else base
+
+
+CONFIG_CODE = ("foresight/config.py", *(f"models/{folder}/config.py" for folder in
+                                        ("common", "coral", "engine", "labeling", "medusa", "mtp", "sla")))
+"""The params and the component configs they take their defaults from (light modules: no model code)."""
+
+TASK_CODE = (*CONFIG_CODE, "foresight/storage.py", "models/common/files.py", "foresight/pairs.py", "tasks/data.py")
+"""What every stage process imports around its task: the config, atomic I/O, and the shared task helpers
+(``tasks/data.py``, which imports the sample and pair schemas)."""
+
+BENCHMARK_CODE = ("foresight/benchmark.py", "foresight/plots.py")
+"""Timing, tables and plots: imported by the task modules of every method."""
+
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        name="prepare_policy",
+        description="Resolve policy.model to local weights (converting the embedded GGUF once).",
+        task="tasks.data:prepare_policy_task",
+        params=("policy",),
+        code=(*TASK_CODE, "models/engine"),
+        outputs=("${paths.policy_dir}",),
+    ),
+    Stage(
+        name="prepare_prompts",
+        description="Read the prompt source; write the train / held-out splits.",
+        task="tasks.data:prepare_prompts_task",
+        params=("prompts",),
+        code=(*TASK_CODE, "foresight/prompts.py"),
+        outputs=("${paths.prompts_dir}",),
+        headline=("num_train", "num_eval"),
+    ),
+    Stage(
+        name="generate",
+        description="Sample N responses per training prompt.",
+        task="tasks.data:generate_task",
+        params=("policy", "generate", "prompts.system_prompt"),
+        code=(*TASK_CODE, "models/engine"),
+        inputs=("${paths.policy_dir}", "${paths.prompts_dir}"),
+        outputs=("${paths.samples}",),
+        headline=("num_samples", "generation_tokens_per_s", "mean_response_tokens"),
+    ),
+    Stage(
+        name="label",
+        description="Score every sample with the configured reward labeler.",
+        task="tasks.data:label_task",
+        params=("label",),
+        code=(*TASK_CODE, "models/engine", "models/labeling"),
+        inputs=("${paths.samples}",),
+        outputs=("${paths.scores}",),
+        headline=("sample_accuracy", "mean_reward"),
+    ),
+    Stage(
+        name="validate",
+        description="Validate samples and scores with Great Expectations, build and validate preference pairs.",
+        task="tasks.data:validate_task",
+        params=("validate", "generate.max_new_tokens"),
+        code=(*TASK_CODE, "foresight/validation.py"),
+        inputs=("${paths.samples}", "${paths.scores}"),
+        outputs=("${paths.pairs}", "${paths.reports_dir}/datadocs"),
+        headline=("num_pairs", "pair_yield", "dropped_no_spread"),
+    ),
+    Stage(
+        name="train_reward",
+        description="Train the reward channel (and the adapter baselines) on the base policy with the BT loss; AuTRC.",
+        task="tasks.sla:train_reward_task",
+        task_kwargs={"policy_source": "base", "out_dir": "${paths.reward_dir}/base"},
+        params=("policy", "reward"),
+        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/sla", "tasks/sla.py"),
+        inputs=("${paths.policy_dir}", "${paths.pairs}"),
+        outputs=("${paths.reward_dir}/base",),
+        headline=("pair_accuracy_channel", "autrc_channel", "autrc_adapter1", "autrc_adapter4"),
+    ),
+    Stage(
+        name="dpo",
+        description="Fine-tune the policy with DPO on the preference pairs.",
+        task="tasks.sla:dpo_task",
+        params=("policy", "dpo", "reward.eval_fraction", "reward.seed"),
+        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/sla", "tasks/sla.py"),
+        inputs=("${paths.policy_dir}", "${paths.pairs}"),
+        outputs=("${paths.dpo_dir}",),
+        headline=("heldout_accuracy_after",),
+    ),
+    Stage(
+        name="train_reward_dpo",
+        description='Train a reward channel on the DPO policy (the paper\'s "llama-DPO + SLA").',
+        task="tasks.sla:train_reward_task",
+        task_kwargs={"policy_source": "dpo", "out_dir": "${paths.reward_dir}/dpo"},
+        params=("policy", "reward"),
+        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/sla", "tasks/sla.py"),
+        inputs=("${paths.dpo_dir}", "${paths.pairs}"),
+        outputs=("${paths.reward_dir}/dpo",),
+        headline=("pair_accuracy_channel", "autrc_channel"),
+    ),
+    Stage(
+        name="benchmark_sla",
+        description="Compare greedy, sampling, beam and SLA decoding for the base and DPO policies (Table 1).",
+        task="tasks.sla:benchmark_sla_task",
+        params=("policy", "sla", "sla_benchmark", "label", "prompts.system_prompt"),
+        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common",
+              "models/engine", "models/labeling", "models/sla", "tasks/sla.py"),
+        inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.reward_dir}/base", "${paths.reward_dir}/dpo",
+                "${paths.dpo_dir}"),
+        outputs=("${paths.benchmarks_dir}/sla",),
+        headline=("base_sla.win_rate", "dpo_sla_vs_dpo_greedy.win_rate", "base_sla.latency_vs_greedy",
+                  "base.reward_channel_overhead"),
+    ),
+    Stage(
+        name="train_medusa",
+        description="Medusa-1: train K decoding heads on the frozen policy's own samples (self-distillation).",
+        task="tasks.medusa:train_medusa_task",
+        # the distillation pass also collects RLMedusa's trajectory states and candidates (RLMedusaCandidates)
+        params=("policy", "medusa", "prompts.system_prompt", "rlmedusa.trajectory_tokens", "rlmedusa.top_candidates",
+                "rlmedusa.top_pool", "rlmedusa.random_candidates"),
+        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/medusa", "tasks/medusa.py"),
+        inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.samples}"),
+        outputs=("${paths.medusa_dir}/supervised", "${paths.medusa_dir}/distilled"),
+        headline=("top1_head1", "top1_head2", "top5_head1"),
+    ),
+    Stage(
+        name="train_rlmedusa",
+        description="RLMedusa: fit the token reward r(e, h), train the t + 2 head by policy gradient, "
+                    "compare with Medusa-1.",
+        task="tasks.medusa:train_rlmedusa_task",
+        params=("policy", "rlmedusa", "medusa.eval_top_k"),
+        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/medusa", "tasks/medusa.py"),
+        inputs=("${paths.policy_dir}", "${paths.medusa_dir}/supervised", "${paths.medusa_dir}/distilled"),
+        outputs=("${paths.medusa_dir}/rl",),
+        headline=("supervised_t2_top1", "rl_base_t2_top1", "rl_supervised_t2_top1"),
+    ),
+    Stage(
+        name="benchmark_medusa",
+        description="Tree speculative decoding with Medusa / RLMedusa heads vs HF greedy and prompt lookup: "
+                    "τ, speedup.",
+        task="tasks.medusa:benchmark_medusa_task",
+        params=("policy", "medusa_benchmark", "prompts.system_prompt", "rlmedusa.inits"),
+        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "foresight/prompts.py", "models/engine", "models/medusa",
+              "tasks/medusa.py"),
+        inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.medusa_dir}/supervised",
+                "${paths.medusa_dir}/rl"),
+        outputs=("${paths.benchmarks_dir}/medusa",),
+        headline=("held_out.medusa_supervised.tau", "held_out.medusa_supervised.speedup_vs_reference",
+                  "held_out.medusa_supervised.identical_to_greedy", "held_out.prompt_lookup.speedup_vs_reference"),
+    ),
+    Stage(
+        name="train_coral",
+        description="COrAL: two-stage order-agnostic training with target-aware RoPE in the last layer.",
+        task="tasks.coral:train_coral_task",
+        params=("policy", "coral"),
+        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/coral", "models/engine", "tasks/coral.py"),
+        inputs=("${paths.policy_dir}", "${paths.medusa_dir}/distilled", "${paths.scores}"),
+        outputs=("${paths.coral_dir}",),
+        headline=("after_top1_forward_1", "after_top1_forward_2", "after_top1_forward_4"),
+    ),
+    Stage(
+        name="benchmark_coral",
+        description="Sliding blockwise order-agnostic decoding vs next-token greedy: accuracy, speed, ablations "
+                    "(Table 1).",
+        task="tasks.coral:benchmark_coral_task",
+        params=("policy", "coral_benchmark", "prompts.system_prompt"),
+        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common",
+              "models/coral", "models/engine", "models/labeling", "tasks/coral.py"),
+        inputs=("${paths.prompts_dir}", "${paths.coral_dir}"),
+        outputs=("${paths.benchmarks_dir}/coral",),
+        headline=("next_token.accuracy", "coral.accuracy", "coral.speedup_vs_reference", "coral_no_verifier.accuracy",
+                  "coral_no_verifier.speedup_vs_reference"),
+    ),
+    Stage(
+        name="train_mtp",
+        description="MTP equip: a shared-parameter multi-token-prediction module on the frozen policy, and its "
+                    "depth ablation.",
+        task="tasks.mtp:train_mtp_task",
+        params=("policy", "mtp"),
+        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/mtp", "tasks/mtp.py"),
+        inputs=("${paths.policy_dir}", "${paths.medusa_dir}/distilled", "${paths.scores}"),
+        outputs=("${paths.mtp_dir}",),
+        headline=("held_out_expected_tau", "held_out_top1_depth_1", "ablation_k1_expected_tau",
+                  "ablation_k4_expected_tau"),
+    ),
+    Stage(
+        name="train_mtp_rl",
+        description="GRPO with MTP-drafted rollouts and the advantage-aware MTP loss (MTP-RL), against its "
+                    "baselines.",
+        task="tasks.mtp:train_mtp_rl_task",
+        params=("policy", "mtp_rl", "mtp.ce_weights", "mtp.num_depths", "prompts.system_prompt"),
+        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common",
+              "models/engine", "models/labeling", "models/mtp", "tasks/mtp.py"),
+        inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.mtp_dir}"),
+        outputs=("${paths.mtp_rl_dir}",),
+        headline=("mtp_rl.rollout_speedup", "mtp_rl.tau_first", "mtp_rl.tau_last", "frozen_mtp.tau_last",
+                  "accuracy_before", "mtp_rl.accuracy_after"),
+    ),
+)
+
+STAGES_BY_NAME: dict[str, Stage] = {stage.name: stage for stage in STAGES}
+
+
+DVC_HEADER = """\
+# Generated from foresight/stages.py by `foresight dvc-yaml > dvc.yaml`: edit the stage table, not this file
+# (tests/test_stages.py fails when the two differ). One stage per pipeline step; each runs that step's Prefect
+# flow. Paths come from params.yaml.
+# Outputs are `persist: true`: DVC must not delete the last good output before a stage runs, because
+# stages replace their outputs atomically themselves; a failed run leaves the previous version in place
+# (and every version stays in the DVC cache).
+"""
+
+
+def _yaml_list(key: str, items: Iterable[str], persist: bool = False) -> list[str]:
+    lines = [f"    {key}:"]
+    for item in items:
+        lines += [f"      - {item}:", "          persist: true"] if persist else [f"      - {item}"]
+    return lines
+
+
+def _outermost(paths) -> list[str]:
+    """The declared code paths, sorted, without those inside another declared folder (DVC hashes folders whole)."""
+    unique = sorted(set(paths))
+    return [p for p in unique if not any(p.startswith(q + "/") for q in unique)]
+
+
+def render_dvc_yaml(stages: Iterable[Stage] = STAGES) -> str:
+    """``dvc.yaml`` for the stages: code (sorted) and inputs as deps, params, persistent outputs and the metrics
+    file."""
+    blocks = []
+    for stage in stages:
+        lines = [f"  {stage.name}:", f"    cmd: python -m flows.stages {stage.name}"]
+        lines += _yaml_list("deps", (*_outermost(stage.code), *stage.inputs))
+        lines += _yaml_list("params", stage.params)
+        lines += _yaml_list("outs", stage.outputs, persist=True)
+        lines += _yaml_list("metrics", [stage.metrics_file], persist=True)
+        blocks.append("\n".join(lines) + "\n")
+    return DVC_HEADER + "stages:\n" + "\n".join(blocks)
+
+
+class RecordingConfig:
+    """A transparent stand-in for the config (or one of its sections) that records every key read through it.
+
+    Reading a field gives its value, or another recorder for a nested section, and records the dotted key
+    under its params.yaml name (``cfg.medusa_benchmark.num_prompts`` → ``medusa_benchmark.num_prompts``,
+    ``cfg.validate_`` → ``validate``). Anything else taken from a section (``model_copy``, ``model_dump``, a
+    property, comparing or printing it) may read every field, so it records the whole section. On the config
+    itself, ``path()`` and the fields that are not params (``root``) record nothing: they only locate files.
+    ``__class__`` is the wrapped object's class, so ``isinstance`` and code reading ``obj.__class__.model_fields``
+    see the real thing.
+    """
+
+    __slots__ = ("_target", "_key", "_reads")
+    _UNRECORDED_ON_CONFIG = frozenset({"path"})
+
+    def __init__(self, target: BaseModel, reads: set[str] | None = None, key: str = "") -> None:
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_reads", set() if reads is None else reads)
+
+    @property
+    def reads(self) -> set[str]:
+        """Every dotted key read so far (shared by the config's recorder and its sections')."""
+        return self._reads
+
+    @property
+    def __class__(self):  # noqa: D105 - see the class docstring
+        return type(self._target)
+
+    def _join(self, name: str) -> str:
+        return f"{self._key}.{name}" if self._key else name
+
+    def _record_whole(self) -> None:
+        target = self._target
+        if self._key:
+            self._reads.add(self._key)
+        else:
+            self._reads.update(f.alias or name for name, f in type(target).model_fields.items() if not f.exclude)
+
+    def __getattr__(self, name: str) -> Any:
+        target = self._target
+        fields = type(target).model_fields
+        value = getattr(target, name)
+        if name in fields:
+            if fields[name].exclude:
+                return value
+            key = self._join(fields[name].alias or name)
+            if isinstance(value, BaseModel):
+                return RecordingConfig(value, self._reads, key)
+            self._reads.add(key)
+            return value
+        if not (self._key == "" and name in self._UNRECORDED_ON_CONFIG):
+            self._record_whole()
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"the config is read-only inside a stage (tried to set {self._join(name)})")
+
+    def __eq__(self, other: object) -> bool:
+        self._record_whole()
+        return self._target == (other._target if isinstance(other, RecordingConfig) else other)
+
+    __hash__ = None
+
+    def __iter__(self):
+        self._record_whole()
+        return iter(self._target)
+
+    def __repr__(self) -> str:
+        self._record_whole()
+        return repr(self._target)
+
+
+def _covered(key: str, declared: Iterable[str]) -> bool:
+    """A declared section covers its keys (``medusa`` covers ``medusa.x``); a declared key covers only itself."""
+    return any(key == entry or key.startswith(entry + ".") for entry in declared)
+
+
+def undeclared_reads(stage: Stage, reads: Iterable[str]) -> list[str]:
+    """The config reads ``stage`` does not declare: keys outside its params, ``paths`` entries outside its
+    inputs and outputs."""
+    located = {path_name(expression) for expression in (*stage.inputs, *stage.outputs)} | set(ALWAYS_ALLOWED_PATHS)
+    undeclared = []
+    for key in sorted(set(reads)):
+        section, _, rest = key.partition(".")
+        if section == "paths":
+            if rest.split(".")[0] not in located:
+                undeclared.append(key)
+        elif not _covered(key, stage.params):
+            undeclared.append(key)
+    return undeclared
+
+
+PROJECT_PACKAGES = ("foresight", "models", "tasks")
+"""Packages whose modules a stage must declare as code."""
+
+ORCHESTRATION_MODULES = ("foresight.tracking", "foresight.stages", "foresight.cli")
+"""Modules that run every stage, not part of any stage's work (with the ``flows`` package)."""
+
+
+def undeclared_modules(stage: Stage, modules: Mapping[str, Any], root: Path) -> list[str]:
+    """The project modules in ``modules`` (e.g. ``sys.modules``) whose files lie outside ``stage``'s code.
+
+    A package's ``__init__`` counts as declared when declared code lies inside the package: importing a
+    module imports its parent packages.
+    """
+    declared = [(root / entry).resolve() for entry in stage.code]
+    undeclared = []
+    for name, module in sorted(modules.items()):
+        if name.split(".")[0] not in PROJECT_PACKAGES or name in ORCHESTRATION_MODULES:
+            continue
+        file = getattr(module, "__file__", None)
+        if file is None:
+            continue
+        path = Path(file).resolve()
+        if any(path == entry or entry in path.parents for entry in declared):
+            continue
+        if path.name == "__init__.py" and any(path.parent in entry.parents for entry in declared):
+            continue
+        undeclared.append(name)
+    return undeclared

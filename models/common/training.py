@@ -1,0 +1,110 @@
+"""One supervised training loop for every trained component: SLA's reward heads (docs/sla.md), the Medusa
+heads and RLMedusa's reward model and t + 2 head (docs/medusa.md), COrAL's two stages (docs/coral.md) and the
+MTP module (docs/mtp.md).
+
+Each method supplies only its data, the parameters it trains and a step function ``(model, batch) -> (loss,
+stats)``; the loop owns what they would otherwise each write again:
+
+* ``accelerate``: the same code runs on a CPU, one GPU or several (``accelerate launch``). The step runs the
+  *prepared* model, so under DDP the forward goes through the wrapper and gradients are all-reduced.
+* the optimizer, built from the given parameters (each paper's algorithm, betas and weight decay are the
+  caller's), and the schedule: linear warm-up then cosine decay, or a constant rate;
+* precision: when the model holds half-precision weights, the trained ones are kept in float32 (master
+  weights) for the run and the step runs under autocast to that half dtype. An Adam step moves a weight by
+  about the learning rate; in bfloat16 (8 bits of mantissa) a 1e-6 step of a weight near 0.01 rounds away,
+  so half-precision weights trained directly mostly never move. They are cast back at the end;
+* the log: per step, every stat averaged over processes (``accelerator.reduce``) and the learning rate the
+  step applied, a progress bar on the local main process, ``on_step`` on the main process;
+* the data order: batches are shuffled by a generator seeded with ``seed``. Seeding the model's
+  initialisation stays with the caller, who builds the model before handing it over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+Step = Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, float | torch.Tensor]]]
+"""``(prepared model, batch) -> (loss to minimise, stats to log)``; stats are scalars (floats or 1-element tensors)."""
+
+
+def train(model: nn.Module, data, step: Step, params: Iterable[nn.Parameter] | Iterable[dict],
+          optimizer: Callable[..., torch.optim.Optimizer], *, accelerator: Accelerator, epochs: int, batch_size: int,
+          seed: int, warmup_ratio: float | None = None, collate_fn: Callable | None = None, desc: str = "training",
+          show: Iterable[str] = ("loss",),
+          on_step: Callable[[int, int, dict[str, float]], None] | None = None,
+          on_epoch_end: Callable[[int], None] | None = None) -> tuple[nn.Module, dict[str, list[float]]]:
+    """Train ``params`` (parameters of ``model``, or param groups) for ``epochs`` passes over ``data``.
+
+    ``optimizer``: builds the optimizer from the parameters, e.g. ``partial(torch.optim.AdamW, lr=1e-3,
+    weight_decay=0.0)``. ``warmup_ratio``: the share of steps with linear warm-up before the cosine decay
+    to 0; ``None`` keeps the rate constant. ``show``: the stats on the progress bar. ``on_step(step,
+    num_steps, stats)`` runs on the main process after each optimizer step; ``on_epoch_end(epoch)`` on
+    every process (it may reduce across them).
+
+    Returns the unwrapped model (trained parameters back in their own dtype) and the history: per step,
+    ``learning_rate`` and each stat.
+    """
+    from transformers import get_cosine_schedule_with_warmup
+
+    params = list(params)
+    trained = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
+    half = next((p.dtype for p in model.parameters() if p.dtype in HALF_DTYPES), None)
+    dtypes = [p.dtype for p in trained]
+    for p in trained:
+        p.data = p.data.float()  # master weights (a no-op for float32 ones)
+
+    loader = DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn,
+                        generator=torch.Generator().manual_seed(seed))
+    optimizer = optimizer(params)
+    # Counted before prepare(): the schedule spans the global number of steps (accelerate steps a prepared
+    # scheduler once per process for every optimizer step when batches are split between processes).
+    num_steps = epochs * len(loader)
+    schedule = ([get_cosine_schedule_with_warmup(optimizer, round(warmup_ratio * num_steps), num_steps)]
+                if warmup_ratio is not None else [])
+    prepared, optimizer, loader, *schedule = accelerator.prepare(model, optimizer, loader, *schedule)
+
+    history: dict[str, list[float]] = {"learning_rate": []}
+    local_steps = epochs * len(loader)  # this process's share of num_steps
+    bar = tqdm(total=local_steps, desc=desc, unit="step", disable=not accelerator.is_local_main_process)
+    for epoch in range(epochs):
+        for batch in loader:
+            # a disabled torch.autocast would switch accelerate's off too, hence nullcontext
+            half_autocast = torch.autocast(accelerator.device.type, dtype=half) if half else nullcontext()
+            with accelerator.autocast(), half_autocast:
+                loss, stats = step(prepared, batch)
+            accelerator.backward(loss)
+            rate = schedule[0].get_last_lr()[0] if schedule else optimizer.param_groups[0]["lr"]
+            history["learning_rate"].append(rate)  # the rate this step applies
+            optimizer.step()
+            for scheduler in schedule:
+                scheduler.step()
+            optimizer.zero_grad()
+
+            # float64: a float32 stat (and a Python float made from one) passes through exactly
+            values = torch.tensor([float(v) for v in stats.values()], dtype=torch.float64, device=accelerator.device)
+            logged = dict(zip(stats, accelerator.reduce(values, "mean").tolist(), strict=True))
+            for key, value in logged.items():
+                history.setdefault(key, []).append(value)
+            bar.update(1)
+            bar.set_postfix({key: f"{logged[key]:.4f}" for key in show})
+            if on_step is not None and accelerator.is_main_process:
+                on_step(bar.n, local_steps, logged)
+        if on_epoch_end is not None:
+            on_epoch_end(epoch)
+    bar.close()
+    for p, dtype in zip(trained, dtypes, strict=True):
+        p.data = p.data.to(dtype)
+    return accelerator.unwrap_model(prepared), history

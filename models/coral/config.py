@@ -1,0 +1,55 @@
+"""The frozen configs of COrAL's two-stage training and its sliding blockwise decoder (docs/coral.md).
+
+Plain dataclasses and names with no heavy imports: the pipeline's typed params (``foresight/config.py``) take
+their defaults from here, so loading the params never loads model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CoralDecoding:
+    """Settings of one sliding-blockwise decoder (Appendix D's are block 64, windows 4 / 8, ε 0.2)."""
+
+    block_size: int = 8  # b: the most tentative tokens in flight
+    forward_window: int = 4  # k_f: new positions predicted ahead of the last tentative token (1 = w/o multi-forward)
+    backward_window: int = 8  # k_b: later tokens whose backward predictions refine a token
+    epsilon: float = 0.2  # ε of eq. 8
+    decay: float = 0.8  # λ_δ = decay^|δ − 1|: next-token predictions weigh most, longer dependencies less
+    gamma: tuple[float, ...] = (1.1, 1.2, 1.3)  # Appendix C scaling of the 2nd, 3rd, 4th new token's confidence
+    tree_size: int = 8  # candidate nodes besides the top-1 chain (ignored without the verifier)
+    verify: bool = True  # eq. 6 + 7 selection over a candidate tree; False = the ensemble's top-1 chain only
+    seed: int = 0  # the generator of eq. 8's acceptance draws
+
+    def offsets(self) -> tuple[int, ...]:
+        """Target offsets of the last layer: backward −k_b … 0, then forward +1 … +k_f."""
+        return tuple(range(-self.backward_window, 1)) + tuple(range(1, self.forward_window + 1))
+
+    def weight(self, distance: int) -> float:
+        """λ_δ for a prediction of position j from the context ≤ j − δ."""
+        return self.decay ** abs(distance - 1)
+
+
+@dataclass(frozen=True)
+class CoralTraining:
+    """COrAL's objective (Appendix D's offsets and corruption) and its two training stages."""
+
+    forward_window: int = 4  # k_f: forward prediction offsets +1 … +k_f on clean sequences
+    backward_window: int = 8  # k_b: backward reconstruction offsets −k_b … 0 on corrupted sequences
+    max_patch_size: int = 4  # each sequence's corruption patch size is drawn in 1 … max_patch_size
+    corruption_ratio: float = 0.25  # probability that a patch is corrupted
+    # Offset +1 (next-token prediction) outweighs the other forward offsets: the last layer serves every
+    # offset, and on little data learning +2 … +4 erodes next-token accuracy.
+    next_token_weight: float = 4.0
+    replace_probability: float = 0.5  # a corrupted patch is another span of the response, else its first token repeated
+    # The paper's 5e-6 suits 3 epochs of ~100k examples, not ~100.
+    stage1_learning_rate: float = 2.0e-4
+    stage1_epochs: int = 1  # the last decoder layer only; 0 skips the stage
+    # The paper's 1e-6: 1e-5 pulls the trunk towards the far offsets and wrecks next-token accuracy.
+    stage2_learning_rate: float = 1.0e-6
+    stage2_epochs: int = 1  # every parameter but the last decoder layer; 0 skips the stage
+    batch_size: int = 8  # sequences per step
+    warmup_ratio: float = 0.1  # linear warm-up share of each stage's steps, cosine decay after
+    seed: int = 0  # shuffling and corruption

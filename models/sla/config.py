@@ -1,0 +1,43 @@
+"""The frozen configs of the reward heads' training, SLA search and DPO (docs/sla.md).
+
+Plain dataclasses and names with no heavy imports: the pipeline's typed params (``foresight/config.py``) take
+their defaults from here, so loading the params never loads model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DPOTraining:
+    """DPO's β and the schedule of :func:`models.sla.dpo.train_dpo`."""
+
+    beta: float = 0.1  # DPO temperature β
+    learning_rate: float = 5e-6
+    epochs: int = 1
+    batch_size: int = 4  # pairs per optimizer step
+    max_length: int = 512  # prompt + response tokens kept
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RewardTraining:
+    """How reward heads are trained and evaluated (§5: Adam at 5e-5, cosine schedule with warm-up)."""
+
+    learning_rate: float = 5e-5
+    epochs: int = 2
+    batch_size: int = 4  # pairs per optimizer step (2 × that many sequences per forward)
+    warmup_ratio: float = 0.1
+    max_length: int = 512  # prompt + response tokens kept per sequence
+    curve_points: int = 100  # x = 1 … 100 % of the response for the token-level reward curve
+    seed: int = 0  # head initialisation and shuffling
+
+
+@dataclass(frozen=True)
+class SLASearch:
+    """SLA(d, k, n): the shape of the look-ahead tree."""
+
+    depth: int = 2  # d: levels searched below the committed text (0 = plain greedy)
+    width: int = 2  # k: children per expanded node
+    step: int = 10  # n: tokens decoded greedily per node

@@ -1,0 +1,99 @@
+"""The shared supervised training loop (models/common/training.py): gradients synchronised across processes,
+float32 master weights for half-precision models, the schedule and the log."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from torch import nn
+
+from models.common.training import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _mse_step(model: nn.Module, batch: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    x, y = batch
+    loss = (model(x) - y).pow(2).mean()
+    return loss, {"loss": loss.detach()}
+
+
+def _train_on_two_ranks() -> None:
+    """Run by each of 2 processes: train a linear model on this rank's half of the batches, then compare."""
+    AcceleratorState._reset_state(True)  # the forked process inherits the parent's single-process state
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == 2
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(1)),
+                                          torch.randn(16, 1, generator=torch.Generator().manual_seed(2)))
+    for through_wrapper in (True, False):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+
+        def step(model, batch):
+            # bypassing the DDP wrapper (what COrAL once did) trains each rank on its own gradients only
+            return _mse_step(model if through_wrapper else accelerator.unwrap_model(model), batch)
+
+        trained, history = train(model, data, step, model.parameters(), partial(torch.optim.SGD, lr=0.1),
+                                 accelerator=accelerator, epochs=2, batch_size=2, seed=0)
+        assert len(history["loss"]) == 2 * 16 // (2 * 2)  # each rank takes half of the batches
+        weights = torch.cat([p.detach().flatten() for p in trained.parameters()])
+        gathered = accelerator.gather(weights[None])  # (2, P)
+        assert torch.equal(gathered[0], gathered[1]) == through_wrapper, through_wrapper
+
+
+def test_gradients_are_all_reduced_across_processes():
+    """Both ranks end with identical parameters, and would not if the step ran the unwrapped model.
+
+    The two ranks are forked from a fresh interpreter: forked from this test process, they would inherit the
+    state of whatever ran before (a Prefect test server's threads, say) and could die before training.
+    """
+    launch = ("from accelerate import debug_launcher; from tests.test_training_loop import _train_on_two_ranks; "
+              "debug_launcher(_train_on_two_ranks, num_processes=2)")
+    result = subprocess.run([sys.executable, "-c", launch], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_half_precision_model_trains_float32_master_weights():
+    """At lr 1e-6 every Adam step of a bfloat16 weight of 2⁻⁸ (spacing 2⁻¹⁵ ≈ 3e-5) rounds away; the loop's
+    float32 master weights accumulate 40 steps, and the result is cast back to bfloat16."""
+    def model() -> nn.Module:
+        linear = nn.Linear(4, 1, bias=False).to(torch.bfloat16)
+        nn.init.constant_(linear.weight, 2.0 ** -8)
+        return linear
+
+    data = torch.utils.data.TensorDataset(torch.ones(40, 4), torch.full((40, 1), 10.0))
+    plain = model()  # the same training in bfloat16 alone
+    optimizer = torch.optim.Adam(plain.parameters(), lr=1e-6)
+    for x, y in torch.utils.data.DataLoader(data):
+        _mse_step(plain, [x.bfloat16(), y.bfloat16()])[0].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert torch.all(plain.weight == 2.0 ** -8)
+
+    linear = model()
+    trained, history = train(linear, data, _mse_step, linear.parameters(), partial(torch.optim.Adam, lr=1e-6),
+                             accelerator=Accelerator(cpu=True), epochs=1, batch_size=1, seed=0)
+    assert trained.weight.dtype == torch.bfloat16
+    assert torch.all(trained.weight > 2.0 ** -8)  # moved by ≈ 40 · 1e-6 ≥ one bfloat16 spacing
+    assert len(history["loss"]) == 40
+
+
+def test_cosine_schedule_with_warmup_and_the_log():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    seen = []
+    _, history = train(model, data, _mse_step, model.parameters(), partial(torch.optim.AdamW, lr=1.0),
+                       accelerator=Accelerator(cpu=True), epochs=2, batch_size=2, seed=0, warmup_ratio=0.25,
+                       on_step=lambda step, num_steps, stats: seen.append((step, num_steps, stats["loss"])))
+    # 8 steps: 2 of linear warm-up from 0, then the cosine decay towards 0
+    assert history["learning_rate"][:3] == pytest.approx([0.0, 0.5, 1.0])
+    assert history["learning_rate"][-1] < 0.1
+    assert seen == [(i + 1, 8, loss) for i, loss in enumerate(history["loss"])]
