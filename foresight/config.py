@@ -39,6 +39,10 @@ class ConfigError(ValueError):
     """params.yaml (or an override) is malformed; the message names the key and the allowed values."""
 
 
+SFTData = Literal["distilled", "correct"]
+"""The responses COrAL and the MTP module train on: the policy's greedy responses that ``train_medusa`` distilled
+from, or the generated samples the labeler marked correct (:func:`tasks.data.sft_responses`)."""
+
 Component = TypeVar("Component")
 
 
@@ -430,7 +434,7 @@ class MedusaBenchmarkConfig(_Section):
     """``prompt_lookup_num_tokens`` of HF prompt-lookup decoding."""
     num_prompts: int = Field(4, ge=1)
     """Held-out prompts decoded by every decoder (the first ones of the eval split)."""
-    draft_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    draft_dtype: DraftDtypeName = "bfloat16"
     """Precision of the drafts (heads + LM head copy). Verification stays in the policy's dtype, so this never
     changes greedy-verified output; bf16 drafts are ~4× cheaper on a CPU with bf16 units."""
     max_new_tokens: int = Field(64, ge=1)
@@ -442,7 +446,7 @@ class MedusaBenchmarkConfig(_Section):
 class CoralConfig(_Section):
     """COrAL order-agnostic training with target-aware RoPE (stage ``train_coral``)."""
 
-    data: Literal["distilled", "correct"] = "distilled"
+    data: SFTData = "distilled"
     """SFT data: ``distilled`` = the responses the ``train_medusa`` stage distilled from (the policy's greedy
     responses to the training prompts by default: what the model itself would write); ``correct`` = the
     generated samples the labeler marked correct."""
@@ -515,7 +519,7 @@ class CoralBenchmarkConfig(_Section):
 class MTPConfig(_Section):
     """The MTP-equipped stage (stage ``train_mtp``): a shared-parameter MTP module on the frozen policy."""
 
-    data: Literal["distilled", "correct"] = "distilled"
+    data: SFTData = "distilled"
     """Self-distilled data: ``distilled`` = the policy's greedy responses that ``train_medusa`` distilled from;
     ``correct`` = the generated samples the labeler marked correct."""
     num_depths: int = Field(3, ge=1, le=8)
@@ -593,7 +597,7 @@ class MTPRLConfig(_Section):
     """Precision of the drafts only (copies made per rollout phase): never changes what is sampled."""
     eval_prompts: int = Field(8, ge=1)
     """Held-out prompts for greedy accuracy before RL and after each variant."""
-    mixed_precision: Literal["no", "bf16"] = "no"
+    mixed_precision: MixedPrecision = "no"
     """accelerate's autocast for the update's forward passes."""
     seed: int = MTPRLTraining.seed
     """Seeds the prompt order and every rollout's sampling (the same streams for every variant)."""
