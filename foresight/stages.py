@@ -277,9 +277,6 @@ STAGES: tuple[Stage, ...] = (
     ),
 )
 
-STAGES_BY_NAME: dict[str, Stage] = {stage.name: stage for stage in STAGES}
-
-
 DVC_HEADER = """\
 # Generated from foresight/stages.py by `foresight dvc-yaml > dvc.yaml`: edit the stage table, not this file
 # (tests/test_stages.py fails when the two differ). One stage per pipeline step; each runs that step's Prefect
