@@ -24,12 +24,13 @@ from prefect.cache_policies import NO_CACHE
 from foresight.benchmark import interleaved_decoding, markdown_table, speed_row
 from foresight.config import Config, component
 from foresight.plots import bar_plot, line_plot
-from foresight.storage import atomic_path, read_table, write_json, write_table
+from foresight.storage import atomic_path, write_json, write_table
 from tasks.data import (
     GPU_TAG,
     StageResult,
     load_stage_policy,
     load_trained_policy,
+    read_prompts,
     sft_responses,
     split_responses,
     stage_accelerator,
@@ -123,7 +124,7 @@ def benchmark_coral_task(cfg: Config) -> StageResult:
         raise FileNotFoundError(f"{folder} holds no COrAL model: run the train_coral stage first")
     policy = load_trained_policy(cfg, folder)
     eos = end_token_ids(policy)
-    held_out = read_table(cfg.path(cfg.paths.prompts_dir) / "eval.jsonl", "held-out prompts").head(b.num_prompts)
+    held_out = read_prompts(cfg, "eval").head(b.num_prompts)
     if held_out.empty:
         raise ValueError("no held-out prompts to benchmark COrAL on: set prompts.num_eval > 0")
     settings = coral_decoders(cfg)

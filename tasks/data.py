@@ -99,8 +99,16 @@ def split_responses(responses: pd.DataFrame, eval_fraction: float, seed: int):
     return train_rows, eval_rows
 
 
+PROMPT_SPLITS = {"train": "training prompts", "eval": "held-out prompts"}
+
+
 def _prompt_split_path(cfg: Config, split: str) -> Path:
     return cfg.path(cfg.paths.prompts_dir) / f"{split}.jsonl"
+
+
+def read_prompts(cfg: Config, split: str) -> pd.DataFrame:
+    """The ``train`` or ``eval`` (held-out) prompts ``prepare_prompts`` wrote; a clear error if it has not run."""
+    return read_table(_prompt_split_path(cfg, split), PROMPT_SPLITS[split])
 
 
 @task(name="prepare-policy", retries=2, retry_delay_seconds=10, cache_policy=NO_CACHE)
@@ -143,7 +151,7 @@ def generate_task(cfg: Config) -> StageResult:
 
     logger = get_run_logger()
     started = time.perf_counter()
-    prompts_df = read_table(_prompt_split_path(cfg, "train"), "training prompts")
+    prompts_df = read_prompts(cfg, "train")
     policy = load_stage_policy(cfg, "base")
     prompts = chat_prompts(policy.tokenizer, prompts_df["question"].tolist(), cfg.prompts.system_prompt)
     sampling = component(Sampling, cfg.generate)

@@ -30,7 +30,7 @@ from foresight.benchmark import interleaved_decoding, markdown_table, speed_row
 from foresight.config import Config, component
 from foresight.plots import bar_plot, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
-from tasks.data import GPU_TAG, StageResult, load_stage_policy, split_responses, stage_accelerator
+from tasks.data import GPU_TAG, StageResult, load_stage_policy, read_prompts, split_responses, stage_accelerator
 
 DISTILLED_FIELDS = ("hidden", "targets", "sample", "rl_rows", "rl_candidates", "rl_probs")
 
@@ -46,7 +46,7 @@ def _distillation_data(cfg: Config, policy) -> pd.DataFrame:
 
     m = cfg.medusa
     if m.data == "greedy":
-        prompts = read_table(cfg.path(cfg.paths.prompts_dir) / "train.jsonl", "training prompts")
+        prompts = read_prompts(cfg, "train")
         if prompts.empty:
             raise ValueError("no training prompts to distil from: set prompts.num_train > 0")
         return greedy_responses(policy, prompts, m.max_new_tokens, m.distill_batch_size, cfg.prompts.system_prompt)
@@ -219,8 +219,7 @@ def _prompt_sets(cfg: Config) -> dict[str, list[str]]:
     from foresight.prompts import file_prompts
 
     s = cfg.medusa_benchmark
-    sets = {"held_out": read_table(cfg.path(cfg.paths.prompts_dir) / "eval.jsonl", "held-out prompts")
-            ["question"].head(s.num_prompts).tolist()}
+    sets = {"held_out": read_prompts(cfg, "eval")["question"].head(s.num_prompts).tolist()}
     for file_cfg in s.prompt_files:
         sets[Path(file_cfg.path).stem] = file_prompts(file_cfg, cfg.root)["question"].head(s.num_prompts).tolist()
     for name, questions in sets.items():

@@ -31,8 +31,16 @@ from tqdm.auto import tqdm
 from foresight.benchmark import markdown_table
 from foresight.config import Config, component
 from foresight.plots import line_plot
-from foresight.storage import atomic_path, read_table, write_json, write_table
-from tasks.data import GPU_TAG, StageResult, load_stage_policy, sft_responses, split_responses, stage_accelerator
+from foresight.storage import atomic_path, write_json, write_table
+from tasks.data import (
+    GPU_TAG,
+    StageResult,
+    load_stage_policy,
+    read_prompts,
+    sft_responses,
+    split_responses,
+    stage_accelerator,
+)
 
 
 @task(name="train-mtp", tags=[GPU_TAG], cache_policy=NO_CACHE)
@@ -121,7 +129,7 @@ def _greedy_accuracy(policy, prompt_ids: list[list[int]], answers: list[str], ma
 
 
 def _prompts_with_answers(cfg: Config, split: str) -> pd.DataFrame:
-    table = read_table(cfg.path(cfg.paths.prompts_dir) / f"{split}.jsonl", f"{split} prompts")
+    table = read_prompts(cfg, split)
     table = table[table["answer"].notna()].reset_index(drop=True)
     if table.empty:
         raise ValueError(f"no {split} prompt has a known answer: GRPO's verifiable reward needs them "

@@ -40,7 +40,7 @@ from foresight.pairs import split_pairs
 from foresight.plots import bar_plot, line_plot
 from foresight.storage import atomic_path, read_table, write_table
 from models.sla.config import SLASearch
-from tasks.data import GPU_TAG, StageResult, load_stage_policy, stage_accelerator
+from tasks.data import GPU_TAG, StageResult, load_stage_policy, read_prompts, stage_accelerator
 
 
 def plot_reward_curves(curves: dict[str, tuple[Sequence[float], Sequence[float]]], path: Path) -> Path:
@@ -298,7 +298,7 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
     logger = get_run_logger()
     started = time.perf_counter()
     b = cfg.sla_benchmark
-    held_out = read_table(cfg.path(cfg.paths.prompts_dir) / "eval.jsonl", "held-out prompts").head(b.num_prompts)
+    held_out = read_prompts(cfg, "eval").head(b.num_prompts)
     if held_out.empty:
         raise ValueError("no held-out prompts: set prompts.num_eval > 0")
     questions = held_out["question"].tolist()
