@@ -23,7 +23,6 @@ from flows.stages import metrics_path
 from foresight.config import Config, load_config
 from foresight.stages import STAGES
 from foresight.tracking import PARENT_RUN_ENV, pipeline_run
-from tasks.data import GPU_TAG
 
 
 def _prefect_api_url() -> str | None:
@@ -49,9 +48,13 @@ def _run_streaming(cmd: list[str], cwd: Path, env: dict, what: str) -> list[str]
     return lines
 
 
-@task(name="dvc-repro", tags=[GPU_TAG], cache_policy=NO_CACHE)
+@task(name="dvc-repro", cache_policy=NO_CACHE)
 def reproduce_task(root: Path, parent_run_id: str, targets: list[str], force: bool) -> list[str]:
-    """``dvc repro`` the stale stages; returns the names of the stages that ran."""
+    """``dvc repro`` the stale stages; returns the names of the stages that ran.
+
+    Not tagged ``gpu``: it waits for the stage tasks that are, and under a ``gpu`` concurrency limit of 1 it
+    would hold the only slot they wait for (a deadlock). The stage tasks themselves take the slots.
+    """
     # TQDM_MININTERVAL: progress bars redraw every 10 s instead of flooding the log with lines;
     # PYTHONUNBUFFERED: stage output reaches the Prefect log as it happens, not in late blocks.
     env = dict(os.environ, **{PARENT_RUN_ENV: parent_run_id, "TQDM_MININTERVAL": "10", "PYTHONUNBUFFERED": "1"})

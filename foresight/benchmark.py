@@ -3,7 +3,8 @@
 - :func:`win_tie_loss`: per-prompt comparison of a decoder's rewards with a reference decoder's,
   summarised as the SLA paper does: win rate = win + tie / 2.
 - :class:`DecodeTimer` / :func:`speed_row`: tokens/s and per-token latency measured in the same run,
-  as ratios to the reference decoder.
+  as ratios to the reference decoder. On a GPU, kernels run asynchronously: every timer waits for them
+  (:func:`synchronize`) before reading the clock, or it would time their launches.
 - :func:`interleaved_decoding`: every decoder on every prompt at batch 1, prompt-major, timed.
 - :func:`markdown_table`: the human-readable report table (plots: :mod:`foresight.plots`).
 """
@@ -29,6 +30,14 @@ def win_tie_loss(rewards: Sequence[float], reference: Sequence[float], tolerance
     return {"win": wins / n, "tie": ties / n, "loss": losses / n, "win_rate": (wins + ties / 2) / n}
 
 
+def synchronize() -> None:
+    """Wait for every queued CUDA kernel (a no-op when CUDA was never used in this process)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 @dataclass
 class DecodeTimer:
     """Accumulates wall time and generated tokens of batch-1 decoding calls."""
@@ -39,10 +48,12 @@ class DecodeTimer:
     _started: float = field(default=0.0, repr=False)
 
     def __enter__(self) -> DecodeTimer:
+        synchronize()
         self._started = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
+        synchronize()
         self.seconds += time.perf_counter() - self._started
         self.calls += 1
 

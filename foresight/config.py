@@ -283,6 +283,12 @@ class DPOConfig(_Section):
     """Pairs per optimizer step."""
     max_length: int = Field(DPOTraining.max_length, ge=16)
     """Truncate prompt + response to this many tokens."""
+    lora_rank: int = Field(DPOTraining.lora_rank, ge=0)
+    """0: train the policy in full. > 0: train PEFT LoRA adapters of this rank on every linear layer instead
+    (alpha = 2 × rank); the frozen reference is the same model with its adapters disabled (no second copy), and
+    the adapters are merged into the saved weights. What makes 8B fit one 80 GB GPU (``foresight plan``)."""
+    gradient_checkpointing: bool = DPOTraining.gradient_checkpointing
+    """Recompute the policy's activations in the backward pass: less memory for ~30 % more compute."""
     seed: int = DPOTraining.seed
     """Training seed."""
 
@@ -483,6 +489,12 @@ class CoralConfig(_Section):
     """Share of prompts held out for the per-offset accuracy."""
     mixed_precision: MixedPrecision = "bf16"
     """accelerate's autocast for the training forward passes."""
+    lora_rank: int = Field(CoralTraining.lora_rank, ge=0)
+    """0: stage 2 trains its weights in full. > 0: it trains PEFT LoRA adapters of this rank on every linear layer
+    but the last decoder layer's instead (alpha = 2 × rank), merged into the saved weights. What makes stage 2
+    fit one 80 GB GPU at 8B (``foresight plan``)."""
+    gradient_checkpointing: bool = CoralTraining.gradient_checkpointing
+    """Recompute the policy's activations in the backward pass: less memory for ~30 % more compute."""
     seed: int = CoralTraining.seed
     """Seeds the split, the shuffling and the corruption."""
 
@@ -599,6 +611,12 @@ class MTPRLConfig(_Section):
     """Held-out prompts for greedy accuracy before RL and after each variant."""
     mixed_precision: MixedPrecision = "no"
     """accelerate's autocast for the update's forward passes."""
+    lora_rank: int = Field(MTPRLTraining.lora_rank, ge=0)
+    """0: train the policy in full. > 0: train PEFT LoRA adapters of this rank on every linear layer instead
+    (alpha = 2 × rank); the frozen reference is the same model with its adapters disabled (no second copy), and
+    the adapters are merged into the saved weights. What makes 8B fit one 80 GB GPU (``foresight plan``)."""
+    gradient_checkpointing: bool = MTPRLTraining.gradient_checkpointing
+    """Recompute the policy's activations in the backward pass: less memory for ~30 % more compute."""
     seed: int = MTPRLTraining.seed
     """Seeds the prompt order and every rollout's sampling (the same streams for every variant)."""
 
@@ -607,6 +625,19 @@ class MTPRLConfig(_Section):
         if not self.variants or len(set(self.variants)) != len(self.variants):
             raise ValueError(f"mtp_rl.variants must name at least one variant, each once, got {self.variants}")
         return self
+
+
+class LaunchConfig(_Section):
+    """How the training stages' processes are started (section ``launch``; docs/gpu.md)."""
+
+    num_processes: int = Field(1, ge=1)
+    """1: each stage runs in its own process. > 1: every training stage runs under ``accelerate launch
+    --num_processes N`` (data parallel, one process per GPU); only the first process writes outputs and the
+    flow's process does the Prefect and MLflow bookkeeping. Results depend on it (the data order), so DVC
+    re-runs the training stages when it changes."""
+    accelerate_config: Path | None = None
+    """An ``accelerate config`` file for the launch (multi-node, DeepSpeed, FSDP…); ``None``: accelerate's
+    defaults for ``num_processes`` processes on this machine."""
 
 
 class TrackingConfig(_Section):
@@ -657,6 +688,8 @@ class Config(_Section):
     """The MTP-equipped stage."""
     mtp_rl: MTPRLConfig = Field(default_factory=MTPRLConfig)
     """GRPO with MTP-drafted rollouts (MTP-RL) and its baselines."""
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    """Processes of the training stages (one, or several under ``accelerate launch``)."""
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     """MLflow."""
 

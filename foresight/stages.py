@@ -55,6 +55,14 @@ class Stage:
     task_kwargs: Mapping[str, str] = field(default_factory=dict)
     """Arguments after the config, for a task that serves several stages; a path expression is passed as the
     absolute path it names."""
+    distributed: bool = False
+    """A training stage: under ``launch.num_processes`` > 1 its task runs in every process of an ``accelerate
+    launch`` (data parallel; ``flows.stages``), so it also depends on the ``launch`` section."""
+
+    @property
+    def dvc_params(self) -> tuple[str, ...]:
+        """The params DVC tracks: the task's reads, and ``launch`` for a distributed stage."""
+        return (*self.params, "launch") if self.distributed else self.params
 
     @property
     def flow_name(self) -> str:
@@ -154,6 +162,7 @@ STAGES: tuple[Stage, ...] = (
         code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/sla", "tasks/sla.py"),
         inputs=("${paths.policy_dir}", "${paths.pairs}"),
         outputs=("${paths.reward_dir}/base",),
+        distributed=True,
         headline=("pair_accuracy_channel", "autrc_channel", "autrc_adapter1", "autrc_adapter4"),
     ),
     Stage(
@@ -164,6 +173,7 @@ STAGES: tuple[Stage, ...] = (
         code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/sla", "tasks/sla.py"),
         inputs=("${paths.policy_dir}", "${paths.pairs}"),
         outputs=("${paths.dpo_dir}",),
+        distributed=True,
         headline=("heldout_accuracy_after",),
     ),
     Stage(
@@ -175,6 +185,7 @@ STAGES: tuple[Stage, ...] = (
         code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/sla", "tasks/sla.py"),
         inputs=("${paths.dpo_dir}", "${paths.pairs}"),
         outputs=("${paths.reward_dir}/dpo",),
+        distributed=True,
         headline=("pair_accuracy_channel", "autrc_channel"),
     ),
     Stage(
@@ -200,6 +211,7 @@ STAGES: tuple[Stage, ...] = (
         code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/medusa", "tasks/medusa.py"),
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.samples}"),
         outputs=("${paths.medusa_dir}/supervised", "${paths.medusa_dir}/distilled"),
+        distributed=True,
         headline=("top1_head1", "top1_head2", "top5_head1"),
     ),
     Stage(
@@ -211,6 +223,7 @@ STAGES: tuple[Stage, ...] = (
         code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/medusa", "tasks/medusa.py"),
         inputs=("${paths.policy_dir}", "${paths.medusa_dir}/supervised", "${paths.medusa_dir}/distilled"),
         outputs=("${paths.medusa_dir}/rl",),
+        distributed=True,
         headline=("supervised_t2_top1", "rl_base_t2_top1", "rl_supervised_t2_top1"),
     ),
     Stage(
@@ -235,6 +248,7 @@ STAGES: tuple[Stage, ...] = (
         code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/coral", "models/engine", "tasks/coral.py"),
         inputs=("${paths.policy_dir}", "${paths.medusa_dir}/distilled", "${paths.scores}"),
         outputs=("${paths.coral_dir}",),
+        distributed=True,
         headline=("after_top1_forward_1", "after_top1_forward_2", "after_top1_forward_4"),
     ),
     Stage(
@@ -259,6 +273,7 @@ STAGES: tuple[Stage, ...] = (
         code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/mtp", "tasks/mtp.py"),
         inputs=("${paths.policy_dir}", "${paths.medusa_dir}/distilled", "${paths.scores}"),
         outputs=("${paths.mtp_dir}",),
+        distributed=True,
         headline=("held_out_expected_tau", "held_out_top1_depth_1", "ablation_k1_expected_tau",
                   "ablation_k4_expected_tau"),
     ),
@@ -272,6 +287,7 @@ STAGES: tuple[Stage, ...] = (
               "models/engine", "models/labeling", "models/mtp", "tasks/mtp.py"),
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.mtp_dir}"),
         outputs=("${paths.mtp_rl_dir}",),
+        distributed=True,
         headline=("mtp_rl.rollout_speedup", "mtp_rl.tau_first", "mtp_rl.tau_last", "frozen_mtp.tau_last",
                   "accuracy_before", "mtp_rl.accuracy_after"),
     ),
@@ -307,7 +323,7 @@ def render_dvc_yaml(stages: Iterable[Stage] = STAGES) -> str:
     for stage in stages:
         lines = [f"  {stage.name}:", f"    cmd: python -m flows.stages {stage.name}"]
         lines += _yaml_list("deps", (*_outermost(stage.code), *stage.inputs))
-        lines += _yaml_list("params", stage.params)
+        lines += _yaml_list("params", stage.dvc_params)
         lines += _yaml_list("outs", stage.outputs, persist=True)
         lines += _yaml_list("metrics", [stage.metrics_file], persist=True)
         blocks.append("\n".join(lines) + "\n")

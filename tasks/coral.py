@@ -17,34 +17,34 @@ import time
 from dataclasses import replace
 
 import pandas as pd
-from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
 
 from foresight.benchmark import interleaved_decoding, markdown_table, speed_row
 from foresight.config import Config, component
 from foresight.plots import bar_plot, line_plot
 from foresight.storage import atomic_path, write_json, write_table
 from tasks.data import (
-    GPU_TAG,
     StageResult,
+    gpu_task,
     load_stage_policy,
     load_trained_policy,
+    markdown_artifact,
     read_prompts,
     sft_responses,
     split_responses,
     stage_accelerator,
+    stage_logger,
+    table_artifact,
 )
 
 
-@task(name="train-coral", tags=[GPU_TAG], cache_policy=NO_CACHE)
+@gpu_task("train-coral")
 def train_coral_task(cfg: Config) -> StageResult:
     """Two-stage COrAL training of the base policy; writes the model folder with its curves and evaluation."""
     from models.common.sequences import sft_sequences
     from models.coral.config import CoralTraining
     from models.coral.training import offset_accuracy, train_coral
 
-    logger = get_run_logger()
+    logger = stage_logger()
     started = time.perf_counter()
     c = cfg.coral
     policy = load_stage_policy(cfg, "base")
@@ -108,7 +108,7 @@ def coral_decoders(cfg: Config) -> dict:
     return decoders
 
 
-@task(name="benchmark-coral", tags=[GPU_TAG], cache_policy=NO_CACHE)
+@gpu_task("benchmark-coral")
 def benchmark_coral_task(cfg: Config) -> StageResult:
     """Next-token greedy vs the COrAL decoders on held-out prompts, at batch 1, on the COrAL-trained model."""
     from models.coral.decoding import CoralStats, coral_generate
@@ -116,7 +116,7 @@ def benchmark_coral_task(cfg: Config) -> StageResult:
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
     from models.labeling.labelers import is_correct
 
-    logger = get_run_logger()
+    logger = stage_logger()
     started = time.perf_counter()
     b = cfg.coral_benchmark
     folder = cfg.path(cfg.paths.coral_dir)
@@ -189,9 +189,9 @@ def _coral_report(cfg: Config, outputs: pd.DataFrame, rows: list[dict], seconds:
     metrics = {f"{r['decoder']}.{key}": r[key] for r in rows
                for key in ("accuracy", "tokens_per_s", "speedup_vs_reference", "tokens_per_forward")}
     metrics["wall_seconds"] = seconds
-    create_table_artifact(key="coral-benchmark", table=[{c: r[c] for c in TABLE_COLUMNS} for r in rows],
+    table_artifact(key="coral-benchmark", table=[{c: r[c] for c in TABLE_COLUMNS} for r in rows],
                           description="COrAL decoders against next-token greedy at batch 1")
-    create_markdown_artifact(key="coral-benchmark-report", markdown=(out_dir / "report.md").read_text(),
+    markdown_artifact(key="coral-benchmark-report", markdown=(out_dir / "report.md").read_text(),
                              description="COrAL benchmark report")
     return StageResult(metrics=metrics, tables={"coral_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
 

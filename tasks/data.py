@@ -3,21 +3,36 @@
 Thin wrappers: the work lives in ``models/`` and ``foresight/`` (docs/pipeline.md); model code gets its own
 small configs, built from the params sections with :func:`foresight.config.component`. Each task writes its outputs
 atomically (nothing half-written survives a failure) and returns a :class:`StageResult` of metrics
-and paths, never models or tensors. Tasks that run a neural network are tagged ``gpu`` so a Prefect
-concurrency limit (``prefect concurrency-limit create gpu 1``) can guard the GPUs. DVC decides what
-is stale, so Prefect's own result caching is off.
+and paths, never models or tensors. DVC decides what is stale, so Prefect's own result caching is off.
+
+Tasks that run a neural network are :func:`gpu_task` s: tagged ``gpu``, so a Prefect concurrency limit
+(``prefect concurrency-limit create gpu 1``) guards the GPUs, and retried once after a transient CUDA error.
+Only stage tasks carry the tag, never a task that waits for them (that would deadlock the limit).
+
+A training stage may run in several processes at once (``launch.num_processes``, docs/gpu.md): its task then
+runs in each process of an ``accelerate launch``, outside any Prefect run, so tasks log through
+:func:`stage_logger` and publish artifacts through :func:`table_artifact` / :func:`markdown_artifact` /
+:func:`progress_artifact`, which outside a run keep them for the flow's process to publish.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
+from prefect.context import get_run_context
+from prefect.exceptions import MissingContextError
 from tqdm.auto import tqdm
 
 from foresight.config import Config, component
@@ -25,6 +40,78 @@ from foresight.pairs import SAMPLE_COLUMNS, SCORE_COLUMNS, make_pairs
 from foresight.storage import read_table, write_table
 
 GPU_TAG = "gpu"
+
+TRANSIENT_CUDA_ERRORS = ("CUDA error: unspecified launch failure", "CUDA error: an illegal memory access",
+                         "CUDA error: uncorrectable ECC error", "NCCL", "CUDA-capable device(s) is/are busy",
+                         "CUBLAS_STATUS_EXECUTION_FAILED", "CUDA error: misaligned address")
+"""Messages of CUDA failures that a fresh attempt may not meet (a flaky device, a busy GPU, a collective that
+timed out). Out of memory is not among them: it fails again, and says which knob to turn."""
+
+
+def is_transient_cuda_error(error: BaseException) -> bool:
+    """Whether ``error`` is a CUDA or NCCL failure worth one more attempt (never out-of-memory)."""
+    import torch
+
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return False
+    return isinstance(error, RuntimeError) and any(message in str(error) for message in TRANSIENT_CUDA_ERRORS)
+
+
+def _retry_on_transient_cuda_error(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except Exception as error:  # noqa: BLE001 - the failure's own exception decides
+        return is_transient_cuda_error(error)
+    return False
+
+
+def gpu_task(name: str):
+    """A stage task that runs a neural network: tagged ``gpu``, uncached, retried once after a transient CUDA
+    error (:func:`is_transient_cuda_error`)."""
+    return task(name=name, tags=[GPU_TAG], cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10,
+                retry_condition_fn=_retry_on_transient_cuda_error)
+
+
+def in_prefect_run() -> bool:
+    """Whether this code runs inside a Prefect flow or task run (not so in a worker of ``accelerate launch``)."""
+    try:
+        get_run_context()
+    except MissingContextError:
+        return False
+    return True
+
+
+def stage_logger() -> logging.Logger | logging.LoggerAdapter:
+    """The Prefect run logger inside a run; outside one (an ``accelerate launch`` worker) a plain logger."""
+    return get_run_logger() if in_prefect_run() else logging.getLogger("foresight.stage")
+
+
+PENDING_ARTIFACTS: list[dict] = []
+"""Artifacts a task made outside a Prefect run, for the flow's process to publish (``flows.stages``)."""
+
+
+def table_artifact(key: str, table: list[dict], description: str) -> None:
+    """A Prefect table artifact (kept for the flow's process when outside a run)."""
+    if in_prefect_run():
+        create_table_artifact(key=key, table=table, description=description)
+    else:
+        PENDING_ARTIFACTS.append({"kind": "table", "key": key, "table": table, "description": description})
+
+
+def markdown_artifact(key: str, markdown: str, description: str) -> None:
+    """A Prefect markdown artifact (kept for the flow's process when outside a run)."""
+    if in_prefect_run():
+        create_markdown_artifact(key=key, markdown=markdown, description=description)
+    else:
+        PENDING_ARTIFACTS.append({"kind": "markdown", "key": key, "markdown": markdown, "description": description})
+
+
+def progress_artifact(key: str, description: str):
+    """A Prefect progress artifact at 0 %; returns the function that moves it (a no-op outside a run)."""
+    if not in_prefect_run():
+        return lambda percent: None
+    progress_id = create_progress_artifact(progress=0.0, key=key, description=description)
+    return lambda percent: update_progress_artifact(progress_id, progress=percent)
 
 
 @dataclass
@@ -143,7 +230,7 @@ def prepare_prompts_task(cfg: Config) -> StageResult:
     return StageResult(metrics=metrics, tables=paths)
 
 
-@task(name="generate-samples", tags=[GPU_TAG], cache_policy=NO_CACHE)
+@gpu_task("generate-samples")
 def generate_task(cfg: Config) -> StageResult:
     """Sample N responses per training prompt from the policy."""
     from models.engine.config import Sampling
@@ -157,13 +244,12 @@ def generate_task(cfg: Config) -> StageResult:
     sampling = component(Sampling, cfg.generate)
     logger.info("sampling %d × %d on %s", len(prompts), sampling.num_samples, policy.device)
 
-    progress_id = create_progress_artifact(progress=0.0, key="generate-progress",
-                                           description="Batches of prompts sampled")
+    progress = progress_artifact(key="generate-progress", description="Batches of prompts sampled")
     bar = tqdm(total=-(-len(prompts) // sampling.batch_size), desc="generate", unit="batch")
 
     def on_batch(done: int, total: int) -> None:
         bar.update(1)
-        update_progress_artifact(progress_id, progress=100.0 * done / total)
+        progress(100.0 * done / total)
 
     completions, stats = sample(policy, prompts, sampling, on_batch=on_batch)
     bar.close()
@@ -193,7 +279,7 @@ def generate_task(cfg: Config) -> StageResult:
     return StageResult(metrics=metrics, tables={"samples": out})
 
 
-@task(name="label-samples", tags=[GPU_TAG], cache_policy=NO_CACHE)
+@gpu_task("label-samples")
 def label_task(cfg: Config) -> StageResult:
     """Score every sample with the configured labeler; record correctness wherever the answer is known."""
     from models.labeling.config import LabelerSpec

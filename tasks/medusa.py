@@ -21,16 +21,23 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
 from safetensors.torch import load_file, save_file
 
 from foresight.benchmark import interleaved_decoding, markdown_table, speed_row
 from foresight.config import Config, component
 from foresight.plots import bar_plot, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
-from tasks.data import GPU_TAG, StageResult, load_stage_policy, read_prompts, split_responses, stage_accelerator
+from tasks.data import (
+    StageResult,
+    gpu_task,
+    load_stage_policy,
+    markdown_artifact,
+    read_prompts,
+    split_responses,
+    stage_accelerator,
+    stage_logger,
+    table_artifact,
+)
 
 DISTILLED_FIELDS = ("hidden", "targets", "sample", "rl_rows", "rl_candidates", "rl_probs")
 
@@ -61,7 +68,7 @@ def _accuracy_metrics(prefix: str, accuracy: dict[str, list[float]]) -> dict[str
             for k, value in enumerate(values)}
 
 
-@task(name="train-medusa", tags=[GPU_TAG], cache_policy=NO_CACHE)
+@gpu_task("train-medusa")
 def train_medusa_task(cfg: Config) -> StageResult:
     """Self-distil (greedy responses or generated samples), train Medusa-1 heads, evaluate them on held-out prompts.
 
@@ -71,7 +78,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
     from models.medusa.config import MedusaTraining, RLMedusaCandidates
     from models.medusa.training import evaluate_heads, self_distill, train_medusa_heads
 
-    logger = get_run_logger()
+    logger = stage_logger()
     started = time.perf_counter()
     m = cfg.medusa
     training = component(MedusaTraining, m)
@@ -133,7 +140,7 @@ def load_distilled(cfg: Config):
     return data, tensors["train_samples"], tensors["eval_samples"]
 
 
-@task(name="train-rlmedusa", tags=[GPU_TAG], cache_policy=NO_CACHE)
+@gpu_task("train-rlmedusa")
 def train_rlmedusa_task(cfg: Config) -> StageResult:
     """Fit r(e, h), train head 1 by REINFORCE, compare it with the supervised head 1 at t + 2.
 
@@ -146,7 +153,7 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
     from models.medusa.rlmedusa import evaluate_reward_model, fit_reward_model, train_rl_head
     from models.medusa.training import evaluate_heads
 
-    logger = get_run_logger()
+    logger = stage_logger()
     started = time.perf_counter()
     r = cfg.rlmedusa
     training = component(RLMedusaTraining, r)
@@ -243,12 +250,12 @@ def candidate_tree(cfg: Config):
     return build_tree(sparse_tree(rank_accuracy, s.tree_size))
 
 
-@task(name="benchmark-medusa", tags=[GPU_TAG], cache_policy=NO_CACHE)
+@gpu_task("benchmark-medusa")
 def benchmark_medusa_task(cfg: Config) -> StageResult:
     """Every speculative decoder against HF greedy at batch 1, prompt by prompt, on each prompt set."""
     from models.engine.generation import chat_prompts, encode_prompt
 
-    logger = get_run_logger()
+    logger = stage_logger()
     started = time.perf_counter()
     policy = load_stage_policy(cfg, "base")
     tree = candidate_tree(cfg)
@@ -346,9 +353,9 @@ def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], tree, sec
                for key in ("tau", "tokens_per_s", "speedup_vs_reference", "identical_to_greedy")
                if r[key] == r[key]}
     metrics["wall_seconds"] = seconds
-    create_table_artifact(key="medusa-benchmark", table=[{c: r[c] for c in SPEED_COLUMNS} for r in rows],
+    table_artifact(key="medusa-benchmark", table=[{c: r[c] for c in SPEED_COLUMNS} for r in rows],
                           description="Speculative decoders against HF greedy at batch 1")
-    create_markdown_artifact(key="medusa-benchmark-report", markdown=(out_dir / "report.md").read_text(),
+    markdown_artifact(key="medusa-benchmark-report", markdown=(out_dir / "report.md").read_text(),
                              description="Medusa / RLMedusa benchmark report")
     return StageResult(metrics=metrics, tables={"medusa_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
 

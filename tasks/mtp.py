@@ -18,14 +18,6 @@ import math
 import time
 
 import pandas as pd
-from prefect import get_run_logger, task
-from prefect.artifacts import (
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
-from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
 from foresight.benchmark import markdown_table
@@ -33,24 +25,28 @@ from foresight.config import Config, component
 from foresight.plots import line_plot
 from foresight.storage import atomic_path, write_json, write_table
 from tasks.data import (
-    GPU_TAG,
     StageResult,
+    gpu_task,
     load_stage_policy,
+    markdown_artifact,
+    progress_artifact,
     read_prompts,
     sft_responses,
     split_responses,
     stage_accelerator,
+    stage_logger,
+    table_artifact,
 )
 
 
-@task(name="train-mtp", tags=[GPU_TAG], cache_policy=NO_CACHE)
+@gpu_task("train-mtp")
 def train_mtp_task(cfg: Config) -> StageResult:
     """Equip the frozen base policy with a K-depth shared MTP module; run the depth ablation."""
     from models.common.sequences import sft_sequences
     from models.mtp.config import MTPTraining
     from models.mtp.training import chain_acceptance, frozen_states, train_mtp_module
 
-    logger = get_run_logger()
+    logger = stage_logger()
     started = time.perf_counter()
     m = cfg.mtp
     training = component(MTPTraining, m, ce_weights=tuple(m.ce_weights))
@@ -106,7 +102,7 @@ def train_mtp_task(cfg: Config) -> StageResult:
                **{f"ablation_k{k}_expected_tau": evaluations[k]["expected_tau"] for k in depths},
                "wall_seconds": time.perf_counter() - started}
     curves = dict(histories[m.num_depths])
-    create_table_artifact(key="mtp-depth-ablation", table=ablation.to_dict("records"),
+    table_artifact(key="mtp-depth-ablation", table=ablation.to_dict("records"),
                           description="Expected initial acceptance length per number of shared MTP depths")
     return StageResult(metrics=metrics, curves=curves, tables={"mtp_ablation": out / "ablation.csv"},
                        artifacts={"mtp": out})
@@ -137,7 +133,7 @@ def _prompts_with_answers(cfg: Config, split: str) -> pd.DataFrame:
     return table
 
 
-@task(name="train-mtp-rl", tags=[GPU_TAG], cache_policy=NO_CACHE)
+@gpu_task("train-mtp-rl")
 def train_mtp_rl_task(cfg: Config) -> StageResult:
     """GRPO per variant with (or without) MTP-drafted rollouts; τ, rollout time, reward, accuracy."""
     import torch
@@ -148,7 +144,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     from models.mtp.rl import train_variant, variant
     from models.mtp.training import depth_weights
 
-    logger = get_run_logger()
+    logger = stage_logger()
     started = time.perf_counter()
     r = cfg.mtp_rl
     training = component(MTPRLTraining, r)
@@ -171,12 +167,12 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     weights = depth_weights(cfg.mtp.ce_weights, num_depths)
 
     total_rollouts = len(r.variants) * r.steps * r.prompts_per_step * r.group_size
-    progress_id = create_progress_artifact(progress=0.0, key="mtp-rl-progress", description="Rollouts sampled")
+    progress = progress_artifact(key="mtp-rl-progress", description="Rollouts sampled")
     bar = tqdm(total=total_rollouts, desc="MTP-RL rollouts", unit="rollout")
 
     def on_rollout() -> None:
         bar.update(1)
-        update_progress_artifact(progress_id, progress=100.0 * bar.n / total_rollouts)
+        progress(100.0 * bar.n / total_rollouts)
 
     histories, accuracy_after = {}, {}
     for name in r.variants:
@@ -216,9 +212,9 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     metrics |= {"accuracy_before": accuracy_before, "wall_seconds": time.perf_counter() - started}
     curves = {f"{name}.{key}": [record[key] for record in history] for name, history in histories.items()
               for key in ("tau", "acceptance_rate", "rollout_seconds", "reward", "accuracy")}
-    create_table_artifact(key="mtp-rl-summary", table=[{c: row[c] for c in SUMMARY_COLUMNS} for row in rows],
+    table_artifact(key="mtp-rl-summary", table=[{c: row[c] for c in SUMMARY_COLUMNS} for row in rows],
                           description="GRPO variants: acceptance length, rollout time, speedup, accuracy")
-    create_markdown_artifact(key="mtp-rl-report", markdown=(out / "report.md").read_text(),
+    markdown_artifact(key="mtp-rl-report", markdown=(out / "report.md").read_text(),
                              description="MTP-RL report")
     return StageResult(metrics=metrics, curves=curves, tables={"mtp_rl_table": out / "table.csv"},
                        artifacts={"mtp_rl": out})

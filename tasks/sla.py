@@ -29,9 +29,6 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
 from foresight.benchmark import DecodeTimer, markdown_table, speed_row, win_tie_loss
@@ -40,7 +37,16 @@ from foresight.pairs import split_pairs
 from foresight.plots import bar_plot, line_plot
 from foresight.storage import atomic_path, read_table, write_table
 from models.sla.config import SLASearch
-from tasks.data import GPU_TAG, StageResult, load_stage_policy, read_prompts, stage_accelerator
+from tasks.data import (
+    StageResult,
+    gpu_task,
+    load_stage_policy,
+    markdown_artifact,
+    read_prompts,
+    stage_accelerator,
+    stage_logger,
+    table_artifact,
+)
 
 
 def plot_reward_curves(curves: dict[str, tuple[Sequence[float], Sequence[float]]], path: Path) -> Path:
@@ -66,7 +72,7 @@ def _metric_key(head_name: str) -> str:
     return head_name.replace("-", "")
 
 
-@task(name="train-reward", tags=[GPU_TAG], cache_policy=NO_CACHE)
+@gpu_task("train-reward")
 def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageResult:
     """Train the reward channel and the adapter baselines on ``policy_source`` (``base`` or ``dpo``), jointly
     (one policy forward per batch feeds every head).
@@ -79,7 +85,7 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     from models.sla.reward_training import evaluate_reward_head, train_reward_heads
     from models.sla.reward_transformer import RewardHeadConfig
 
-    logger = get_run_logger()
+    logger = stage_logger()
     started = time.perf_counter()
     pairs_path = cfg.path(cfg.paths.pairs)
     pairs = read_table(pairs_path, "preference pairs")
@@ -137,13 +143,13 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     return StageResult(metrics=metrics, artifacts={"reward": Path(out_dir)})
 
 
-@task(name="train-dpo", tags=[GPU_TAG], cache_policy=NO_CACHE)
+@gpu_task("train-dpo")
 def dpo_task(cfg: Config) -> StageResult:
     """Train the DPO policy into ``paths.dpo_dir`` (atomically) and evaluate it on the held-out pairs."""
     from models.sla.config import DPOTraining
     from models.sla.dpo import preference_accuracy, train_dpo
 
-    logger = get_run_logger()
+    logger = stage_logger()
     started = time.perf_counter()
     pairs = read_table(cfg.path(cfg.paths.pairs), "pairs")
     train_pairs, held_out = split_pairs(pairs, cfg.reward.eval_fraction, cfg.reward.seed)
@@ -292,10 +298,10 @@ def _table(outputs: pd.DataFrame, speed: dict) -> list[dict]:
     return rows
 
 
-@task(name="benchmark-sla", tags=[GPU_TAG], cache_policy=NO_CACHE)
+@gpu_task("benchmark-sla")
 def benchmark_sla_task(cfg: Config) -> StageResult:
     """Decode the held-out prompts with every decoder for the base and the DPO policy; score; compare."""
-    logger = get_run_logger()
+    logger = stage_logger()
     started = time.perf_counter()
     b = cfg.sla_benchmark
     held_out = read_prompts(cfg, "eval").head(b.num_prompts)
@@ -317,9 +323,9 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
     metrics = _metrics(rows, speed)
     metrics["benchmark_seconds"] = time.perf_counter() - started
     logger.info("\n%s", markdown_table(rows, TABLE_COLUMNS))
-    create_table_artifact(key="sla-benchmark", table=[{c: _json_cell(row.get(c)) for c in TABLE_COLUMNS} for row in rows],
+    table_artifact(key="sla-benchmark", table=[{c: _json_cell(row.get(c)) for c in TABLE_COLUMNS} for row in rows],
                           description="Decoders against greedy (the SLA paper's Table 1)")
-    create_markdown_artifact(key="sla-benchmark-report", markdown=(out_dir / "report.md").read_text(),
+    markdown_artifact(key="sla-benchmark-report", markdown=(out_dir / "report.md").read_text(),
                              description="SLA benchmark report")
     return StageResult(metrics=metrics, tables={"sla_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
 

@@ -52,4 +52,6 @@ class CoralTraining:
     stage2_epochs: int = 1  # every parameter but the last decoder layer; 0 skips the stage
     batch_size: int = 8  # sequences per step
     warmup_ratio: float = 0.1  # linear warm-up share of each stage's steps, cosine decay after
+    lora_rank: int = 0  # > 0: train PEFT LoRA adapters of this rank instead of stage 2's weights (models/common/lora.py)
+    gradient_checkpointing: bool = False  # recompute the backbone's activations in the backward pass
     seed: int = 0  # shuffling and corruption

@@ -18,6 +18,8 @@ class DPOTraining:
     epochs: int = 1
     batch_size: int = 4  # pairs per optimizer step
     max_length: int = 512  # prompt + response tokens kept
+    lora_rank: int = 0  # > 0: train PEFT LoRA adapters of this rank instead of the weights (models/common/lora.py)
+    gradient_checkpointing: bool = False  # recompute the backbone's activations in the backward pass
     seed: int = 0
 
 
