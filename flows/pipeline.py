@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.stages import metrics_path
+from flows.stages import metrics_path, run_streaming
 from foresight.config import Config, load_config
 from foresight.stages import STAGES
 from foresight.tracking import PARENT_RUN_ENV, pipeline_run
@@ -31,21 +30,6 @@ def _prefect_api_url() -> str | None:
 
     with get_client(sync_client=True) as client:
         return str(client.api_url).rstrip("/") or None
-
-
-def _run_streaming(cmd: list[str], cwd: Path, env: dict, what: str) -> list[str]:
-    """Run a command, forward each output line to the Prefect log, fail with its last lines."""
-    logger = get_run_logger()
-    lines: list[str] = []
-    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        for line in proc.stdout:
-            line = line.rstrip()
-            lines.append(line)
-            logger.info("%s", line)
-    if proc.returncode != 0:
-        tail = "\n".join(lines[-25:])
-        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")
-    return lines
 
 
 @task(name="dvc-repro", cache_policy=NO_CACHE)
@@ -62,14 +46,14 @@ def reproduce_task(root: Path, parent_run_id: str, targets: list[str], force: bo
     if api_url:  # stage processes report to the same Prefect server instead of starting their own
         env["PREFECT_API_URL"] = api_url
     cmd = [sys.executable, "-m", "dvc", "repro", *targets, *(["--force"] if force else [])]
-    lines = _run_streaming(cmd, root, env, "dvc repro")
+    lines = run_streaming(cmd, root, env, "dvc repro")
     return [m.group(1) for line in lines if (m := re.match(r"Running stage '([^']+)'", line))]
 
 
 @task(name="dvc-push", retries=1, cache_policy=NO_CACHE)
 def push_task(root: Path) -> None:
     """Copy the versioned outputs to the default DVC remote."""
-    _run_streaming([sys.executable, "-m", "dvc", "push"], root, dict(os.environ), "dvc push")
+    run_streaming([sys.executable, "-m", "dvc", "push"], root, dict(os.environ), "dvc push")
 
 
 def stage_table(cfg: Config, ran: list[str]) -> list[dict]:

@@ -10,18 +10,29 @@ Each flow is a module-level attribute named ``<stage>_flow``, so a deployment fi
 (``flows/stages.py:train_reward_flow``). A flow imports only its own task's module, when it runs, so a stage
 process loads only the code its stage declares; ``run_stage`` checks that (and the config keys read) after
 the task returns.
+
+Several GPUs (``launch.num_processes`` > 1, docs/gpu.md). A training stage (``Stage.distributed``) then runs its
+task in every process of ``accelerate launch -m flows.stages --worker …`` (data parallel: each process takes its
+share of every batch, gradients are all-reduced). The flow's own process keeps all the bookkeeping: it runs the
+launch as one ``gpu``-tagged Prefect task (retried once after a transient CUDA error), and once the workers are
+done it checks their declarations and logs their result to MLflow and Prefect. Workers run outside any Prefect
+run; the main one writes the stage's outputs and hands its :class:`tasks.data.StageResult` back as JSON.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from contextvars import ContextVar
 from pathlib import Path
 
 from prefect import Flow, flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.utilities.annotations import quote
 
 from foresight.config import Config, load_config
@@ -59,32 +70,121 @@ def _task(stage: Stage):
     return getattr(importlib.import_module(module), name)
 
 
-def _check_declarations(stage: Stage, reads: set[str]) -> None:
-    """Fail naming every config key, ``paths`` entry and project module the stage used but does not declare."""
+def _check_declarations(stage: Stage, reads: set[str], modules: list[str] | None = None) -> None:
+    """Fail naming every config key, ``paths`` entry and project module the stage used but does not declare.
+    ``modules``: what launched workers imported outside the stage's code (``None``: check this process)."""
     problems = []
     if undeclared := undeclared_reads(stage, reads):
         problems.append(f"config keys {', '.join(undeclared)} (declare them in params, or the paths entries in "
                         "inputs/outputs)")
-    if _CHECK_MODULES.get() and (modules := undeclared_modules(stage, sys.modules, ROOT)):
+    if modules is None and _CHECK_MODULES.get():
+        modules = undeclared_modules(stage, sys.modules, ROOT)
+    if modules:
         problems.append(f"modules {', '.join(modules)} (declare their files or folders in code)")
     if problems:
         raise UndeclaredReadError(f"stage {stage.name} read what foresight/stages.py does not declare for it: "
                                   + "; ".join(problems))
 
 
-def run_stage(stage: Stage, params_path: str, overrides: dict | None, parent_run_id: str | None) -> dict:
-    """Load the config, run the stage's task inside its MLflow run, check what it read against the stage's
-    declarations, write its metrics, publish artifacts."""
+def run_streaming(cmd: list[str], cwd: Path, env: dict, what: str) -> list[str]:
+    """Run a command, forward each output line to the Prefect log, fail with its last lines."""
+    logger = get_run_logger()
+    lines: list[str] = []
+    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            line = line.rstrip()
+            lines.append(line)
+            logger.info("%s", line)
+    if proc.returncode != 0:
+        tail = "\n".join(lines[-25:])
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+    return lines
+
+
+def _task_kwargs(stage: Stage, cfg) -> dict:
+    return {key: resolve_path(cfg, value) if PATH_EXPRESSION.match(value) else value
+            for key, value in stage.task_kwargs.items()}
+
+
+def launch_command(stage: Stage, cfg: Config, params_path: str, overrides: dict | None, result_path: Path) -> list[str]:
+    """``accelerate launch`` of the stage's workers: ``launch.num_processes`` processes (``--multi_gpu``: one per
+    GPU, or gloo processes on a CPU), or the user's ``launch.accelerate_config``."""
+    launch = cfg.launch
+    config = (["--config_file", str(cfg.path(launch.accelerate_config))] if launch.accelerate_config
+              else ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"])
+    return [sys.executable, "-m", "accelerate.commands.launch", *config, "--num_processes", str(launch.num_processes),
+            "-m", "flows.stages", "--worker", stage.name, str(Path(params_path).resolve()), json.dumps(overrides or {}),
+            str(result_path)]
+
+
+def _launch(stage: Stage, cfg: Config, params_path: str, overrides: dict | None):
+    """Run the stage's workers under ``accelerate launch`` (as a ``gpu`` Prefect task); returns the main worker's
+    result, the config keys the workers read and the modules they imported outside the stage's code."""
+    from tasks.data import StageResult, gpu_task
+
+    @gpu_task(f"{stage.flow_name}-launch")
+    def launched() -> dict:
+        with tempfile.TemporaryDirectory(prefix="foresight-launch-") as scratch:
+            result_path = Path(scratch) / "result.json"
+            command = launch_command(stage, cfg, params_path, overrides, result_path)
+            get_run_logger().info("launching %d processes: %s", cfg.launch.num_processes, " ".join(command))
+            run_streaming(command, ROOT, dict(os.environ, PYTHONUNBUFFERED="1"), f"accelerate launch of {stage.name}")
+            return json.loads(result_path.read_text())
+
+    report = launched()
+    result = StageResult(metrics={**report["metrics"], "num_processes": report["num_processes"]},
+                         curves=report["curves"],
+                         tables={k: Path(v) for k, v in report["tables"].items()},
+                         artifacts={k: Path(v) for k, v in report["artifacts"].items()})
+    for artifact in report["pending_artifacts"]:  # made by the main worker, outside any Prefect run
+        if artifact.pop("kind") == "table":
+            create_table_artifact(**artifact)
+        else:
+            create_markdown_artifact(**artifact)
+    return result, set(report["reads"]), report["modules"]
+
+
+def run_worker(stage_name: str, params_path: str, overrides: dict, result_path: Path) -> None:
+    """One process of a launched stage: run its task's function (no Prefect run); the main process writes the
+    result, the config keys read and any undeclared module for the flow's process to check."""
+    from accelerate import PartialState
+
+    from tasks.data import PENDING_ARTIFACTS
+
+    stage = next(s for s in STAGES if s.name == stage_name)
     cfg = load_config(params_path, overrides)
+    recording = RecordingConfig(cfg)
+    result = _task(stage).fn(recording, **_task_kwargs(stage, recording))
+    if PartialState().is_main_process:
+        report = {"metrics": result.metrics, "curves": result.curves,
+                  "tables": {name: str(path) for name, path in result.tables.items()},
+                  "artifacts": {name: str(path) for name, path in result.artifacts.items()},
+                  "reads": sorted(recording.reads), "pending_artifacts": PENDING_ARTIFACTS,
+                  "num_processes": PartialState().num_processes,
+                  "modules": undeclared_modules(stage, sys.modules, ROOT)}
+        write_json(report, result_path)
+    PartialState().wait_for_everyone()
+
+
+def run_stage(stage: Stage, params_path: str, overrides: dict | None, parent_run_id: str | None) -> dict:
+    """Load the config, run the stage's task inside its MLflow run (in this process, or in the processes of an
+    ``accelerate launch``), check what it read against the stage's declarations, write its metrics, publish
+    artifacts."""
+    from foresight.memory import preflight, visible_gpus
+
+    cfg = load_config(params_path, overrides)
+    preflight(stage, cfg, visible_gpus())  # on GPUs: fail now, naming the knob, rather than out of memory later
     started = time.perf_counter()
     sections = sorted({param.split(".")[0] for param in stage.params})  # logged to MLflow whole
     with stage_run(cfg, stage.name, sections, parent_run_id) as run_id:
         recording = RecordingConfig(cfg)
-        kwargs = {key: resolve_path(recording, value) if PATH_EXPRESSION.match(value) else value
-                  for key, value in stage.task_kwargs.items()}
         try:
-            # quote: Prefect would otherwise walk the config's fields looking for futures, reading all of them
-            result = _task(stage)(quote(recording), **kwargs)
+            if stage.distributed and cfg.launch.num_processes > 1:
+                result, reads, modules = _launch(stage, cfg, params_path, overrides)
+            else:
+                # quote: Prefect would otherwise walk the config's fields looking for futures, reading all of them
+                result = _task(stage)(quote(recording), **_task_kwargs(stage, recording))
+                reads, modules = recording.reads, None
         except Exception as err:
             results = getattr(err, "results", None)  # a failed GX suite carries its summary: keep it
             if results is not None:
@@ -93,7 +193,7 @@ def run_stage(stage: Stage, params_path: str, overrides: dict | None, parent_run
                 mlflow.log_dict(results, "validation_summary.json")
                 log_stage_outputs(cfg, {}, {}, {"datadocs": cfg.path(cfg.paths.reports_dir) / "datadocs"})
             raise
-        _check_declarations(stage, recording.reads)
+        _check_declarations(stage, reads, modules)
         result.metrics["stage_seconds"] = time.perf_counter() - started
         tables = {name: read_table(path, name) for name, path in result.tables.items()}
         log_stage_outputs(cfg, result.metrics, tables, result.artifacts, result.curves)
@@ -124,8 +224,13 @@ globals().update({stage_flow.fn.__name__: stage_flow for stage_flow in STAGE_FLO
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m flows.stages STAGE [PARAMS_PATH]``: what each DVC stage runs."""
+    """``python -m flows.stages STAGE [PARAMS_PATH]``: what each DVC stage runs (``--worker STAGE PARAMS
+    OVERRIDES RESULT``: one process of a launched stage)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        _, stage_name, params_path, overrides, result_path = argv
+        run_worker(stage_name, params_path, json.loads(overrides), Path(result_path))
+        return
     if not argv or argv[0] not in STAGE_FLOWS:
         sys.exit(f"usage: python -m flows.stages {{{','.join(STAGE_FLOWS)}}} [params.yaml]")
     _CHECK_MODULES.set(True)

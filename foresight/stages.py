@@ -426,7 +426,7 @@ def undeclared_reads(stage: Stage, reads: Iterable[str]) -> list[str]:
 PROJECT_PACKAGES = ("foresight", "models", "tasks")
 """Packages whose modules a stage must declare as code."""
 
-ORCHESTRATION_MODULES = ("foresight.tracking", "foresight.stages", "foresight.cli")
+ORCHESTRATION_MODULES = ("foresight.tracking", "foresight.stages", "foresight.cli", "foresight.memory")
 """Modules that run every stage, not part of any stage's work (with the ``flows`` package)."""
 
 

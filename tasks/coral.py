@@ -4,7 +4,8 @@ Thin wrappers around :mod:`models.coral.training` and :mod:`models.coral.decodin
 
 * ``train_coral`` — SFT data from the pipeline (the responses ``train_medusa`` distilled from, or the samples
   labeled correct), split by prompt; stage 1 (last layer) then stage 2 (the rest); held-out top-1 accuracy per
-  forward offset before and after; the trained model as a Hugging Face folder, with per-offset curves.
+  forward offset before and after; the trained model as a Hugging Face folder, with per-offset curves. Under
+  ``accelerate launch`` every process trains; the main process alone writes the folder.
 * ``benchmark_coral`` — on that model, at batch 1 and prompt by prompt: next-token greedy (HF, KV cache),
   full COrAL, COrAL w/o verifier, COrAL w/o multi-forward (the paper's Table 1), and the block-size /
   forward-window ablations of the w/o-verifier decoder: accuracy, tokens/s, speedup, tokens per forward.
@@ -61,31 +62,38 @@ def train_coral_task(cfg: Config) -> StageResult:
             logger.info("%s step %d/%d: loss %.4f (forward %.4f, backward %.4f)", stage, step, num_steps,
                         stats["loss"], stats["forward_loss"], stats.get("backward_loss", float("nan")))
 
+    accelerator = stage_accelerator(policy, c.mixed_precision)
     train_started = time.perf_counter()
-    history = train_coral(policy, train, component(CoralTraining, c), stage_accelerator(policy, c.mixed_precision),
-                          on_step)
+    history = train_coral(policy, train, component(CoralTraining, c), accelerator, on_step)
     train_seconds = time.perf_counter() - train_started
     after = offset_accuracy(policy, held_out, c.forward_window)
     logger.info("held-out top-1 per offset after training: %s", json.dumps(after))
 
     out = cfg.path(cfg.paths.coral_dir)
-    with atomic_path(out) as tmp:
-        policy.model.save_pretrained(tmp)
-        policy.tokenizer.save_pretrained(tmp)
-        write_json({"before": before, "after": after, "num_train_sequences": len(train),
-                    "num_eval_sequences": len(held_out), "data": c.data}, tmp / "evaluation.json")
-        (tmp / "history.json").write_text(json.dumps(history) + "\n")
-        for prefix, name, what in (("ce_forward_", "loss.png", "forward prediction of m + k"),
-                                   ("ce_reconstruct_", "reconstruction.png", "reconstruction of m − k (stage 1)")):
-            line_plot({f"k = {key.removeprefix(prefix)}": (list(range(1, len(values) + 1)), values)
-                       for key, values in history.items() if key.startswith(prefix)},
-                      f"COrAL: {what}", "step (stage 1, then stage 2)", "cross-entropy", tmp / name)
+    if accelerator.is_main_process:  # every process holds the same model; one writes it
+        _write_coral_model(policy, out, history, {"before": before, "after": after, "num_train_sequences": len(train),
+                                                  "num_eval_sequences": len(held_out), "data": c.data})
+    accelerator.wait_for_everyone()
     metrics = {"num_train_sequences": len(train), "num_eval_sequences": len(held_out), "train_seconds": train_seconds,
                "final_loss": history["loss"][-1] if history["loss"] else float("nan"),
                **{f"before_{k}": v for k, v in before.items()}, **{f"after_{k}": v for k, v in after.items()},
                "wall_seconds": time.perf_counter() - started}
     curves = {key: values for key, values in history.items() if key != "stage"}
     return StageResult(metrics=metrics, curves=curves, artifacts={"coral": out})
+
+
+def _write_coral_model(policy, out, history: dict[str, list], evaluation: dict) -> None:
+    """The trained model as a Hugging Face folder (in the policy's dtype), its evaluation, history and curves."""
+    with atomic_path(out) as tmp:
+        policy.model.save_pretrained(tmp)
+        policy.tokenizer.save_pretrained(tmp)
+        write_json(evaluation, tmp / "evaluation.json")
+        (tmp / "history.json").write_text(json.dumps(history) + "\n")
+        for prefix, name, what in (("ce_forward_", "loss.png", "forward prediction of m + k"),
+                                   ("ce_reconstruct_", "reconstruction.png", "reconstruction of m − k (stage 1)")):
+            line_plot({f"k = {key.removeprefix(prefix)}": (list(range(1, len(values) + 1)), values)
+                       for key, values in history.items() if key.startswith(prefix)},
+                      f"COrAL: {what}", "step (stage 1, then stage 2)", "cross-entropy", tmp / name)
 
 
 TABLE_COLUMNS = ["decoder", "verifier", "block_size", "forward_window", "accuracy", "accuracy_vs_next_token",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,6 +128,9 @@ class StageResult:
 
 POLICY_SOURCES = ("base", "dpo")
 
+COLLECTIVE_TIMEOUT = timedelta(hours=6)
+"""How long a process of a launched stage waits at a barrier or collective before giving up."""
+
 
 def load_stage_policy(cfg: Config, policy_source: str):
     """The policy a stage works on: ``base`` (the prepared policy) or ``dpo`` (the DPO-tuned folder)."""
@@ -150,10 +154,17 @@ def load_trained_policy(cfg: Config, folder: Path):
 
 def stage_accelerator(policy, mixed_precision: str = "no"):
     """The ``accelerate.Accelerator`` a training stage runs under: on the policy's device (CPU when it is on the
-    CPU), one or many processes as ``accelerate launch`` configured them."""
-    from accelerate import Accelerator
+    CPU), one or many processes as ``accelerate launch`` configured them.
 
-    return Accelerator(cpu=policy.device.type == "cpu", mixed_precision=mixed_precision)
+    Under several processes, some work runs on the main process alone while the others wait at a barrier (the
+    Medusa stage's distillation pass, writing outputs): hours at 8B on real data, so the process group's timeout
+    is raised from torch's default (10 min for NCCL) to ``COLLECTIVE_TIMEOUT``.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return Accelerator(cpu=policy.device.type == "cpu", mixed_precision=mixed_precision,
+                       kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)])
 
 
 def sft_responses(cfg: Config, source: str, key: str) -> pd.DataFrame:

@@ -4,12 +4,16 @@ Thin wrappers around :mod:`models.medusa.training`, :mod:`models.medusa.rlmedusa
 they read the data, split it by prompt, log progress, and write each output folder atomically.
 
 * ``train_medusa`` — the policy's greedy responses to the training prompts (or the generated samples),
-  one frozen pass over them (kept in ``distilled/`` for the RL stage), then Medusa-1 training of K heads;
-  held-out top-1/top-k accuracy per head.
+  one frozen pass over them (kept in ``distilled/`` for the RL stage, its hidden states read back from disk
+  as training needs them), then Medusa-1 training of K heads; held-out top-1/top-k accuracy per head.
 * ``train_rlmedusa`` — the reward model r(e, h) (MSE on the base model's t + 2 probabilities), then head 1
   by REINFORCE on r − β·KL; held-out accuracy at t + 2 of the RL head against the supervised head.
 * ``benchmark_medusa`` — HF greedy, HF prompt-lookup, Medusa (supervised heads) and Medusa-RL (head 1
   from RLMedusa) at batch 1: τ, tokens/s, speedup over greedy in the same run, identical-output share.
+
+The two training tasks may run in every process of ``accelerate launch`` (docs/gpu.md): each process trains
+on its share of every batch, only the main process writes (the distilled cache, then the heads), and all wait
+for each other after the writes.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from tasks.data import (
     table_artifact,
 )
 
-DISTILLED_FIELDS = ("hidden", "targets", "sample", "rl_rows", "rl_candidates", "rl_probs")
+SPLIT_FILE = "split.safetensors"  # in distilled/: the sample rows of the training and held-out prompts
 
 
 def _medusa_dir(cfg: Config) -> Path:
@@ -72,25 +76,24 @@ def _accuracy_metrics(prefix: str, accuracy: dict[str, list[float]]) -> dict[str
 def train_medusa_task(cfg: Config) -> StageResult:
     """Self-distil (greedy responses or generated samples), train Medusa-1 heads, evaluate them on held-out prompts.
 
-    Writes ``supervised/`` (heads, ``evaluation.json``, ``history.json``, ``loss.png``) and ``distilled/``
-    (the responses, the frozen pass's states and RL candidates, and the train/held-out split).
+    Writes ``distilled/`` (the responses, the frozen pass's cache — hidden states, targets and RL candidates —
+    and the train/held-out split) and ``supervised/`` (heads, ``evaluation.json``, ``history.json``,
+    ``loss.png``).
     """
-    from models.medusa.config import MedusaTraining, RLMedusaCandidates
-    from models.medusa.training import evaluate_heads, self_distill, train_medusa_heads
+    from models.medusa.config import MedusaTraining
+    from models.medusa.training import evaluate_heads, train_medusa_heads
 
     logger = stage_logger()
     started = time.perf_counter()
     m = cfg.medusa
     training = component(MedusaTraining, m)
     policy = load_stage_policy(cfg, "base")
+    accelerator = stage_accelerator(policy, m.mixed_precision)
     distill_started = time.perf_counter()
-    logger.info("self-distillation data: %s", "greedy responses to the training prompts" if m.data == "greedy"
-                else "the generated samples")
-    responses = _distillation_data(cfg, policy)
-    train_rows, eval_rows = split_responses(responses, m.eval_fraction, m.seed)
-    logger.info("self-distillation pass over %d responses (%d prompts held out)", len(responses),
-                responses.iloc[eval_rows.tolist()]["prompt_id"].nunique())
-    data = self_distill(policy, responses, training, component(RLMedusaCandidates, cfg.rlmedusa))
+    if accelerator.is_main_process:  # one pass, one cache on disk: every process then reads it from there
+        _distil(cfg, policy, training, _medusa_dir(cfg) / "distilled")
+    accelerator.wait_for_everyone()
+    data, train_rows, eval_rows = load_distilled(cfg)
     distill_seconds = time.perf_counter() - distill_started
     train, held_out = data.subset(train_rows), data.subset(eval_rows)
     logger.info("%d training / %d held-out positions; training %d heads", len(train.hidden), len(held_out.hidden),
@@ -101,43 +104,59 @@ def train_medusa_task(cfg: Config) -> StageResult:
             logger.info("step %d/%d, loss %.4f", step, num_steps, losses["loss"])
 
     train_started = time.perf_counter()
-    heads, history = train_medusa_heads(policy, train, training, stage_accelerator(policy, m.mixed_precision), on_step)
+    heads, history = train_medusa_heads(policy, train, training, accelerator, on_step)
     train_seconds = time.perf_counter() - train_started
     lm_head = policy.model.get_output_embeddings()
     accuracy = evaluate_heads(heads, lm_head, held_out, m.eval_top_k)
     logger.info("held-out top-1 per head: %s, top-%d: %s", accuracy["top1"], m.eval_top_k, accuracy[f"top{m.eval_top_k}"])
 
-    out = _medusa_dir(cfg)
-    with atomic_path(out / "distilled") as tmp:
-        tmp.mkdir(parents=True)
-        save_file({name: getattr(data, name).contiguous() for name in DISTILLED_FIELDS}
-                  | {"train_samples": train_rows, "eval_samples": eval_rows}, tmp / "states.safetensors")
-        write_table(responses, tmp / "responses.parquet")
-    with atomic_path(out / "supervised") as tmp:
-        heads.save(tmp)
-        write_json({"held_out": accuracy, "num_train_positions": len(train.hidden),
-                    "num_eval_positions": len(held_out.hidden)}, tmp / "evaluation.json")
-        (tmp / "history.json").write_text(json.dumps(history) + "\n")
-        steps = list(range(1, len(history["loss"]) + 1))
-        line_plot({f"head {k + 1}": (steps, history[f"ce_head{k + 1}"]) for k in range(m.num_heads)},
-                  "Medusa-1 training: cross-entropy per head", "step", "cross-entropy", tmp / "loss.png")
-    metrics = {"num_responses": len(responses), "num_train_positions": len(train.hidden),
+    out = _medusa_dir(cfg) / "supervised"
+    if accelerator.is_main_process:
+        with atomic_path(out) as tmp:
+            heads.save(tmp)
+            write_json({"held_out": accuracy, "num_train_positions": len(train.hidden),
+                        "num_eval_positions": len(held_out.hidden)}, tmp / "evaluation.json")
+            (tmp / "history.json").write_text(json.dumps(history) + "\n")
+            steps = list(range(1, len(history["loss"]) + 1))
+            line_plot({f"head {k + 1}": (steps, history[f"ce_head{k + 1}"]) for k in range(m.num_heads)},
+                      "Medusa-1 training: cross-entropy per head", "step", "cross-entropy", tmp / "loss.png")
+    accelerator.wait_for_everyone()
+    metrics = {"num_responses": len(train_rows) + len(eval_rows), "num_train_positions": len(train.hidden),
                "num_eval_positions": len(held_out.hidden), "distill_seconds": distill_seconds,
                "train_seconds": train_seconds, "final_loss": history["loss"][-1],
                **_accuracy_metrics("", accuracy), "wall_seconds": time.perf_counter() - started}
-    return StageResult(metrics=metrics, artifacts={"medusa_supervised": out / "supervised"})
+    return StageResult(metrics=metrics, artifacts={"medusa_supervised": out})
+
+
+def _distil(cfg: Config, policy, training, folder: Path) -> None:
+    """The responses to learn from, their split by prompt, and the frozen pass over them, written to ``folder``."""
+    from models.medusa.config import RLMedusaCandidates
+    from models.medusa.training import self_distill
+
+    logger = stage_logger()
+    m = cfg.medusa
+    logger.info("self-distillation data: %s", "greedy responses to the training prompts" if m.data == "greedy"
+                else "the generated samples")
+    responses = _distillation_data(cfg, policy)
+    train_rows, eval_rows = split_responses(responses, m.eval_fraction, m.seed)
+    logger.info("self-distillation pass over %d responses (%d prompts held out)", len(responses),
+                responses.iloc[eval_rows.tolist()]["prompt_id"].nunique())
+    with atomic_path(folder) as tmp:
+        self_distill(policy, responses, training, component(RLMedusaCandidates, cfg.rlmedusa), tmp)
+        save_file({"train_samples": train_rows, "eval_samples": eval_rows}, tmp / SPLIT_FILE)
+        write_table(responses, tmp / "responses.parquet")
 
 
 def load_distilled(cfg: Config):
-    """The ``train_medusa`` stage's frozen-pass data and its train / held-out sample split."""
-    from models.medusa.training import DistilledStates
+    """The ``train_medusa`` stage's frozen-pass cache (hidden states memory-mapped) and its train / held-out
+    sample split."""
+    from models.medusa.training import load_distilled as load_cache
 
-    path = _medusa_dir(cfg) / "distilled" / "states.safetensors"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: run the train_medusa stage first")
-    tensors = load_file(path)
-    data = DistilledStates(*(tensors[name] for name in DISTILLED_FIELDS))
-    return data, tensors["train_samples"], tensors["eval_samples"]
+    folder = _medusa_dir(cfg) / "distilled"
+    if not (folder / SPLIT_FILE).is_file():
+        raise FileNotFoundError(f"{folder / SPLIT_FILE} is missing: run the train_medusa stage first")
+    split = load_file(folder / SPLIT_FILE)
+    return load_cache(folder), split["train_samples"], split["eval_samples"]
 
 
 @gpu_task("train-rlmedusa")
@@ -172,43 +191,48 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
 
     accelerator = stage_accelerator(policy)
     logger.info("fitting r(e, h) on %d states × %d candidates", len(train.rl_rows), train.rl_candidates.shape[1])
-    reward_model, reward_losses = fit_reward_model(train.hidden[train.rl_rows], embed, train.rl_candidates,
-                                                   train.rl_probs, training, accelerator)
-    reward_eval = evaluate_reward_model(reward_model, held_out.hidden[held_out.rl_rows],
-                                        embed(held_out.rl_candidates), held_out.rl_probs)
+    reward_model, reward_losses = fit_reward_model(train.rl_states(), embed, train.rl_candidates, train.rl_probs,
+                                                   training, accelerator)
+    reward_eval = evaluate_reward_model(reward_model, held_out.rl_states(), embed, held_out.rl_candidates,
+                                        held_out.rl_probs)
     logger.info("reward model held-out: %s", json.dumps(reward_eval))
 
     def on_step(step: int, num_steps: int, stats: dict[str, float]) -> None:
         if step % max(1, num_steps // 10) == 0 or step == num_steps:
             logger.info("RL step %d/%d: reward %.4f, KL %.4f", step, num_steps, stats["reward"], stats["kl"])
 
-    out = _medusa_dir(cfg) / "rl"
     accuracy = {"supervised": evaluate_heads(supervised, lm_head, held_out, cfg.medusa.eval_top_k)}
     histories = {"reward_model_loss": reward_losses}
-    with atomic_path(out) as tmp:
-        tmp.mkdir(parents=True)
-        for init in r.inits:
-            start = supervised if init == "supervised" else supervised.with_fresh_head(0, lm_head)
-            logger.info("REINFORCE on head 1 from the %s start", init)
-            rl_heads, histories[init] = train_rl_head(start, lm_head, reward_model, embed,
-                                                      train.hidden[train.rl_rows], training, accelerator, on_step)
-            rl_heads.save(tmp / init)
-            accuracy[f"rl_{init}"] = evaluate_heads(rl_heads, lm_head, held_out, cfg.medusa.eval_top_k)
-            accuracy[f"start_{init}"] = (accuracy["supervised"] if start is supervised
-                                         else evaluate_heads(start, lm_head, held_out, cfg.medusa.eval_top_k))
-        # head 1 predicts t + 2: its accuracies are the first entry of each list
-        t2 = {name: {metric: values[0] for metric, values in a.items() if metric != "rank_accuracy"}
-              for name, a in accuracy.items()}
-        winner = max((name for name in t2 if not name.startswith("start_")), key=lambda name: t2[name]["top1"])
-        logger.info("held-out accuracy at t+2: %s; best top-1: %s", json.dumps(t2), winner)
-        save_file({k: v.contiguous() for k, v in reward_model.state_dict().items()}, tmp / "reward_model.safetensors")
-        write_json({"t_plus_2": t2, "all_heads": accuracy, "reward_model": reward_eval, "top1_winner": winner},
-                   tmp / "evaluation.json")
-        (tmp / "history.json").write_text(json.dumps(histories) + "\n")
-        line_plot({f"{what}, start {init}": (list(range(1, len(histories[init][key]) + 1)), histories[init][key])
-                   for init in r.inits for what, key in (("mean r(e, h) of sampled tokens", "reward"),
-                                                         ("KL to start", "kl"))},
-                  "RLMedusa: head 1 policy gradient", "step", "value", tmp / "rl.png")
+    rl_heads = {}
+    for init in r.inits:
+        start = supervised if init == "supervised" else supervised.with_fresh_head(0, lm_head)
+        logger.info("REINFORCE on head 1 from the %s start", init)
+        rl_heads[init], histories[init] = train_rl_head(start, lm_head, reward_model, embed, train.rl_states(),
+                                                        training, accelerator, on_step)
+        accuracy[f"rl_{init}"] = evaluate_heads(rl_heads[init], lm_head, held_out, cfg.medusa.eval_top_k)
+        accuracy[f"start_{init}"] = (accuracy["supervised"] if start is supervised
+                                     else evaluate_heads(start, lm_head, held_out, cfg.medusa.eval_top_k))
+    # head 1 predicts t + 2: its accuracies are the first entry of each list
+    t2 = {name: {metric: values[0] for metric, values in a.items() if metric != "rank_accuracy"}
+          for name, a in accuracy.items()}
+    winner = max((name for name in t2 if not name.startswith("start_")), key=lambda name: t2[name]["top1"])
+    logger.info("held-out accuracy at t+2: %s; best top-1: %s", json.dumps(t2), winner)
+    out = _medusa_dir(cfg) / "rl"
+    if accelerator.is_main_process:
+        with atomic_path(out) as tmp:
+            tmp.mkdir(parents=True)
+            for init, heads in rl_heads.items():
+                heads.save(tmp / init)
+            save_file({k: v.detach().contiguous().cpu() for k, v in reward_model.state_dict().items()},
+                      tmp / "reward_model.safetensors")
+            write_json({"t_plus_2": t2, "all_heads": accuracy, "reward_model": reward_eval, "top1_winner": winner},
+                       tmp / "evaluation.json")
+            (tmp / "history.json").write_text(json.dumps(histories) + "\n")
+            line_plot({f"{what}, start {init}": (list(range(1, len(histories[init][key]) + 1)), histories[init][key])
+                       for init in r.inits for what, key in (("mean r(e, h) of sampled tokens", "reward"),
+                                                             ("KL to start", "kl"))},
+                      "RLMedusa: head 1 policy gradient", "step", "value", tmp / "rl.png")
+    accelerator.wait_for_everyone()
     metrics = {"reward_model_mse": reward_eval["mse"], "reward_model_top1_ranked_first": reward_eval["top1_ranked_first"],
                **{f"rl_{init}_final_reward": histories[init]["reward"][-1] for init in r.inits},
                **{f"rl_{init}_final_kl": histories[init]["kl"][-1] for init in r.inits},

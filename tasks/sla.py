@@ -31,7 +31,13 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from foresight.benchmark import DecodeTimer, markdown_table, speed_row, win_tie_loss
+from foresight.benchmark import (
+    DecodeTimer,
+    markdown_table,
+    speed_row,
+    synchronize,
+    win_tie_loss,
+)
 from foresight.config import Config, component
 from foresight.pairs import split_pairs
 from foresight.plots import bar_plot, line_plot
@@ -80,6 +86,9 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     Writes into ``out_dir``, all or nothing: one head folder per model (``channel/``, ``adapter-1/``, …,
     loadable with ``RewardTransformer.from_head``), ``curves.json`` (held-out metrics and the
     token-level reward curve of each head), ``history.json`` (training losses), ``autrc.png``, ``loss.png``.
+
+    Under ``accelerate launch`` every process runs this task: batches are split between them, each evaluates
+    the (identical) trained heads, and only the main process writes.
     """
     from models.sla.config import RewardTraining
     from models.sla.reward_training import evaluate_reward_head, train_reward_heads
@@ -119,28 +128,36 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     models, histories = train_reward_heads(policy, train_pairs, training, heads, accelerator, on_step)
     metrics["train_seconds"] = time.perf_counter() - train_started
     curves: dict[str, dict] = {}
-    with atomic_path(Path(out_dir)) as tmp:
+    for name, model in models.items():  # every process evaluates (a small held-out set): all return the metrics
+        curves[name] = evaluation = evaluate_reward_head(model, policy.tokenizer, held_out, training)
+        key = _metric_key(name)
+        metrics |= {
+            f"pair_accuracy_{key}": evaluation["pair_accuracy"],
+            f"autrc_{key}": evaluation["autrc"],
+            f"train_pair_accuracy_{key}": histories[name]["train_pair_accuracy"][-1],
+            f"final_loss_{key}": histories[name]["loss"][-1],
+            f"{key}_params": sum(p.numel() for p in model.head.parameters()),
+        }
+        logger.info("%s: held-out pair accuracy %.3f, AuTRC %.3f (%d params)", name,
+                    evaluation["pair_accuracy"], evaluation["autrc"], metrics[f"{key}_params"])
+    if accelerator.is_main_process:
+        _write_reward_heads(Path(out_dir), models, curves, histories)
+    accelerator.wait_for_everyone()  # no process returns before the folder is whole
+    metrics["wall_seconds"] = time.perf_counter() - started
+    return StageResult(metrics=metrics, artifacts={"reward": Path(out_dir)})
+
+
+def _write_reward_heads(out_dir: Path, models: dict, curves: dict[str, dict],
+                        histories: dict[str, dict[str, list[float]]]) -> None:
+    """One head folder per model, the curves, the histories and their plots into ``out_dir``, whole or not at all."""
+    with atomic_path(out_dir) as tmp:
         tmp.mkdir(parents=True)
         for name, model in models.items():
-            evaluation = evaluate_reward_head(model, policy.tokenizer, held_out, training)
             model.save_head(tmp / name)
-            key = _metric_key(name)
-            metrics |= {
-                f"pair_accuracy_{key}": evaluation["pair_accuracy"],
-                f"autrc_{key}": evaluation["autrc"],
-                f"train_pair_accuracy_{key}": histories[name]["train_pair_accuracy"][-1],
-                f"final_loss_{key}": histories[name]["loss"][-1],
-                f"{key}_params": sum(p.numel() for p in model.head.parameters()),
-            }
-            curves[name] = evaluation
-            logger.info("%s: held-out pair accuracy %.3f, AuTRC %.3f (%d params)", name,
-                        evaluation["pair_accuracy"], evaluation["autrc"], metrics[f"{key}_params"])
         (tmp / "curves.json").write_text(json.dumps(curves, indent=2) + "\n")
         (tmp / "history.json").write_text(json.dumps(histories, indent=2) + "\n")
         plot_reward_curves({name: (c["x"], c["accuracy"]) for name, c in curves.items()}, tmp / "autrc.png")
         plot_losses(histories, tmp / "loss.png")
-    metrics["wall_seconds"] = time.perf_counter() - started
-    return StageResult(metrics=metrics, artifacts={"reward": Path(out_dir)})
 
 
 @gpu_task("train-dpo")
@@ -196,19 +213,23 @@ def _load(cfg: Config, which: str):
 def forward_overhead(reward_model, input_ids: torch.Tensor, repeats: int = 5) -> dict:
     """Wall time of one forward of the policy alone vs the policy + reward channel (median of repeats).
 
-    Both ask for hidden states off/on as they would in use: the policy alone does not need them.
+    Both ask for hidden states off/on and for the last position's logits, as they would in use: the policy
+    alone does not need the states. CUDA runs kernels asynchronously, so each timing starts and ends with
+    ``synchronize()`` (else it measures the launches, not the forward).
     """
     def median_time(fn) -> float:
         fn()  # warm-up
         times = []
         for _ in range(repeats):
+            synchronize()
             started = time.perf_counter()
             fn()
+            synchronize()
             times.append(time.perf_counter() - started)
         return sorted(times)[len(times) // 2]
 
-    policy_s = median_time(lambda: reward_model.policy(input_ids=input_ids))
-    joint_s = median_time(lambda: reward_model(input_ids=input_ids))
+    policy_s = median_time(lambda: reward_model.policy(input_ids=input_ids, logits_to_keep=1))
+    joint_s = median_time(lambda: reward_model(input_ids=input_ids, logits_to_keep=1))
     return {"policy_forward_ms": 1000 * policy_s, "reward_transformer_forward_ms": 1000 * joint_s,
             "reward_channel_overhead": joint_s / policy_s - 1}
 
@@ -233,11 +254,12 @@ def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dic
         records.append({"policy": which, "decoder": decoder, "prompt_index": i, "new_tokens": len(tokens),
                         "response": policy.tokenizer.decode(tokens, skip_special_tokens=True).strip()})
 
-    # Quality: the classical decoders (greedy included) batched over all prompts; SLA at batch 1.
+    # Quality: the classical decoders (greedy included) in batches of sla_benchmark.batch_size prompts (all
+    # prompts at once would not fit at 8B: beam search holds num_beams rows per prompt); SLA at batch 1.
     plain = [ids[0].tolist() for ids in prompt_ids]
     for decoder in ("greedy", *(d for d in b.decoders if d in HF_DECODERS and d != "greedy")):
         outputs = hf_decode(policy, plain, generate_kwargs(decoder, classical), b.max_new_tokens, eos,
-                            batch_size=len(plain), seed=b.seed)
+                            batch_size=b.batch_size, seed=b.seed)
         for i, tokens in enumerate(outputs):
             record(decoder, i, tokens)
     for name, sla_cfg in sla_settings.items():

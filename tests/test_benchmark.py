@@ -72,3 +72,38 @@ def test_hf_decode_sampling_is_seeded(tiny):
     assert first != hf_decode(tiny, prompts, generate_kwargs("temperature", cfg), max_new_tokens, eos, batch_size=2, seed=4)
     beams = hf_decode(tiny, prompts, generate_kwargs("beam", cfg), max_new_tokens, eos, batch_size=2)
     assert len(beams) == 2 and all(1 <= len(b) <= 8 for b in beams)
+
+
+def test_hf_decode_holds_at_most_batch_size_prompts_per_generate_call(tiny, monkeypatch):
+    """Decoding every benchmark prompt in one batch ran out of memory at 8B: ``batch_size`` rows per call."""
+    rows = []
+    generate = tiny.model.generate
+
+    def recording_generate(**kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+        return generate(**kwargs)
+
+    monkeypatch.setattr(tiny.model, "generate", recording_generate)
+    prompts = [tiny.tokenizer(p, add_special_tokens=False).input_ids
+               for p in chat_prompts(tiny.tokenizer, ["a", "b", "c", "d", "e"])]
+    outputs = hf_decode(tiny, prompts, generate_kwargs("greedy", ClassicalDecoding()), 3, end_token_ids(tiny),
+                        batch_size=2)
+    assert rows == [2, 2, 1] and len(outputs) == 5
+
+
+@pytest.mark.cuda
+def test_classical_decoders_on_the_gpu_in_bfloat16(tiny_llama):
+    """Every classical decoder on a bf16 policy loaded onto the GPU (inputs made on its device), in batches of 2;
+    the sampling decoders repeat with their seed."""
+    policy = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cuda", dtype="auto"))
+    assert policy.model.dtype == torch.bfloat16 and policy.device.type == "cuda"
+    cfg, eos = ClassicalDecoding(), end_token_ids(policy)
+    prompts = [policy.tokenizer(p, add_special_tokens=False).input_ids
+               for p in chat_prompts(policy.tokenizer, ["Ben has 4 apples.", "What is 2 + 3 and then more?", "a"])]
+    for decoder in ("greedy", "temperature", "top_p", "top_k", "beam"):
+        outputs = hf_decode(policy, prompts, generate_kwargs(decoder, cfg), 8, eos, batch_size=2, seed=5)
+        assert len(outputs) == 3 and all(1 <= len(o) <= 8 for o in outputs), decoder
+        assert all(0 <= t < policy.model.config.vocab_size for o in outputs for t in o), decoder
+        if decoder != "greedy":
+            again = hf_decode(policy, prompts, generate_kwargs(decoder, cfg), 8, eos, batch_size=2, seed=5)
+            assert again == outputs, decoder

@@ -1,18 +1,26 @@
 """COrAL: target-aware RoPE against ordinary forwards, corruption statistics, losses by hand, two-stage
-training, and sliding blockwise decoding (eq. 5–8 by hand, termination, determinism)."""
+training, and sliding blockwise decoding (eq. 5–8 by hand, termination, determinism); bf16, LoRA, two
+processes and the GPU."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from safetensors.torch import load_file
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from foresight.config import load_config
-from models.common.sequences import sft_sequences
+from models.common.sequences import right_pad, sft_sequences
 from models.coral.config import CoralDecoding, CoralTraining
 from models.coral.decoding import (
     CoralStats,
@@ -30,16 +38,23 @@ from models.coral.target_aware import (
     corrupt,
     offset_cross_entropy,
     offset_targets,
+    row_cross_entropy,
     target_aware,
     target_aware_logits,
     weighted_offset_loss,
 )
-from models.coral.training import stage_parameters, train_coral
+from models.coral.training import (
+    corrupt_batch,
+    offset_accuracy,
+    stage_parameters,
+    train_coral,
+)
 from models.engine.config import PolicySpec
 from models.engine.policy import load_pretrained
 from models.engine.speculative import build_tree
 
 VOCAB = 64
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _model(attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
@@ -206,7 +221,7 @@ def test_two_stage_training_changes_the_right_parameters(tiny_llama):
     assert changed == last_names
     assert history["stage"] == [1] * 4 and history["loss"][-1] < history["loss"][0]
     assert set(history) >= {"ce_forward_1", "ce_forward_4", "ce_reconstruct_0", "ce_reconstruct_8"}
-    assert any(v == v for v in history["ce_reconstruct_0"])  # corrupted tokens were reconstructed (not all NaN)
+    assert any(not math.isnan(v) for v in history["ce_reconstruct_0"])  # corrupted tokens were reconstructed (not all NaN)
 
     after_stage1 = {name: p.detach().clone() for name, p in model.named_parameters()}
     only_stage2 = replace(only_stage1, stage1_epochs=0, stage2_epochs=1, stage2_learning_rate=1e-3)
@@ -242,7 +257,7 @@ def _synthetic_forward(tree, tokens, offsets, table: dict[tuple[int, int], list[
         rows.append(torch.tensor(probs).log())
     log_probs = torch.stack(rows)
     entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return _Forward(tokens, offsets, row_of, log_probs, entropy)
+    return _Forward(tokens, offsets, row_of, log_probs, log_probs[:, tokens], entropy)
 
 
 def test_verification_scores_are_eq6_eq7_eq8_by_hand():
@@ -325,8 +340,213 @@ def test_single_token_blocks_without_backward_dependencies_are_greedy():
     assert ours == greedy.tolist() and stats.forced == 0
 
 
+def test_sliding_window_model_decodes_like_greedy_and_runs_every_decoder():
+    """Mistral with a 3-token window (COrAL's paper model is Mistral): the tree forward gets the shared engine's
+    sliding-window masks and cache, so the greedy-equivalent setting still equals HF greedy past the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(5)
+    model = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=256, sliding_window=3)).eval()
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    greedy = model.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 5:]
+    settings = CoralDecoding(block_size=1, forward_window=1, backward_window=0, epsilon=1e-12, verify=False)
+    assert coral_generate(model, prompt, 10, set(), settings) == greedy.tolist()
+    _decode_with_every_decoder(model, prompt, 10)
+
+
 def test_config_rejects_decoding_offsets_the_model_never_learned(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text("coral:\n  forward_window: 2\ncoral_benchmark:\n  forward_window: 4\n")
     with pytest.raises(Exception, match="forward_window"):
         load_config(path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# precision, memory knobs, several processes, the GPU
+
+DECODERS = (CoralDecoding(block_size=4), CoralDecoding(block_size=4, verify=False),
+            CoralDecoding(block_size=4, forward_window=1))
+"""The benchmark's decoders: full COrAL, w/o verifier, w/o multi-forward (its ablations only change numbers)."""
+
+
+def _distinct_sequences(count: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """``count`` sequences of 4 prompt + 10 response tokens, distinct within each sequence (tiny vocabulary ids
+    3 … 252): a 1-token patch replaced by another position's token always changes, so with corruption ratio 1
+    every sequence has as many reconstruction targets as any other."""
+    generator = torch.Generator().manual_seed(seed)
+    return [((torch.randperm(250, generator=generator)[:14] + 3).tolist(), [0] * 4 + [1] * 10) for _ in range(count)]
+
+
+def _decode_with_every_decoder(model, prompt: torch.Tensor, max_new_tokens: int) -> None:
+    for settings in DECODERS:
+        stats = CoralStats()
+        tokens = coral_generate(model, prompt, max_new_tokens, set(), settings, stats)
+        assert len(tokens) == max_new_tokens == stats.generated_tokens, settings
+        assert tokens == coral_generate(model, prompt, max_new_tokens, set(), settings), settings  # seeded draws
+
+
+def test_corruption_is_drawn_per_sequence_and_epoch():
+    """A sequence is corrupted alike wherever it sits in a batch (so on whichever process it lands) and afresh
+    each epoch; the same text at two indices is corrupted differently."""
+    cfg = CoralTraining(corruption_ratio=0.5)
+    sequence = _distinct_sequences(1)[0]
+    batch = right_pad([sequence, sequence, _distinct_sequences(1, seed=1)[0]], 0)
+    corrupted, changed = corrupt_batch({**batch, "index": torch.tensor([0, 1, 2])}, cfg, epoch=0)
+    assert changed.any() and not torch.equal(corrupted[0], corrupted[1])
+    reordered = {key: value[[2, 0]] for key, value in batch.items()}
+    alone, alone_changed = corrupt_batch({**reordered, "index": torch.tensor([2, 0])}, cfg, epoch=0)
+    assert torch.equal(alone, corrupted[[2, 0]]) and torch.equal(alone_changed, changed[[2, 0]])
+    later, _ = corrupt_batch({**batch, "index": torch.tensor([0, 1, 2])}, cfg, epoch=1)
+    assert not torch.equal(later, corrupted)
+
+
+def test_cross_entropy_in_chunks_equals_one_pass_and_keeps_no_vocabulary_logits(monkeypatch):
+    """Rows in chunks of 3: the same losses and gradients as one pass, and nothing of the vocabulary's size is
+    saved for the backward pass (the chunks' logits are recomputed there)."""
+    monkeypatch.setattr("models.coral.target_aware.LOGIT_ROWS_PER_CHUNK", 3)
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(8, VOCAB, bias=False)
+    hidden = torch.randn(10, 8, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (10,))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        chunked = row_cross_entropy(hidden, lm_head, targets)
+    assert saved and not any(VOCAB in shape for shape in saved)
+    chunked.sum().backward()
+    chunked_grads = hidden.grad.clone(), lm_head.weight.grad.clone()
+    hidden.grad = lm_head.weight.grad = None
+    whole = F.cross_entropy(lm_head(hidden), targets, reduction="none")
+    whole.sum().backward()
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    torch.testing.assert_close(chunked_grads, (hidden.grad, lm_head.weight.grad), rtol=0, atol=1e-6)
+    assert row_cross_entropy(hidden[:0], lm_head, targets[:0]).shape == (0,)
+
+
+def test_bf16_policy_trains_float32_master_weights_and_decodes(tiny_llama, tmp_path):
+    """A bfloat16 policy: while a stage runs its trained weights are float32 (the shared loop's master weights;
+    COrAL once updated bf16 weights directly, where stage 2's 1e-6 steps round away), and bfloat16 again
+    afterwards and in the saved folder; both stages moved their weights; every decoder runs on the result."""
+    policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="bfloat16"))
+    model = policy.model
+    last, trunk = model.model.layers[-1].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight
+    seen = []
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    cfg = CoralTraining(batch_size=2, stage1_learning_rate=1e-3, stage2_learning_rate=1e-3)
+    history = train_coral(policy, _distinct_sequences(4), cfg,
+                          on_step=lambda stage, *_: seen.append((stage, last.dtype, trunk.dtype)))
+    assert seen == [("stage 1", torch.float32, torch.bfloat16)] * 2 + [("stage 2", torch.bfloat16, torch.float32)] * 2
+    assert all(math.isfinite(loss) for loss in history["loss"])
+    assert not torch.equal(last, before["model.layers.1.self_attn.q_proj.weight"])
+    assert not torch.equal(trunk, before["model.layers.0.self_attn.q_proj.weight"])
+    assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
+    policy.model.save_pretrained(tmp_path)
+    assert {t.dtype for t in load_file(tmp_path / "model.safetensors").values()} == {torch.bfloat16}
+    accuracy = offset_accuracy(policy, _distinct_sequences(2, seed=1), forward_window=4)
+    assert all(0 <= value <= 1 for value in accuracy.values())
+    _decode_with_every_decoder(policy.model, torch.tensor([_distinct_sequences(1, seed=2)[0][0][:6]]), 8)
+
+
+def test_lora_stage_two_trains_adapters_outside_the_last_layer_and_merges(tiny_llama):
+    """``lora_rank`` > 0: stage 2 trains adapters alone, on every linear layer but the last decoder layer's, under
+    gradient checkpointing (layer 0's MLP runs twice a step: forward and recomputation, beside the target-aware
+    last layer); the result is a plain bfloat16 HF model whose trunk moved and whose last layer and embeddings did not."""
+    policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="bfloat16"))
+    model = policy.model
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trained, mlp_calls = [], []
+    # a pre-hook: the recomputation stops once it has every saved tensor, before the MLP returns
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))
+    cfg = CoralTraining(stage1_epochs=0, batch_size=2, stage2_learning_rate=1e-2, lora_rank=2,
+                        gradient_checkpointing=True)
+    train_coral(policy, _distinct_sequences(4), cfg,
+                on_step=lambda *_: trained.append({n for n, p in model.named_parameters() if p.requires_grad}))
+    assert len(trained) == 2 and trained[0] == trained[1]
+    names = trained[0]
+    assert names and all(".lora_" in n for n in names) and not any(n.startswith("model.layers.1.") for n in names)
+    assert {n.split(".")[4] for n in names} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj"}
+    assert len(mlp_calls) == 2 * 2
+    assert type(policy.model) is LlamaForCausalLM and not policy.model.is_gradient_checkpointing
+    assert not any("lora" in name for name in policy.model.state_dict())
+    assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
+    changed = {n for n, p in policy.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {f"model.layers.0.{module}.weight" for module in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")}
+
+
+TWO_PROCESS_RUNS = {
+    "two_stages": CoralTraining(stage1_epochs=2, stage2_epochs=1, batch_size=2, corruption_ratio=1.0,
+                                max_patch_size=1, replace_probability=1.0, stage1_learning_rate=1e-3,
+                                stage2_learning_rate=1e-3, warmup_ratio=0.5),
+    "lora_checkpointed": CoralTraining(stage1_epochs=0, stage2_epochs=1, batch_size=2, stage2_learning_rate=1e-3,
+                                       warmup_ratio=0.5, lora_rank=2, gradient_checkpointing=True),
+}
+"""Per-process batch 2 (the one-process run takes 4). Corruption ratio 1 with 1-token patches on
+:func:`_distinct_sequences`: every sequence has as many targets, so the mean of two half-batch losses is the
+global batch's loss. Warm-up 0.5: a whole number of steps in both runs (the shared loop rounds it per process)."""
+
+
+def _train_coral_on_two_ranks(folder: str, out: str) -> None:
+    """Run by each of 2 processes: every run of TWO_PROCESS_RUNS; ranks must agree; rank 0 saves the results."""
+    AcceleratorState._reset_state(True)  # the forked process inherits the parent's single-process state
+    torch.set_num_threads(1)  # as in the one-process run it is compared with
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == 2
+    results = {}
+    for name, cfg in TWO_PROCESS_RUNS.items():
+        policy = load_pretrained(Path(folder), PolicySpec(device="cpu"))
+        history = train_coral(policy, _distinct_sequences(8), cfg, accelerator)
+        weights = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
+        gathered = accelerator.gather(weights[None])  # (2, P)
+        assert torch.equal(gathered[0], gathered[1]), name
+        results[name] = (policy.model.state_dict(), history)
+    if accelerator.is_main_process:
+        torch.save(results, out)
+    accelerator.wait_for_everyone()
+
+
+def test_two_processes_train_like_one_on_the_same_global_batch(tiny_llama, tmp_path):
+    """Two processes with batch 2 each end with identical weights (the step runs DDP's forward: COrAL once
+    bypassed it), equal to one process with batch 4: losses, learning rates, weights — which needs each
+    sequence corrupted alike whichever process draws it (one generator per process once corrupted each rank's
+    rows alike). LoRA with gradient checkpointing too."""
+    out = tmp_path / "two_ranks.pt"
+    launch = ("from functools import partial; from accelerate import debug_launcher; "
+              "from tests.test_coral import _train_coral_on_two_ranks; "
+              f"debug_launcher(partial(_train_coral_on_two_ranks, {str(tiny_llama)!r}, {str(out)!r}), "
+              "num_processes=2)")
+    result = subprocess.run([sys.executable, "-c", launch], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two_processes = torch.load(out)
+    for name, cfg in TWO_PROCESS_RUNS.items():
+        policy = load_pretrained(tiny_llama, PolicySpec(device="cpu"))
+        history = train_coral(policy, _distinct_sequences(8), replace(cfg, batch_size=2 * cfg.batch_size),
+                              Accelerator(cpu=True))
+        state, two_history = two_processes[name]
+        assert two_history["stage"] == history["stage"] and two_history["learning_rate"] == history["learning_rate"]
+        assert two_history["loss"] == pytest.approx(history["loss"], abs=1e-6), name
+        for key, value in policy.model.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=1e-6, msg=f"{name}: {key}")
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_one_step_of_each_stage_and_every_decoder(tiny_llama):
+    """On the GPU in bfloat16 — the only place the device defects show (CPU tensors meeting CUDA ones in the
+    decoders' scoring, CPU generators in the corruption): one step of each stage, in full and with LoRA +
+    gradient checkpointing, the held-out accuracy, then every decoder (the prompt given on the CPU)."""
+    for lora_rank in (0, 2):
+        policy = load_pretrained(tiny_llama, PolicySpec(device="cuda", dtype="bfloat16"))
+        before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+        cfg = CoralTraining(batch_size=2, stage1_learning_rate=1e-2, stage2_learning_rate=1e-2, lora_rank=lora_rank,
+                            gradient_checkpointing=lora_rank > 0)
+        history = train_coral(policy, _distinct_sequences(2), cfg)
+        assert history["stage"] == [1, 2] and all(math.isfinite(loss) for loss in history["loss"])
+        assert {(p.device.type, p.dtype) for p in policy.model.parameters()} == {("cuda", torch.bfloat16)}
+        changed = {n for n, p in policy.model.named_parameters() if not torch.equal(p, before[n])}
+        assert "model.layers.1.self_attn.q_proj.weight" in changed and "model.layers.0.mlp.up_proj.weight" in changed
+        accuracy = offset_accuracy(policy, _distinct_sequences(2, seed=1), forward_window=4)
+        assert all(0 <= value <= 1 for value in accuracy.values())
+    _decode_with_every_decoder(policy.model, torch.tensor([_distinct_sequences(1, seed=2)[0][0][:6]]), 8)

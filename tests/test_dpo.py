@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pandas as pd
@@ -18,7 +18,7 @@ from models.engine.config import PolicySpec
 from models.engine.generation import chat_prompts
 from models.engine.policy import load_pretrained, prepare_policy
 from models.sla.config import DPOTraining
-from models.sla.dpo import build_trainer, preference_accuracy, tokenize_pair, train_dpo, with_eos
+from models.sla.dpo import build_trainer, pair_logps, preference_accuracy, tokenize_pair, train_dpo, with_eos
 from tests.conftest import tiny_params
 
 # A learning rate far above the real one, so a handful of steps visibly moves the tiny model.
@@ -139,3 +139,84 @@ def test_dpo_task_with_too_few_pairs_fails_clearly_and_keeps_the_previous_output
     with disable_run_logger(), pytest.raises(ValueError, match="at least 2 training pairs, got 1"):
         dpo_task.fn(cfg)
     assert stale.read_text() == "previous run"
+
+
+# ---------------------------------------------------------------------------------------------------
+# precision and memory knobs
+
+
+def _saved_policy_checks(out_dir: Path, initial: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """``out_dir`` is a plain Hugging Face model (no adapters) in ``dtype``, with its KV cache on, whose weights
+    moved away from ``initial``."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["dtype"] == str(dtype).removeprefix("torch.") and config["use_cache"] is True
+    assert not (out_dir / "adapter_config.json").exists()
+    weights = load_file(out_dir / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {dtype}
+    assert not [name for name in weights if "lora" in name]
+    tuned = AutoModelForCausalLM.from_pretrained(out_dir, dtype="auto")
+    assert tuned.dtype == dtype
+    changed = [k for k, v in tuned.state_dict().items() if not torch.equal(v, initial[k])]
+    assert changed, "training did not change any saved weight"
+
+
+@pytest.mark.parametrize(("lora_rank", "gradient_checkpointing"), [(0, False), (4, True)], ids=["full", "lora"])
+def test_bf16_policy_trains_and_saves_a_plain_bf16_model(tiny_llama, tmp_path, lora_rank, gradient_checkpointing):
+    """A bf16 policy (what ``dtype: auto`` gives on CUDA): full fine-tuning trains a float32 copy, LoRA trains
+    float32 adapters on the bf16 weights; either way the saved folder is a plain bf16 model (full fine-tuning
+    used to save its float32 copy: twice the size, and loaded back in float32), adapters merged, and the KV
+    cache the Trainer switches off is on again in the saved config."""
+    policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="bfloat16"))
+    initial = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    cfg = replace(FAST, epochs=1, lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing)
+    metrics = train_dpo(policy, make_pairs(policy.tokenizer, 4), cfg, tmp_path / "dpo")
+    assert metrics["loss_first"] == pytest.approx(math.log(2), abs=1e-3)  # step 1: policy = reference
+    assert metrics["steps"] == 2 and math.isfinite(metrics["loss_last"])
+    _saved_policy_checks(tmp_path / "dpo", initial, torch.bfloat16)
+    assert all(torch.equal(v, initial[k]) for k, v in policy.model.state_dict().items())  # caller's object
+    assert policy.model.config.use_cache is True
+
+
+def test_lora_trains_adapters_only_and_the_reference_is_the_model_with_adapters_off(policy, tmp_path):
+    """With ``lora_rank`` > 0 no reference copy of the policy is held: TRL's reference log-probs come from the
+    trained model itself, through a frozen copy of the freshly initialised adapters (``ref``: B = 0, so it adds
+    exactly nothing), and switching the adapters off gives back the initial policy's log-probs exactly."""
+    from models.common.lora import adapters_disabled, is_lora
+
+    pairs = make_pairs(policy.tokenizer, 4)
+    trainer = build_trainer(policy, pairs, replace(FAST, epochs=1, lora_rank=4), tmp_path / "unused")
+    assert trainer.ref_model is None and is_lora(trainer.model)
+    initial = {k: v.clone() for k, v in trainer.model.named_parameters()}
+    trained_names = {k for k, v in trainer.model.named_parameters() if v.requires_grad}
+    assert trained_names and all(".lora_A.default." in k or ".lora_B.default." in k for k in trained_names)
+    assert all(torch.all(v == 0) for k, v in initial.items() if ".lora_B.ref." in k)
+    trainer.train()
+
+    model = trainer.model.eval()
+    after = dict(model.named_parameters())
+    assert all(not torch.equal(after[k], initial[k]) for k in trained_names if ".lora_B." in k)  # adapters trained
+    assert all(torch.equal(after[k], v) for k, v in initial.items() if k not in trained_names)  # base and ref frozen
+    initial_logps = pair_logps(policy.model, policy.tokenizer, pairs)
+    with adapters_disabled(model):
+        reference_logps = pair_logps(model, policy.tokenizer, pairs)
+    trained_logps = pair_logps(model, policy.tokenizer, pairs)
+    assert all(torch.equal(r, i) for r, i in zip(reference_logps, initial_logps, strict=True))
+    assert not torch.equal(trained_logps[0], initial_logps[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_dpo_step_on_the_gpu_in_bf16(tiny_llama, tmp_path, lora_rank):
+    """One DPO step on CUDA with the policy in bf16 (autocast, float32 master weights or adapters), saved bf16."""
+    policy = load_pretrained(tiny_llama, PolicySpec(device="cuda", dtype="bfloat16"))
+    initial = {k: v.cpu().clone() for k, v in policy.model.state_dict().items()}
+    cfg = replace(FAST, epochs=1, lora_rank=lora_rank, gradient_checkpointing=lora_rank > 0)
+    metrics = train_dpo(policy, make_pairs(policy.tokenizer, 2), cfg, tmp_path / "dpo")
+    assert metrics["steps"] == 1 and metrics["loss_first"] == pytest.approx(math.log(2), abs=1e-2)
+    _saved_policy_checks(tmp_path / "dpo", initial, torch.bfloat16)
+    assert next(policy.model.parameters()).device.type == "cuda"

@@ -87,11 +87,22 @@ def dvc_repo(tmp_path_factory, tiny_llama, tiny_classifier, prefect_server):
     yield repo, remote, env
 
 
+def _limit_gpu_tasks(slots: int) -> None:
+    """The GPU recipe of docs/gpu.md on the test server: at most ``slots`` ``gpu``-tagged task runs at once."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.create_concurrency_limit(tag="gpu", concurrency_limit=slots)
+
+
 @pytest.fixture(scope="module")
 def pipeline_result(dvc_repo):
-    """``pipeline_flow`` run in this process (inside the Prefect test harness), from the repo folder."""
+    """``pipeline_flow`` run in this process (inside the Prefect test harness), from the repo folder, under a
+    ``gpu`` concurrency limit of 1: a task that waits for the stages while holding the slot (``dvc-repro`` once
+    did) would deadlock it, and the run would never finish."""
     from flows.pipeline import pipeline_flow
 
+    _limit_gpu_tasks(1)
     repo, _, env = dvc_repo
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(repo)  # MLflow puts a new experiment's artifacts under the working directory
@@ -310,3 +321,41 @@ def test_failing_stage_names_the_problem_and_keeps_earlier_outputs(dvc_repo, pip
     finally:
         params_path.write_text(original)
     assert _ran(_dvc("repro", repo=repo, env=env)) == [], "restoring the params must make everything up to date"
+
+
+def test_training_stage_runs_in_two_processes(dvc_repo, pipeline_result):
+    """``launch.num_processes: 2``: every training stage is out of date (``launch`` is their param), and a stage run
+    by DVC trains under ``accelerate launch`` in 2 processes (gloo on this CPU), its bookkeeping done once."""
+    repo, _, env = dvc_repo
+    params_path = repo / "params.yaml"
+    original = params_path.read_text()
+    params = yaml.safe_load(original)
+    params["launch"]["num_processes"] = 2
+    params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        status = _dvc("status", repo=repo, env=env)
+        distributed = {stage.name for stage in foresight.stages.STAGES if stage.distributed}
+        changed = {name.rstrip(":") for name in re.findall(r"^(\w+):", status, re.MULTILINE)}
+        assert changed == distributed, status
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+        experiment = client.get_experiment_by_name("test")
+
+        def stage_runs():
+            return client.search_runs([experiment.experiment_id], "tags.`foresight.stage` = 'train_reward'",
+                                      order_by=["attributes.start_time DESC"])
+
+        runs_before = len(stage_runs())
+        before = (repo / "data/reward/base/channel").stat().st_mtime_ns
+        out = _dvc("repro", "-s", "train_reward", repo=repo, env=env)
+        assert _ran(out) == ["train_reward"], out
+        metrics = json.loads((repo / "data/metrics/train_reward.json").read_text())
+        assert metrics["num_processes"] == 2
+        assert "pair_accuracy_channel" in metrics
+        assert (repo / "data/reward/base/channel").stat().st_mtime_ns != before  # written anew
+        runs = stage_runs()
+        assert len(runs) == runs_before + 1  # one MLflow run for the stage, not one per process
+        assert runs[0].data.metrics["num_processes"] == 2
+    finally:
+        params_path.write_text(original)

@@ -3,16 +3,31 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from models.common.sequences import padding_id
 from models.engine.speculative import SpeculativeStats
 from models.mtp.config import MTPRLTraining
 from models.mtp.grpo import clipped_policy_loss, group_advantages, grpo_loss, k3_kl, token_logps, token_mean
 from models.mtp.module import MTPModule, MTPModuleConfig, advantage_aware_kl, advantage_mask
-from models.mtp.rl import Rollouts, mtp_rl_step_loss, train_variant, variant
+from models.mtp.rl import (
+    Rollouts,
+    collect_rollouts,
+    completion_logps,
+    mtp_rl_step_loss,
+    rollout_batch,
+    train_variant,
+    variant,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_group_advantages_by_hand():
@@ -66,6 +81,27 @@ def test_token_logps_align_with_the_next_token():
     logits = torch.log(torch.tensor([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]]]))
     input_ids = torch.tensor([[0, 1, 2]])
     assert token_logps(logits, input_ids)[0].tolist() == pytest.approx([math.log(0.2), math.log(0.8), 0.0], abs=1e-6)
+    # the logits of positions 1 and 2 only (a forward with logits_to_keep = 2): the same log-probs from there
+    assert token_logps(logits[:, 1:], input_ids, first=1)[0].tolist() == pytest.approx([0.0, math.log(0.8), 0.0],
+                                                                                        abs=1e-6)
+
+
+def test_completion_logps_equal_a_full_forward_from_the_first_completion_position(policy):
+    """Only the completion positions' logits are computed (``logits_to_keep``); their log-probs equal those of a
+    forward over every position, prompts of different lengths in one batch."""
+    tok = policy.tokenizer
+    prompts = [tok(q)["input_ids"] for q in ("Ben has 4 apples. How many?", "What is 7 * 8?")]
+    completions = [tok(t)["input_ids"] for t in ("The answer is 6.", "56")]
+    batch = rollout_batch(Rollouts(prompts, completions, torch.zeros(2), 1.0, SpeculativeStats()),
+                          padding_id(tok), policy.device)
+    with torch.no_grad():
+        out, logps, first = completion_logps(policy.model, batch, temperature=0.8)
+        full = token_logps(policy.model(**{k: batch[k] for k in ("input_ids", "attention_mask")}).logits,
+                           batch["input_ids"], 0.8)
+    assert first == min(map(len, prompts)) - 1
+    assert out.logits.shape[1] == batch["input_ids"].shape[1] - first
+    completion = torch.nn.functional.pad(batch["response_mask"][:, 1:], (0, 1)).bool()
+    torch.testing.assert_close(logps[completion], full[completion])
 
 
 def test_advantage_mask_zeroes_negative_advantage_samples(tiny_llama):
@@ -115,8 +151,9 @@ def _step(policy, module, name: str, rewards: list[float]) -> tuple[bool, bool]:
     optimizer = torch.optim.AdamW(parameters, lr=1e-2, weight_decay=0.0)
     rollouts = _rollouts(policy, rewards)
     advantages = group_advantages(rollouts.rewards, 4)
-    _, stats = mtp_rl_step_loss(policy.model, policy, module, rollouts, advantages, None, None, var, cfg,
-                                [0.6, 0.4], lambda loss: loss.backward())
+    batch = rollout_batch(rollouts, padding_id(policy.tokenizer), policy.device)
+    mtp_rl_step_loss(policy.model, policy.model, module, batch, advantages, None, None, var, cfg, [0.6, 0.4],
+                     lambda loss: loss.backward())
     optimizer.step()
     policy_changed = any(not torch.equal(a, b) for a, b in zip(policy_before, policy.model.parameters()))
     module_changed = any(not torch.equal(a, b) for a, b in zip(module_before, module.parameters()))
@@ -191,3 +228,203 @@ def test_every_pass_of_a_step_uses_the_first_pass_log_probs_as_pi_old(policy, mo
     train_variant(policy, None, variant("vanilla", cfg), prompts, ["5"], cfg, [1.0], end_token_ids(policy))
     assert len(seen) == 3 and seen[0][0] is None
     assert seen[1][0] is seen[0][1] and seen[2][0] is seen[0][1]
+
+
+def _load(tiny_llama, **spec):
+    from models.engine.config import PolicySpec
+    from models.engine.policy import load_pretrained
+
+    return load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), **{"device": "cpu", **spec}))
+
+
+def _answers_splitting_each_group(model, tokenizer, module, prompts, cfg: MTPRLTraining) -> list[str]:
+    """Per prompt, a reference answer that the first step's first rollout matches and its second does not (the
+    exact final line: the verifiable check's text rule), so GRPO's advantages are not all zero. The rollouts are
+    seeded, so the training run draws these very ones (``model``: as the run will sample from it)."""
+    from models.labeling.labelers import is_correct
+
+    rollouts = collect_rollouts(model, tokenizer, module, prompts, ["?"] * len(prompts), cfg, 0,
+                                end_token_ids_of(model, tokenizer))
+    answers = []
+    for p in range(len(prompts)):
+        first, second = (tokenizer.decode(rollouts.completion_ids[p * cfg.group_size + g], skip_special_tokens=True)
+                         for g in (0, 1))
+        answer = first.strip().splitlines()[-1].strip() if first.strip() else ""
+        assert is_correct(first, answer) and not is_correct(second, answer), (first, second)
+        answers.append(answer)
+    return answers
+
+
+def end_token_ids_of(model, tokenizer) -> set[int]:
+    from models.engine.generation import end_token_ids
+    from models.engine.policy import Policy
+
+    return end_token_ids(Policy(model, tokenizer, model.device, "tiny"))
+
+
+def _prompts(tokenizer, questions=("What is 2 + 3?", "Ben has 4 apples. How many apples?")) -> list[torch.Tensor]:
+    return [tokenizer(q, return_tensors="pt").input_ids for q in questions]
+
+
+def test_bfloat16_policy_moves_at_learning_rate_1e6(tiny_llama):
+    """bf16 GRPO, three AdamW passes at lr 1e-6 over one step's rollouts: weights of magnitude in [2⁻¹¹, 2⁻¹⁰)
+    (bf16 spacing 2⁻¹⁸ ≈ 3.8e-6) move, which three 1e-6 steps applied to bf16 weights directly almost never do
+    (each rounds away): the float32 master weights' updates reach the policy, which comes back in bf16."""
+    policy = _load(tiny_llama, dtype="bfloat16")
+    cfg = MTPRLTraining(steps=1, group_size=2, max_new_tokens=6, learning_rate=1e-6, iterations=3)
+    prompts = _prompts(policy.tokenizer)[:1]
+    masters = copy.deepcopy(policy.model)  # what the run samples from: the bf16 weights held in float32
+    for p in masters.parameters():
+        p.data = p.data.float()
+    answers = _answers_splitting_each_group(masters, policy.tokenizer, None, prompts, cfg)
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    history = train_variant(policy, None, variant("vanilla", cfg), prompts, answers, cfg, [1.0],
+                            end_token_ids_of(policy.model, policy.tokenizer))
+    assert history[0]["reward"] == 0.5  # the rollouts the answers were read from
+    after = list(policy.model.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in after)
+    band = [(b.abs() >= 2**-11) & (b.abs() < 2**-10) for b in before]
+    moved_in_band = sum(int(((a != b) & m).sum()) for a, b, m in zip(after, before, band, strict=True))
+    # measured: 546 of 547 with master weights, 2 when AdamW updates the bf16 weights directly
+    assert moved_in_band > 0.9 * sum(int(m.sum()) for m in band)
+
+
+def test_mtp_rl_in_bfloat16_drafts_rollouts_and_trains_both(tiny_llama):
+    """MTP-RL on a bf16 policy: speculative rollouts with bf16 drafts, one update of policy and module (float32
+    master weights under bf16 autocast), both back in bf16."""
+    policy = _load(tiny_llama, dtype="bfloat16")
+    cfg = MTPRLTraining(steps=1, group_size=2, max_new_tokens=6, learning_rate=1e-6, mtp_learning_rate=1e-4)
+    module = MTPModule(policy.model, MTPModuleConfig(2))
+    policy_before = [p.detach().clone() for p in policy.model.parameters()]
+    module_before = [p.detach().clone() for p in module.parameters()]
+    history = train_variant(policy, module, variant("mtp_rl", cfg), _prompts(policy.tokenizer)[:1], ["5"], cfg,
+                            [0.6, 0.4], end_token_ids_of(policy.model, policy.tokenizer))
+    assert history[0]["tau"] >= 1 and history[0]["cycles"] > 0 and math.isfinite(history[0]["mtp_ce_1"])
+    assert all(p.dtype == torch.bfloat16 for p in [*policy.model.parameters(), *module.parameters()])
+    assert any(not torch.equal(a, b) for a, b in zip(module_before, module.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(policy_before, policy.model.parameters()))
+
+
+def test_lora_grpo_keeps_the_starting_policy_as_its_kl_reference(tiny_llama, monkeypatch):
+    """lora_rank > 0 with kl_beta > 0: the adapters train (with gradient checkpointing), the KL's reference is the
+    same model with its adapters off — it gives the starting policy's log-probs at every step, with no copy — and
+    the policy comes back as a plain model with the adapters merged in."""
+    import models.mtp.rl as mtp_rl
+
+    seen = []
+    real = mtp_rl.reference_logps
+
+    def recording(reference, batch, temperature):
+        logps = real(reference, batch, temperature)
+        seen.append((reference, batch, logps))
+        return logps
+
+    monkeypatch.setattr(mtp_rl, "reference_logps", recording)
+    policy = _load(tiny_llama)
+    start = copy.deepcopy(policy.model)
+    cfg = MTPRLTraining(steps=2, group_size=2, max_new_tokens=6, learning_rate=1e-2, mtp_learning_rate=1e-3,
+                        lora_rank=4, kl_beta=0.5, gradient_checkpointing=True)
+    module = MTPModule(policy.model, MTPModuleConfig(2))
+    history = train_variant(policy, module, variant("mtp_rl", cfg), _prompts(policy.tokenizer), ["5", "4"], cfg,
+                            [0.6, 0.4], end_token_ids_of(policy.model, policy.tokenizer))
+    assert history[0]["kl"] == pytest.approx(0.0, abs=1e-7)  # adapters start as the identity (B = 0)
+    assert history[1]["kl"] > 0  # the adapters moved, the reference did not
+    assert len(seen) == 2
+    for reference, batch, logps in seen:
+        assert reference.__class__.__name__.startswith("Peft")  # no second copy of the policy
+        with torch.no_grad():
+            expected = completion_logps(start, batch, cfg.temperature)[1]
+        torch.testing.assert_close(logps, expected)
+    assert type(policy.model) is type(start)  # merged back into a plain model
+    assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), policy.model.parameters()))
+
+
+def _two_process_runs(tiny_llama: str, answers: list[str], folder: str, batch_size: int) -> dict:
+    """The MTP equip training and one MTP-RL step, on this process's share of one global batch (the frozen states
+    go to ``folder``); returns the trained parameters and the losses. Under several processes, also checks that
+    every rank holds the same parameters, and the main process saves the result in ``folder``."""
+    from accelerate import Accelerator
+
+    from models.mtp.config import MTPTraining
+    from models.mtp.training import frozen_states, train_mtp_module
+
+    accelerator = Accelerator(cpu=True)
+    policy = _load(tiny_llama)
+    # equip: 8 distinct sequences of equal length (each process's mean over its batch is then a share of the
+    # global mean); both processes compute frozen states into one folder
+    gen = torch.Generator().manual_seed(3)
+    sequences = [(torch.randint(3, policy.model.config.vocab_size, (12,), generator=gen).tolist(), [0] * 4 + [1] * 8)
+                 for _ in range(8)]
+    states = frozen_states(policy, sequences, Path(folder), batch_size=2, accelerator=accelerator)
+    module, equip = train_mtp_module(policy, sequences, states, 2,
+                                     MTPTraining(epochs=1, batch_size=batch_size, learning_rate=1e-3), accelerator)
+    # MTP-RL: a step of 2 prompts, split between the processes
+    cfg = MTPRLTraining(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=5, learning_rate=1e-3,
+                        mtp_learning_rate=1e-3)
+    rl_module = MTPModule(policy.model, MTPModuleConfig(2))
+    history = train_variant(policy, rl_module, variant("mtp_rl", cfg), _prompts(policy.tokenizer), answers, cfg,
+                            [0.6, 0.4], end_token_ids_of(policy.model, policy.tokenizer), accelerator)
+    result = {"equip_module": torch.cat([p.flatten() for p in module.parameters()]), "equip_loss": equip["loss"],
+              "policy": torch.cat([p.detach().flatten() for p in policy.model.parameters()]),
+              "rl_module": torch.cat([p.detach().flatten() for p in rl_module.parameters()]),
+              "record": history[0]}
+    if accelerator.num_processes > 1:
+        for key in ("equip_module", "policy", "rl_module"):
+            gathered = accelerator.gather(result[key][None])  # (2, P)
+            assert torch.equal(gathered[0], gathered[1]), key
+        if accelerator.is_main_process:
+            torch.save(result, Path(folder) / "result.pt")
+    return result
+
+
+def _on_two_ranks(tiny_llama: str, answers: list[str], folder: str) -> None:
+    """Run by each of 2 processes: :func:`_two_process_runs` with half the global batch each."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # the forked process inherits the parent's single-process state
+    torch.set_num_threads(1)  # two ranks on a loaded 2-core machine: intra-op threads only contend
+    _two_process_runs(tiny_llama, answers, folder, batch_size=2)
+
+
+def test_two_processes_train_like_one_on_the_same_global_batch(tiny_llama, tmp_path):
+    """Under 2 processes (each half of every batch: the equip stage's sequences, MTP-RL's prompts) every trained
+    model is prepared, so both ranks end identical — the MTP module included — and the losses and parameters
+    equal one process's on the same global batch (the MTP-RL losses are normalised by global counts)."""
+    policy = _load(tiny_llama)
+    cfg = MTPRLTraining(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=5)
+    answers = _answers_splitting_each_group(policy.model, policy.tokenizer, MTPModule(policy.model, MTPModuleConfig(2)),
+                                            _prompts(policy.tokenizer), cfg)
+    launch = ("from accelerate import debug_launcher; from tests.test_grpo import _on_two_ranks; "
+              f"debug_launcher(_on_two_ranks, args=({str(tiny_llama)!r}, {answers!r}, {str(tmp_path / 'two')!r}), "
+              "num_processes=2)")
+    result = subprocess.run([sys.executable, "-c", launch], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = torch.load(tmp_path / "two" / "result.pt")
+    one = _two_process_runs(str(tiny_llama), answers, str(tmp_path / "one"), batch_size=4)
+    assert one["record"]["reward"] == two["record"]["reward"] == 0.5  # the same rollouts, advantages not zero
+    assert two["equip_loss"] == pytest.approx(one["equip_loss"], abs=1e-6)
+    for key in ("policy_loss", "mtp_loss", "mtp_ce_1", "mtp_kl_1"):
+        assert two["record"][key] == pytest.approx(one["record"][key], abs=1e-6), key
+    for key in ("equip_module", "policy", "rl_module"):
+        torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["vanilla", "mtp_rl", "frozen_mtp", "ce_only", "no_backprop"])
+def test_every_variant_rolls_out_and_updates_on_cuda_in_bfloat16(tiny_llama, name):
+    """Each variant's rollouts (seeded CUDA generators: a CPU one once failed every drafted rollout) and one
+    update on the GPU with a bf16 policy; what the variant trains moves and comes back in bf16 on the GPU."""
+    policy = _load(tiny_llama, device="cuda", dtype="bfloat16")
+    cfg = MTPRLTraining(steps=1, group_size=2, max_new_tokens=8, learning_rate=1e-4, mtp_learning_rate=1e-3)
+    var = variant(name, cfg)
+    module = MTPModule(policy.model, MTPModuleConfig(2)) if var.drafts else None
+    module_before = [p.detach().clone() for p in module.parameters()] if module is not None else []
+    prompts = [ids.cuda() for ids in _prompts(policy.tokenizer)[:1]]
+    history = train_variant(policy, module, var, prompts, ["5"], cfg, [0.6, 0.4],
+                            end_token_ids_of(policy.model, policy.tokenizer))
+    assert history[0]["rollout_tokens"] > 0 and (history[0]["tau"] >= 1 if var.drafts else True)
+    params = list(policy.model.parameters()) + (list(module.parameters()) if module is not None else [])
+    assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in params)
+    if var.trains_module:
+        assert any(not torch.equal(a, b) for a, b in zip(module_before, module.parameters()))

@@ -1,8 +1,9 @@
-"""Medusa heads (models/medusa.py), their self-distilled data and Medusa-1 training (models/medusa_training.py)."""
+"""Medusa heads (models/medusa/heads.py), their self-distilled data and Medusa-1 training (models/medusa/training.py)."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -113,12 +114,12 @@ def test_medusa_loss_against_hand_worked_numbers():
 
 
 def test_head_accuracies_per_rank():
-    from models.medusa.training import DistilledStates
+    from models.medusa.training import DistilledStates, HiddenStates
 
     head_logits = torch.tensor([[[0.0, 3.0, 2.0, 1.0]], [[3.0, 2.0, 1.0, 0.0]], [[0.0, 1.0, 2.0, 3.0]]])  # (3, 1, 4)
     targets = torch.tensor([[1], [1], [IGNORE_INDEX]])  # rank 0 at the first position, rank 1 at the second
     empty = torch.zeros(0, dtype=torch.long)
-    data = DistilledStates(torch.zeros(3, 2), targets, torch.zeros(3, dtype=torch.long), empty, empty, empty)
+    data = DistilledStates(HiddenStates(torch.zeros(3, 2)), targets, torch.zeros(3, dtype=torch.long), empty, empty, empty)
     lm_head = torch.nn.Linear(2, 4)
     accuracy = evaluate_heads(lambda hidden, _: head_logits[: len(hidden)], lm_head, data, top_k=2, ranks=3)
     assert accuracy == {"top1": [0.5], "top2": [1.0], "rank_accuracy": [[0.5, 0.5, 0.0]]}
@@ -147,10 +148,10 @@ def test_sample_candidates_mix():
     assert len(outside) > 50
 
 
-def test_self_distill_targets_and_states_match_a_plain_forward(policy, samples):
+def test_self_distill_targets_and_states_match_a_plain_forward(policy, samples, tmp_path):
     cfg = MedusaTraining(num_heads=2, distill_batch_size=3, mixed_precision="no")
     rl_cfg = RLMedusaCandidates(trajectory_tokens=4, top_candidates=2, top_pool=10, random_candidates=3)
-    data = self_distill(policy, samples, cfg, rl_cfg)
+    data = self_distill(policy, samples, cfg, rl_cfg, tmp_path)
     from models.common.sequences import tokenize_sequence
 
     row, done = 0, 0
@@ -189,25 +190,25 @@ def test_greedy_responses_are_the_policys_greedy_decoding(policy):
     assert set(responses["finish_reason"]) <= {"eos", "length"}
 
 
-def test_split_by_prompt_and_subset(policy, samples):
+def test_split_by_prompt_and_subset(policy, samples, tmp_path):
     cfg = MedusaTraining(num_heads=2, distill_batch_size=4, mixed_precision="no")
-    data = self_distill(policy, samples, cfg, RLMedusaCandidates(trajectory_tokens=3, top_pool=10))
+    data = self_distill(policy, samples, cfg, RLMedusaCandidates(trajectory_tokens=3, top_pool=10), tmp_path)
     train_rows, eval_rows = split_by_prompt(samples, eval_fraction=0.25, seed=0)
     assert len(eval_rows) == 2 and samples.iloc[eval_rows.tolist()]["prompt_id"].nunique() == 1
     assert not set(samples.iloc[train_rows.tolist()]["prompt_id"]) & set(samples.iloc[eval_rows.tolist()]["prompt_id"])
     held_out = data.subset(eval_rows)
     assert set(held_out.sample.tolist()) == set(eval_rows.tolist())
     expected = data.hidden[torch.isin(data.sample, eval_rows)]
-    torch.testing.assert_close(held_out.hidden, expected, rtol=0, atol=0)
+    torch.testing.assert_close(held_out.hidden[:], expected, rtol=0, atol=0)
     # trajectory states still point at their own positions after re-indexing
     keep = torch.isin(data.sample[data.rl_rows], eval_rows)
     torch.testing.assert_close(held_out.hidden[held_out.rl_rows], data.hidden[data.rl_rows[keep]], rtol=0, atol=0)
 
 
-def test_training_changes_the_heads_not_the_backbone_and_lowers_the_loss(policy, samples):
+def test_training_changes_the_heads_not_the_backbone_and_lowers_the_loss(policy, samples, tmp_path):
     cfg = MedusaTraining(num_heads=2, epochs=4, batch_size=8, learning_rate=1e-2, distill_batch_size=4,
                        mixed_precision="no", warmup_ratio=0.0)
-    data = self_distill(policy, samples, cfg, RLMedusaCandidates(trajectory_tokens=3, top_pool=10))
+    data = self_distill(policy, samples, cfg, RLMedusaCandidates(trajectory_tokens=3, top_pool=10), tmp_path)
     backbone = {k: v.clone() for k, v in policy.model.state_dict().items()}
     lm_head = policy.model.get_output_embeddings()
     before = evaluate_heads(heads_for(policy.model, 2), lm_head, data)
@@ -249,3 +250,108 @@ def test_prompt_sets_are_the_held_out_prompts_and_each_prompt_file(tmp_path):
     bad = parse_config({"medusa_benchmark": {"prompt_files": [{"path": "empty.csv"}]}}, root=tmp_path)
     with pytest.raises(ValueError, match="empty.csv is empty"):
         _prompt_sets(bad)
+
+
+def _mapped_files(tensor: torch.Tensor) -> set[str]:
+    """The files whose memory mapping holds ``tensor``'s storage (Linux ``/proc/self/maps``)."""
+    address = tensor.untyped_storage().data_ptr()
+    files = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)  # address range, permissions, offset, device, inode[, path]
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= address < high and len(fields) == 6:
+            files.add(fields[5])
+    return files
+
+
+def _medusa_end_to_end(policy: Policy, samples: pd.DataFrame, folder: Path) -> None:
+    """Distil → Medusa-1 heads → save/load → r(e, h) → RL head 1 → tree decoding with both head sets, in the
+    policy's dtype and on its device (bf16 on the CPU; bf16 on a GPU in the cuda test)."""
+    from accelerate import Accelerator
+
+    from models.engine.speculative import TreeVerifier, build_tree, speculative_generate
+    from models.medusa.config import RLMedusaTraining
+    from models.medusa.rlmedusa import (
+        evaluate_reward_model,
+        fit_reward_model,
+        train_rl_head,
+    )
+
+    dtype, device = policy.model.dtype, policy.device
+    lm_head, embedding = policy.model.get_output_embeddings(), policy.model.get_input_embeddings()
+    accelerator = Accelerator(cpu=device.type == "cpu")
+    assert accelerator.device.type == device.type
+    cfg = MedusaTraining(num_heads=2, epochs=1, batch_size=16, learning_rate=1e-2, distill_batch_size=4,
+                         mixed_precision="no")
+    data = self_distill(policy, samples, cfg, RLMedusaCandidates(trajectory_tokens=4, top_pool=10), folder / "cache")
+    # the cache keeps the policy's dtype on disk and is read through a memory map, not loaded into RAM
+    assert data.hidden.dtype == dtype and data.hidden[:2].dtype == dtype
+    hidden_size = policy.model.config.hidden_size
+    assert (folder / "cache" / "hidden.bin").stat().st_size == len(data.hidden) * hidden_size * dtype.itemsize
+    if Path("/proc/self/maps").is_file():
+        assert str(folder / "cache" / "hidden.bin") in _mapped_files(data.hidden.table)
+
+    heads, history = train_medusa_heads(policy, data, cfg, accelerator)
+    assert all(p.dtype == dtype and p.device.type == device.type for p in heads.parameters())
+    assert any((p != 0).any() for p in heads.parameters()) and all(math.isfinite(x) for x in history["loss"])
+    heads.save(folder / "supervised")
+    loaded = MedusaHeads.load(folder / "supervised", lm_head)
+    assert all(p.dtype == dtype and p.device.type == device.type for p in loaded.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), heads.state_dict().values(), strict=True))
+
+    def embed(tokens: torch.Tensor) -> torch.Tensor:
+        return embedding(tokens.to(embedding.weight.device))
+
+    rl_cfg = RLMedusaTraining(reward_width=16, reward_epochs=2, reward_batch_size=8, num_actions=4, batch_size=8,
+                              epochs=1, learning_rate=1e-2)
+    reward_model, losses = fit_reward_model(data.rl_states(), embed, data.rl_candidates, data.rl_probs, rl_cfg,
+                                            accelerator)
+    evaluation = evaluate_reward_model(reward_model, data.rl_states(), embed, data.rl_candidates, data.rl_probs)
+    assert math.isfinite(evaluation["mse"]) and all(math.isfinite(x) for x in losses)
+    rl_heads, rl_history = train_rl_head(loaded, lm_head, reward_model, embed, data.rl_states(), rl_cfg, accelerator)
+    assert all(p.dtype == dtype and p.device.type == device.type for p in rl_heads.parameters())
+    assert not torch.equal(rl_heads.blocks[0][0].linear.weight, loaded.blocks[0][0].linear.weight)  # head 1 learned
+    assert torch.equal(rl_heads.blocks[1][0].linear.weight, loaded.blocks[1][0].linear.weight)
+    assert all(math.isfinite(x) for x in rl_history["loss"])
+
+    tok = policy.tokenizer
+    ids = tok(samples["prompt"][0], return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+    greedy = policy.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                   pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    for drafting in (loaded, rl_heads):
+        drafter = MedusaDrafter(policy.model, drafting, build_tree([[0], [1], [0, 0]]), torch.bfloat16)
+        tokens, stats = speculative_generate(policy.model, drafter, TreeVerifier(), ids, 8, {tok.eos_token_id})
+        # the root comes from the same prompt forward as greedy's first token; later ones may differ by bf16 ties
+        assert 0 < len(tokens) <= 8 and tokens[0] == greedy[0] and 1 <= stats.forwards <= len(tokens)
+
+
+def test_medusa_and_rlmedusa_run_end_to_end_on_a_bfloat16_policy(tiny_llama, samples, tmp_path):
+    """bf16 heads train (float32 master weights under autocast), RL head 1 trains (it once met bf16 states with
+    float32 heads and no autocast: a dtype error), the cache stays bf16 and memory-mapped, loading keeps bf16."""
+    from transformers import AutoTokenizer
+
+    from tests.tiny import load_spiky_tiny_llama
+
+    model = load_spiky_tiny_llama(tiny_llama, dtype=torch.bfloat16)
+    policy = Policy(model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_llama), device=torch.device("cpu"),
+                    name="tiny-bf16")
+    _medusa_end_to_end(policy, samples, tmp_path)
+
+
+@pytest.mark.cuda
+def test_medusa_and_rlmedusa_run_end_to_end_on_cuda_in_bfloat16(tiny_llama, samples, tmp_path):
+    """On the GPU: the cache comes back to the CPU, the heads load onto the LM head's device, the reward model and
+    the RL head read states on the accelerator's device, and both Medusa decoders run there."""
+    from accelerate.state import AcceleratorState
+    from transformers import AutoTokenizer
+
+    from tests.tiny import load_spiky_tiny_llama
+
+    model = load_spiky_tiny_llama(tiny_llama, dtype=torch.bfloat16).to("cuda")
+    policy = Policy(model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_llama), device=torch.device("cuda"),
+                    name="tiny-bf16")
+    AcceleratorState._reset_state(True)  # earlier tests made a CPU-only state; this one needs the GPU's
+    try:
+        _medusa_end_to_end(policy, samples, tmp_path)
+    finally:
+        AcceleratorState._reset_state(True)

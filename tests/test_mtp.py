@@ -13,7 +13,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from models.engine.speculative import SpeculativeStats, verify_speculative_sampling
+from models.engine.speculative import (
+    SpeculativeStats,
+    TreeVerifier,
+    speculative_stream,
+    verify_speculative_sampling,
+)
 from models.mtp.module import (
     MTPDrafter,
     MTPModule,
@@ -147,15 +152,26 @@ def test_greedy_mtp_decoding_equals_greedy(tiny, draft_dtype):
     assert accepted_some, "no draft was ever accepted: the test would not exercise the cache bookkeeping"
 
 
-def test_mtp_decoding_stops_at_an_end_token(tiny):
+def test_mtp_decoding_stops_at_an_end_token_accepted_mid_chunk(tiny):
+    """An end token that arrives inside a cycle's accepted chunk (drafts + bonus) ends the output right there:
+    the chunk's later tokens reach neither the output nor the counters."""
     model, prompts = tiny
-    module = _perturbed_module(model, 2, scale=0.05)
-    ids = prompts[0]
-    reference = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, ids.shape[1]:].tolist()
-    end = reference[5]
-    tokens = mtp_generate(model, model, module, ids, 12, {end}, 0.0)
-    assert tokens == reference[: reference.index(end) + 1]
+    module = _perturbed_module(model, 3, scale=0.05)
+    checked = 0
+    for ids in prompts:
+        chunks = list(speculative_stream(model, MTPDrafter(model, module), TreeVerifier(), ids, 24, set()))
+        produced = [t for chunk in chunks for t in chunk]
+        starts = [sum(map(len, chunks[:c])) for c in range(len(chunks))]
+        # positions inside a chunk of ≥ 2 tokens, not its last, holding a token's first occurrence
+        inside = [start + i for start, chunk in zip(starts, chunks, strict=True) for i in range(len(chunk) - 1)
+                  if produced.index(chunk[i]) == start + i]
+        for position in inside:
+            stats = SpeculativeStats()
+            tokens = mtp_generate(model, model, module, ids, 24, {produced[position]}, 0.0, stats=stats)
+            assert tokens == produced[: position + 1]
+            assert stats.generated_tokens == position + 1
+            checked += 1
+    assert checked, "no chunk of several tokens: the test would not exercise a mid-chunk end token"
 
 
 def _chi_square_p(counts: dict, expected: dict, draws: int) -> float:
@@ -221,20 +237,25 @@ def test_speculative_sampling_with_mtp_drafts_samples_the_model_exactly(tiny, dr
     assert _chi_square_p(counts, first_law, draws) < 1e-6
 
 
-def test_equip_training_changes_only_the_module_and_lowers_the_loss(tiny_llama):
+def _distilled_sequences(tokenizer, count: int = 8):
     import pandas as pd
 
     from models.common.sequences import sft_sequences
+
+    responses = pd.DataFrame({"prompt": ["<|im_start|>user\nBen has 4 apples.<|im_end|>\n<|im_start|>assistant\n"] * count,
+                              "response": ["The answer is 6. Ben has 4 apples and 2 more."] * count})
+    return sft_sequences(tokenizer, responses, 128)
+
+
+def test_equip_training_changes_only_the_module_and_lowers_the_loss(tiny_llama, tmp_path):
     from models.engine.config import PolicySpec
     from models.engine.policy import load_pretrained
     from models.mtp.config import MTPTraining
     from models.mtp.training import chain_acceptance, frozen_states, train_mtp_module
 
     policy = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu"))
-    responses = pd.DataFrame({"prompt": ["<|im_start|>user\nBen has 4 apples.<|im_end|>\n<|im_start|>assistant\n"] * 8,
-                              "response": ["The answer is 6. Ben has 4 apples and 2 more."] * 8})
-    sequences = sft_sequences(policy.tokenizer, responses, 128)
-    hidden = frozen_states(policy, sequences, batch_size=3)
+    sequences = _distilled_sequences(policy.tokenizer)
+    hidden = frozen_states(policy, sequences, tmp_path, batch_size=3)
     assert [len(h) for h in hidden] == [len(ids) for ids, _ in sequences]
     before = {name: p.clone() for name, p in policy.model.named_parameters()}
     cfg = MTPTraining(epochs=6, batch_size=4, learning_rate=3e-3)
@@ -250,6 +271,62 @@ def test_equip_training_changes_only_the_module_and_lowers_the_loss(tiny_llama):
     assert not math.isnan(evaluation["top1_depth_2"])
 
 
+def test_frozen_states_stream_from_disk_in_the_policy_dtype(tiny_llama, tmp_path):
+    """The equip stage's cache of the frozen policy's states lives on disk in the policy's dtype (it once lived in
+    RAM in float32: ~200 GB for an 8B policy's data) and reads back exactly what a forward gives."""
+    from safetensors import safe_open
+
+    from models.engine.config import PolicySpec
+    from models.engine.policy import load_pretrained
+    from models.mtp.training import frozen_states
+
+    policy = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu", dtype="bfloat16"))
+    sequences = _distilled_sequences(policy.tokenizer, 5)
+    hidden = frozen_states(policy, sequences, tmp_path, batch_size=2)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert len(files) == 3  # batches of 2, 2 and 1
+    with safe_open(files[0], framework="pt") as first:
+        assert first.get_slice("0").get_dtype() == "BF16"
+    ids = torch.tensor([sequences[3][0]])
+    with torch.no_grad():
+        direct = policy.model(ids, output_hidden_states=True).hidden_states[-1][0]
+    assert hidden[3].dtype == torch.bfloat16
+    torch.testing.assert_close(hidden[3], direct)
+    chosen = hidden.select([4, 1])
+    assert len(chosen) == 2 and torch.equal(chosen[1], hidden[1]) and torch.equal(chosen[0], hidden[4])
+
+
+def test_equip_training_in_bfloat16(tiny_llama, tmp_path):
+    """A bf16 policy: the module is made in bf16, trains (float32 master weights inside the loop), comes back and
+    is saved in bf16, and drafts for MTP decoding (greedy and speculative sampling) without a dtype error."""
+    from safetensors import safe_open
+
+    from models.engine.config import PolicySpec
+    from models.engine.policy import load_pretrained
+    from models.mtp.config import MTPTraining
+    from models.mtp.training import chain_acceptance, frozen_states, train_mtp_module
+
+    policy = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu", dtype="bfloat16"))
+    sequences = _distilled_sequences(policy.tokenizer)
+    hidden = frozen_states(policy, sequences, tmp_path / "states")
+    start = MTPModule(policy.model, MTPModuleConfig(2))
+    module, history = train_mtp_module(policy, sequences, hidden, 2, MTPTraining(epochs=2, batch_size=4))
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(start.state_dict().values(), module.state_dict().values()))
+    assert all(math.isfinite(loss) for loss in history["loss"])
+    assert chain_acceptance(policy, module, sequences, hidden)["positions"] > 0
+    module.save(tmp_path / "module")
+    with safe_open(tmp_path / "module" / "mtp.safetensors", framework="pt") as saved:
+        names = saved.keys()  # a safetensors handle, not a dict: it has no __iter__
+        assert {saved.get_slice(name).get_dtype() for name in names} == {"BF16"}
+    ids = torch.tensor([sequences[0][0][:6]])
+    stats = SpeculativeStats()
+    assert len(mtp_generate(policy.model, policy.model, module, ids, 8, set(), 0.0, stats=stats)) == 8
+    generator = torch.Generator().manual_seed(0)
+    assert len(mtp_generate(policy.model, policy.model, module, ids, 8, set(), 0.8, generator, stats)) == 8
+    assert stats.drafted_tokens > 0
+
+
 def test_module_round_trips_through_save_and_load(tiny, tmp_path):
     model, _ = tiny
     module = _perturbed_module(model, 3)
@@ -260,3 +337,33 @@ def test_module_round_trips_through_save_and_load(tiny, tmp_path):
         assert torch.equal(a, b), name
     with pytest.raises(FileNotFoundError, match="train_mtp"):
         MTPModule.load(tmp_path / "nothing", model)
+
+
+@pytest.mark.cuda
+def test_mtp_equip_and_decoding_on_cuda_in_bfloat16(tiny_llama, tmp_path):
+    """On the GPU with a bf16 policy: the frozen states, an equip training run (the module made, trained and
+    returned on the GPU in bf16), greedy MTP decoding and speculative sampling with a CUDA generator."""
+    from models.engine.config import PolicySpec
+    from models.engine.policy import load_pretrained
+    from models.mtp.config import MTPTraining
+    from models.mtp.training import frozen_states, train_mtp_module
+
+    policy = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cuda", dtype="bfloat16"))
+    sequences = _distilled_sequences(policy.tokenizer)
+    hidden = frozen_states(policy, sequences, tmp_path)
+    start = MTPModule(policy.model, MTPModuleConfig(2))
+    module, _ = train_mtp_module(policy, sequences, hidden, 2, MTPTraining(epochs=1, batch_size=4))
+    params = list(module.parameters())
+    assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in params)
+    assert any(not torch.equal(a, b) for a, b in zip(start.state_dict().values(), module.state_dict().values()))
+    ids = torch.tensor([sequences[0][0][:6]], device="cuda")
+    with torch.no_grad():
+        first = int(policy.model(ids).logits[0, -1].argmax())
+    stats = SpeculativeStats()
+    tokens = mtp_generate(policy.model, *draft_parts(policy.model, module, torch.bfloat16), ids, 12, set(), 0.0,
+                          stats=stats)
+    # bf16 tree and sequential numerics may break ties differently after the first token: only it is asserted
+    assert len(tokens) == 12 and tokens[0] == first and stats.drafted_tokens > 0
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    sampled = mtp_generate(policy.model, policy.model, module, ids, 12, set(), 0.8, generator, SpeculativeStats())
+    assert len(sampled) == 12

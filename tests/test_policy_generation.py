@@ -13,7 +13,9 @@ from models.engine.policy import (
     PolicyNotFoundError,
     embedded_gguf,
     load_policy,
+    load_pretrained,
     prepare_policy,
+    resolve_device,
     resolve_dtype,
 )
 
@@ -98,3 +100,55 @@ def test_batch_composition_does_not_change_a_batch_seeded_alone(tiny_policy):
     full, _ = sample(tiny_policy, prompts, cfg)
     head, _ = sample(tiny_policy, prompts[:2], cfg)
     assert full[:4] == head
+
+
+def test_each_launched_process_takes_its_own_gpu(monkeypatch):
+    """The defect: under ``accelerate launch`` every rank resolved "auto"/"cuda" to cuda:0 and piled onto one GPU.
+    Only the CUDA queries are replaced (no GPU here); the mapping is the real code."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert resolve_device("auto") == resolve_device("cuda") == torch.device("cuda")
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert resolve_device("auto") == resolve_device("cuda") == torch.device("cuda", 2)
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the launcher shows each rank its own GPU only
+    assert resolve_device("auto") == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(RuntimeError, match="launch.num_processes"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        resolve_device("cuda")
+
+
+def test_sampling_holds_at_most_batch_size_prompts_per_generate_call(tiny_policy, monkeypatch):
+    """A benchmark that decoded every prompt in one batch ran out of memory at 8B: each ``generate`` call
+    takes ``batch_size`` prompts (× ``num_samples`` rows) at most."""
+    rows = []
+    generate = tiny_policy.model.generate
+
+    def recording_generate(**kwargs):
+        rows.append((kwargs["input_ids"].shape[0], kwargs["num_return_sequences"]))
+        return generate(**kwargs)
+
+    monkeypatch.setattr(tiny_policy.model, "generate", recording_generate)
+    prompts = chat_prompts(tiny_policy.tokenizer, ["a", "b", "c", "d", "e"])
+    completions, _ = sample(tiny_policy, prompts, Sampling(num_samples=2, max_new_tokens=3, batch_size=2))
+    assert rows == [(2, 2), (2, 2), (1, 2)] and len(completions) == 10
+
+
+@pytest.mark.cuda
+def test_sampling_on_the_gpu_in_bfloat16(tiny_llama):
+    """dtype auto on CUDA = bf16, loaded straight onto the GPU; seeded sampling repeats there."""
+    policy = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cuda", dtype="auto"))
+    assert policy.device.type == "cuda" and policy.model.dtype == torch.bfloat16
+    assert all(p.device.type == "cuda" for p in policy.model.parameters())
+    prompts = chat_prompts(policy.tokenizer, ["Ben has 4 apples.", "What is 2 + 3?", "Ivy has 3 cookies."])
+    cfg = Sampling(num_samples=2, max_new_tokens=8, batch_size=2, seed=3)
+    first, stats = sample(policy, prompts, cfg)
+    assert len(first) == 6 and all(1 <= c.response_tokens <= 8 for c in first) and stats["new_tokens"] > 0
+    assert sample(policy, prompts, cfg)[0] == first

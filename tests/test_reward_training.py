@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -28,6 +31,10 @@ from models.sla.reward_training import (
 )
 from models.sla.reward_transformer import RewardHeadConfig, RewardTransformer
 from tests.conftest import tiny_params
+from tests.test_dpo import FAST as DPO_FAST
+from tests.test_dpo import make_pairs
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CHANNEL = RewardHeadConfig(kind="channel", hidden_size=16)
 # A fast, deterministic setting for the tiny model: a high rate, since it must learn within a few steps.
@@ -119,7 +126,12 @@ def test_one_step_trains_the_head_and_leaves_the_policy_bit_identical(policy):
 
 def test_half_precision_policy_trains_float32_master_weights(tiny_llama):
     """At the paper's lr 5e-5, Adam's steps are below bfloat16's resolution of the weights: a bf16 head would
-    keep ~75 % of its weights at their initial value. The head trains in float32 and is cast back at the end."""
+    keep ~75 % of its weights at their initial value. The head trains in float32 and is cast back at the end;
+    then the bf16 reward transformer scores pairs and decodes with SLA (no dtype mixing anywhere)."""
+    from models.engine.generation import encode_prompt
+    from models.sla.config import SLASearch
+    from models.sla.search import sla_generate
+
     policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="bfloat16"))
     head_config = RewardHeadConfig(kind="channel", hidden_size=256)
     torch.manual_seed(0)
@@ -132,6 +144,12 @@ def test_half_precision_policy_trains_float32_master_weights(tiny_llama):
     changed = sum((trained[k] != v).sum().item() for k, v in initial.items())
     assert changed / sum(v.numel() for v in initial.values()) > 0.6  # measured: 0.83 (0.25 when trained in bf16)
     assert all(math.isfinite(loss) for loss in history["loss"])
+
+    scored = evaluate_reward_head(model, policy.tokenizer, toy_pairs(policy.tokenizer, 2, start=50), cfg)
+    assert 0.0 <= scored["autrc"] <= 1.0
+    prompt = encode_prompt(policy, toy_pairs(policy.tokenizer, 1)["prompt"][0])
+    tokens, stats = sla_generate(model, prompt, SLASearch(depth=2, width=2, step=2), 6, set())
+    assert len(tokens) == 6 and stats.steps == 3
 
 
 @pytest.mark.parametrize("head", [CHANNEL, RewardHeadConfig(kind="adapter", adapter_layers=1)],
@@ -147,6 +165,40 @@ def test_learns_a_separable_toy_preference(policy, head):
     assert evaluation["pair_accuracy"] > 0.5
     assert len(evaluation["x"]) == len(evaluation["accuracy"]) == cfg.curve_points
     assert 0.0 <= evaluation["autrc"] <= 1.0
+
+
+@pytest.mark.cuda
+def test_reward_heads_train_on_a_bf16_policy_on_the_gpu(tiny_llama):
+    """One training step on CUDA with the policy in bf16: heads beside the policy on the GPU, float32 master
+    weights under autocast, trained heads back in bf16; then held-out scoring on the GPU."""
+    policy = load_pretrained(tiny_llama, PolicySpec(device="cuda", dtype="bfloat16"))
+    torch.manual_seed(FAST["seed"])
+    initial = {k: v.cpu().clone() for k, v in RewardTransformer(policy.model, CHANNEL).head.state_dict().items()}
+    cfg = RewardTraining(**{**FAST, "epochs": 1})
+    models, histories = train_reward_heads(policy, toy_pairs(policy.tokenizer, 4), cfg, {"channel": CHANNEL})
+    model = models["channel"]
+    assert {(p.device.type, p.dtype) for p in model.head.parameters()} == {("cuda", torch.bfloat16)}
+    assert len(histories["channel"]["loss"]) == 1 and math.isfinite(histories["channel"]["loss"][0])
+    trained = model.head.state_dict()
+    assert any(not torch.equal(trained[k].cpu(), v) for k, v in initial.items())
+    evaluation = evaluate_reward_head(model, policy.tokenizer, toy_pairs(policy.tokenizer, 2, start=50), cfg)
+    assert 0.0 <= evaluation["autrc"] <= 1.0
+
+
+def test_training_and_scoring_compute_the_logits_of_one_position_only(policy):
+    """The reward loss needs the policy's hidden states, not its (2B, T, V) logits: at 8B with a 128k
+    vocabulary those were the largest tensor of every training batch. Read off the LM head's real outputs."""
+    shapes = []
+    hook = policy.model.get_output_embeddings().register_forward_hook(lambda m, i, out: shapes.append(out.shape))
+    try:
+        pairs = toy_pairs(policy.tokenizer, 4)
+        cfg = RewardTraining(**{**FAST, "epochs": 1})
+        models, _ = train_reward_heads(policy, pairs, cfg, {"channel": CHANNEL})
+        evaluate_reward_head(models["channel"], policy.tokenizer, pairs, cfg)
+    finally:
+        hook.remove()
+    assert len(shapes) == 2  # one training batch, one scoring batch
+    assert all(shape[1] == 1 for shape in shapes), shapes
 
 
 def test_joint_training_equals_training_each_head_alone(policy):
@@ -192,15 +244,7 @@ def reward_cfg(tiny_llama, tmp_path):
     return cfg
 
 
-@pytest.fixture()
-def task_logger(monkeypatch):
-    """Run the task's function outside a Prefect run (no API needed): its run logger becomes a plain logger."""
-    import tasks.sla
-
-    monkeypatch.setattr(tasks.sla, "get_run_logger", lambda: logging.getLogger("test-reward"))
-
-
-def test_task_writes_heads_curves_plots_and_metrics(reward_cfg, task_logger):
+def test_task_writes_heads_curves_plots_and_metrics(reward_cfg):
     from tasks.sla import train_reward_task
 
     out_dir = reward_cfg.path(reward_cfg.paths.reward_dir) / "base"
@@ -223,7 +267,7 @@ def test_task_writes_heads_curves_plots_and_metrics(reward_cfg, task_logger):
     assert RewardTransformer.from_head(policy.model, out_dir / "adapter-4").head_config.adapter_layers == 4
 
 
-def test_task_on_the_dpo_policy_writes_all_or_nothing(reward_cfg, task_logger, monkeypatch):
+def test_task_on_the_dpo_policy_writes_all_or_nothing(reward_cfg, monkeypatch):
     import tasks.sla
     from tasks.sla import train_reward_task
 
@@ -242,7 +286,7 @@ def test_task_on_the_dpo_policy_writes_all_or_nothing(reward_cfg, task_logger, m
     assert not [p for p in out_dir.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
 
 
-def test_task_fails_clearly_on_too_few_pairs_or_an_unknown_source(reward_cfg, task_logger):
+def test_task_fails_clearly_on_too_few_pairs_or_an_unknown_source(reward_cfg):
     from tasks.sla import train_reward_task
 
     out_dir = reward_cfg.path(reward_cfg.paths.reward_dir) / "base"
@@ -253,3 +297,86 @@ def test_task_fails_clearly_on_too_few_pairs_or_an_unknown_source(reward_cfg, ta
     with pytest.raises(ValueError, match="needs at least 2"):
         train_reward_task.fn(reward_cfg, "base", out_dir)
     assert not out_dir.exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# several processes: one launch of 2 CPU processes checks the reward heads and DPO
+
+
+TWO_RANKS = RewardTraining(**{**FAST, "batch_size": 2, "epochs": 2})  # per process: 2 × 2 = one 4-pair batch
+TWO_RANKS_DPO = replace(DPO_FAST, batch_size=1, epochs=1)  # per process: 2 × 1 = one 2-pair batch
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().flatten().float() for t in tensors])
+
+
+def _train_on_two_ranks(tiny_llama: str, out_dir: str) -> None:
+    """Run by each of 2 processes: reward heads, then DPO, each on this rank's share of the batches; the
+    trained parameters must be identical on both ranks (gradients all-reduced). The main process keeps what
+    the test compares with a 1-process run."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from models.sla import dpo
+
+    AcceleratorState._reset_state(True)  # the forked process inherits the parent's single-process state
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == 2
+    policy = load_pretrained(Path(tiny_llama), PolicySpec(device="cpu"))
+
+    models, histories = train_reward_heads(policy, toy_pairs(policy.tokenizer, 8), TWO_RANKS, {"channel": CHANNEL},
+                                           accelerator)
+    head = _flat(models["channel"].head.parameters())
+    assert torch.equal(*accelerator.gather(head[None])), "the reward heads differ between the ranks"
+
+    saved = []  # the model train_dpo saves on this rank (only the main process writes it)
+    real_trained_policy = dpo.trained_policy
+
+    def keep(trainer, initial):
+        model, state_dict = real_trained_policy(trainer, initial)
+        saved.append(model)
+        return model, state_dict
+
+    dpo.trained_policy = keep
+    metrics = dpo.train_dpo(policy, make_pairs(policy.tokenizer, 4), TWO_RANKS_DPO, Path(out_dir) / "dpo")
+    weights = _flat(saved[0].parameters())
+    assert torch.equal(*accelerator.gather(weights[None])), "the DPO policies differ between the ranks"
+    if accelerator.is_main_process:
+        torch.save({"head": head, "loss": histories["channel"]["loss"], "dpo": metrics}, Path(out_dir) / "ranks.pt")
+
+
+def test_reward_heads_and_dpo_train_identically_on_two_processes(policy, tiny_llama, tmp_path):
+    """2 processes with B pairs each train exactly what 1 process trains with 2B pairs per batch: the same
+    parameters on both ranks, equal to the 1-process run (gradients averaged across processes = the mean over
+    the global batch), and DPO's folder written once, by the main process.
+
+    The ranks are forked from a fresh interpreter (as in tests/test_training_loop.py): forked from this test
+    process they would inherit whatever ran before (threads of a Prefect test server, say).
+    """
+    from safetensors.torch import load_file
+
+    from models.sla.dpo import train_dpo
+
+    launch = ("from accelerate import debug_launcher; from tests.test_reward_training import _train_on_two_ranks; "
+              f"debug_launcher(_train_on_two_ranks, args=({str(tiny_llama)!r}, {str(tmp_path)!r}), num_processes=2)")
+    result = subprocess.run([sys.executable, "-c", launch], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = torch.load(tmp_path / "ranks.pt")
+
+    models, histories = train_reward_heads(policy, toy_pairs(policy.tokenizer, 8), replace(TWO_RANKS, batch_size=4),
+                                           {"channel": CHANNEL})
+    torch.testing.assert_close(_flat(models["channel"].head.parameters()), ranks["head"], atol=1e-6, rtol=0)
+    assert ranks["loss"] == pytest.approx(histories["channel"]["loss"], abs=1e-6)
+
+    metrics = train_dpo(policy, make_pairs(policy.tokenizer, 4), replace(TWO_RANKS_DPO, batch_size=2),
+                        tmp_path / "dpo-one-process")
+    assert metrics["steps"] == ranks["dpo"]["steps"] == 2
+    assert ranks["dpo"]["train_loss"] == pytest.approx(metrics["train_loss"], abs=1e-6)
+    one, two = (load_file(tmp_path / folder / "model.safetensors") for folder in ("dpo-one-process", "dpo"))
+    assert one.keys() == two.keys()
+    for name, tensor in one.items():
+        # Adam divides by √v: where a gradient is ~0, float noise of the padding (each process pads its own
+        # batch, to its own length) moved one weight by 3e-6; a gradient not averaged moves weights by ~lr 1e-3
+        torch.testing.assert_close(two[name], tensor, atol=1e-5, rtol=0)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no second writer's leftovers

@@ -7,6 +7,7 @@ full no-cache forward. They must agree token for token.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -203,3 +204,104 @@ def test_work_grows_with_depth(tiny):
         assert runs[d].tokens_processed == ids.shape[1] + 4 * sum(min(2 ** d, 2 ** (s + 1)) for s in range(4 + d - 1))
         assert runs[d].steps == 4 and runs[d].committed_tokens == 16
     assert [runs[d].tokens_processed for d in range(4)] == sorted(runs[d].tokens_processed for d in range(4))
+
+
+# ---------------------------------------------------------------------------------------------------
+# precision, devices and the benchmark
+
+
+def _prompts_and_model(tiny_llama, **load):
+    """The spiky tiny policy loaded with ``load`` (device_map / dtype), a seeded random channel, and the
+    prompts' ids on the CPU."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    torch.manual_seed(0)
+    model = RewardTransformer(load_spiky_tiny_llama(tiny_llama, **load)).eval()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                       return_tensors="pt")["input_ids"] for q in QUESTIONS]
+    return model, prompts
+
+
+def test_bf16_policy_decodes_with_sla(tiny_llama):
+    """A bf16 policy and head (no dtype mixing): width 1 is greedy token for token (the same one-token
+    forwards), and the search runs to length. Equality with a float32 run is not asserted: bf16 rounds near-ties."""
+    model, prompts = _prompts_and_model(tiny_llama, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    for ids in prompts[:2]:
+        greedy, rewards = greedy_generate(model, ids, 9, set())
+        assert len(greedy) == 9 and all(math.isfinite(r) for r in rewards)
+        assert sla_generate(model, ids, SLASearch(depth=2, width=1, step=3), 9, set())[0] == greedy
+        tokens, stats = sla_generate(model, ids, SLASearch(depth=2, width=2, step=3), 9, set())
+        assert len(tokens) == 9 and stats.steps == 3
+
+
+@pytest.mark.cuda
+def test_sla_and_greedy_decode_on_the_gpu_in_bf16(tiny_llama):
+    """On CUDA in bf16, from prompt ids left on the CPU: the forwards take the ids to the model's device and
+    the cache re-indexing (``reorder_cache``) gets its rows there. Not compared with greedy token for token:
+    on the GPU argmax and top-k may break bf16 ties differently."""
+    model, prompts = _prompts_and_model(tiny_llama, dtype=torch.bfloat16, device_map="cuda")
+    assert next(model.head.parameters()).device.type == "cuda"
+    for ids in prompts[:2]:
+        greedy, rewards = greedy_generate(model, ids, 9, set())
+        assert len(greedy) == 9 and all(math.isfinite(r) for r in rewards)
+        cfg = SLASearch(depth=2, width=2, step=3)
+        tokens, stats = sla_generate(model, ids, cfg, 9, set())
+        assert len(tokens) == 9 and stats.steps == 3 and stats.forward_calls == 1 + 3 * (3 + 1)
+        assert sla_generate(model, ids, cfg, 9, set())[0] == tokens  # deterministic
+
+
+def test_forward_overhead_times_each_forward_between_synchronisations(tiny, monkeypatch):
+    """CUDA kernels run asynchronously: without a synchronise on both sides a timing measures the launches.
+    On the CPU the order of the calls is what can be checked."""
+    import tasks.sla
+
+    model, _, prompts = tiny
+    events = []
+    monkeypatch.setattr(tasks.sla, "synchronize", lambda: events.append("sync"))
+    hook = model.policy.register_forward_hook(lambda *_: events.append("forward"))
+    try:
+        overhead = tasks.sla.forward_overhead(model, prompts[0], repeats=3)
+    finally:
+        hook.remove()
+    # per timed function: one warm-up forward, then each repeat bracketed
+    assert events == (["forward"] + ["sync", "forward", "sync"] * 3) * 2
+    assert overhead["policy_forward_ms"] > 0 and overhead["reward_transformer_forward_ms"] > 0
+
+
+def test_benchmark_decodes_the_classical_decoders_in_batches(tiny_llama, tmp_path, monkeypatch):
+    """The held-out prompts go to ``generate`` at most ``sla_benchmark.batch_size`` at a time (all of them at
+    once ran out of GPU memory as ``num_prompts`` grew, beam search most), and every prompt is decoded."""
+    from transformers import GenerationMixin
+
+    from foresight.config import component, parse_config
+    from models.engine.config import PolicySpec
+    from models.engine.policy import load_policy, prepare_policy
+    from models.sla.reward_transformer import RewardHeadConfig
+    from tasks.sla import _decode_all
+    from tests.conftest import tiny_params
+
+    benchmark = {"num_prompts": 5, "batch_size": 2, "max_new_tokens": 3, "decoders": ["greedy", "beam", "sla"]}
+    cfg = parse_config(tiny_params(tmp_path, tiny_llama, sla_benchmark=benchmark), root=tmp_path)
+    spec = component(PolicySpec, cfg.policy)
+    prepare_policy(spec, cfg.path(cfg.paths.policy_dir))
+    policy = load_policy(spec, cfg.path(cfg.paths.policy_dir))
+    RewardTransformer(policy.model, RewardHeadConfig(hidden_size=8)).save_head(
+        cfg.path(cfg.paths.reward_dir) / "base" / "channel")
+
+    batches = []  # rows of every generate call, as the model received them
+    generate = GenerationMixin.generate
+
+    def recording_generate(self, *args, **kwargs):
+        batches.append(kwargs["input_ids"].shape[0])
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", recording_generate)
+    questions = [f"What is {i} + {i}?" for i in range(5)]
+    records, _ = _decode_all(cfg, "base", questions, {"sla": SLASearch(depth=1, width=2, step=2)},
+                             time_sampling=False)
+    # greedy and beam: 2 + 2 + 1 prompts each; then HF greedy timed at batch 1 on the speed prompt
+    assert batches == [2, 2, 1] * 2 + [1] * cfg.sla_benchmark.speed_prompts
+    decoded = Counter(r["decoder"] for r in records)
+    assert decoded == {"greedy": 5, "beam": 5, "sla": 5}

@@ -13,20 +13,25 @@ from transformers import DynamicCache
 
 from models.engine.config import TypicalAcceptance
 from models.engine.speculative import (
+    Draft,
+    SamplingVerifier,
     SpeculativeStats,
     TreeDrafter,
     TreeVerifier,
     _parents,
     build_tree,
     chain_tree,
+    draw,
     keep_accepted,
     sparse_tree,
+    speculative_cache,
     speculative_generate,
     speculative_stream,
     tree_attention_inputs,
     tree_candidates,
     tree_forward,
     verify_greedy,
+    verify_speculative_sampling,
     verify_typical,
 )
 from tests.tiny import load_spiky_tiny_llama
@@ -283,3 +288,169 @@ def test_batched_input_is_refused(tiny):
     with pytest.raises(ValueError, match="one prompt at a time"):
         speculative_generate(model, TreeDrafter(chain_tree(2), lambda h, r: torch.zeros(3, 8)), TreeVerifier(),
                              prompts[0].repeat(2, 1), 4, set())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sliding-window attention (Mistral: every layer; Qwen2 / Gemma style: mixed with full-attention layers)
+
+WINDOW = 6
+
+
+def _spiky(model):
+    """Matrices re-drawn at std 0.4 (as :func:`load_spiky_tiny_llama`): a default-init model repeats one token."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for w in model.parameters():
+            if w.dim() >= 2:
+                w.copy_(torch.randn(w.shape, generator=gen) * 0.4)
+    return model.eval()
+
+
+def _sliding_model(kind: str, attn_implementation: str = "sdpa"):
+    """A tiny random model whose sliding window (6) is far shorter than prompt + output."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, sliding_window=WINDOW,
+                  attn_implementation=attn_implementation)
+    torch.manual_seed(0)
+    if kind == "mistral":
+        return _spiky(MistralForCausalLM(MistralConfig(**common)))
+    return _spiky(Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, max_window_layers=2,
+                                               layer_types=["sliding_attention", "full_attention"], **common)))
+
+
+SLIDING_PROMPT = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(("kind", "attn_implementation"),
+                         [("mistral", "sdpa"), ("mistral", "eager"), ("mixed", "sdpa")])
+@torch.no_grad()
+def test_speculative_decoding_is_lossless_beyond_a_sliding_window(kind, attn_implementation):
+    """The defect: the cache kept keys/values by absolute index, but a sliding-window layer holds only its last
+    window − 1 positions and counts its length apart (``cumulative_length``) — the tree forward crashed on the
+    mask's width, and a cache cut to the tree's nodes would have lost the window's oldest keys. Now a prompt of
+    9 and 30 new tokens, window 6: token for token plain greedy decoding, with multi-token steps."""
+    model = _sliding_model(kind, attn_implementation)
+    tree = build_tree(CHOICES)
+    reference = _greedy(model, SLIDING_PROMPT, 30, set())
+    stats = SpeculativeStats()
+    oracle = NoisyOracle(reference, stats, model.config.vocab_size, tree.depth, seed=0)
+    tokens = [t for step in speculative_stream(model, TreeDrafter(tree, oracle), TreeVerifier(), SLIDING_PROMPT, 30,
+                                               set(), stats) for t in step]
+    assert tokens == reference and len(set(reference)) > 5  # not one token repeated
+    assert max(stats.accepted_lengths) > 1
+
+
+@pytest.mark.parametrize("kind", ["mistral", "mixed"])
+@torch.no_grad()
+def test_keep_accepted_leaves_a_sliding_window_cache_as_a_plain_forward_would(kind):
+    """After a tree forward past the window, each layer holds what a plain forward of prefix + accepted path
+    leaves: the full layer every position, the sliding layer the last window − 1 and the true length."""
+    model = _sliding_model(kind)
+    cache = speculative_cache(model)
+    model(input_ids=SLIDING_PROMPT, past_key_values=cache, use_cache=True)
+    tree_forward(model, TREE_TOKENS % 64, build_tree(CHOICES), cache)
+    accepted = [0, 2, 5]
+    keep_accepted(cache, SLIDING_PROMPT.shape[1], accepted)
+    reference = DynamicCache(config=model.config)
+    model(input_ids=torch.cat([SLIDING_PROMPT[0], TREE_TOKENS[accepted] % 64])[None], past_key_values=reference,
+          use_cache=True)
+    assert [layer.is_sliding for layer in cache.layers] == ([True, True] if kind == "mistral" else [True, False])
+    for mine, theirs in zip(cache.layers, reference.layers, strict=True):
+        assert mine.get_seq_length() == theirs.get_seq_length() == SLIDING_PROMPT.shape[1] + 3
+        assert mine.keys.shape == theirs.keys.shape
+        torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values, rtol=0, atol=1e-5)
+
+
+def test_a_sliding_window_mask_blocks_keys_a_window_back():
+    """Node at depth d (position past + d) sees prefix positions > past + d − window: the oldest kept
+    prefix keys drop out one per depth."""
+    tree = chain_tree(3)
+    _, mask = tree_attention_inputs(tree, past_length=20, dtype=torch.float32, device=torch.device("cpu"),
+                                    window=4, kept_prefix=3)  # keys: positions 17, 18, 19, then the 4 nodes
+    assert (mask[0, 0] == 0).tolist() == [
+        [True, True, True, True, False, False, False],
+        [False, True, True, True, True, False, False],
+        [False, False, True, True, True, True, False],
+        [False, False, False, True, True, True, True],
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# devices and dtypes: bf16 on the CPU here, bf16 on the GPU where one is visible
+
+
+def _assert_agrees_up_to_ties(model, ids: torch.Tensor, tokens: list[int], reference: list[int]) -> None:
+    """Equal to greedy, or first differing where greedy's own logits nearly tie the two tokens: in bf16 a tree
+    forward and a one-token forward round differently, so a near-tie may break the other way."""
+    if tokens == reference:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)
+    logits = model(input_ids=torch.cat([ids[0], torch.tensor(reference[:i], device=ids.device)])[None]).logits[0, -1]
+    logits = logits.float()
+    assert logits[tokens[i]] >= logits.max() - 0.02 * logits.abs().max(), (i, tokens[i], reference[i])
+
+
+def _bf16_tiny(tiny_llama, device: str):
+    return load_spiky_tiny_llama(tiny_llama, dtype=torch.bfloat16).to(device)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@torch.no_grad()
+def test_tree_decoding_of_a_bfloat16_policy(tiny, tiny_llama, device):
+    """A bf16 policy (on the GPU under cuda) with drafts made on the CPU: tokens, masks and verification follow
+    the model's device and dtype; greedy tree decoding agrees with greedy decoding up to bf16 near-ties."""
+    _, prompts = tiny
+    model = _bf16_tiny(tiny_llama, device)
+    tree = build_tree(CHOICES)
+    for i, ids in enumerate(prompts[:2]):
+        ids = ids.to(device)
+        reference = _greedy(model, ids, 30, set())
+        stats = SpeculativeStats()
+        oracle = NoisyOracle(reference, stats, model.config.vocab_size, tree.depth, seed=i)  # CPU logits
+        tokens, _ = speculative_generate(model, TreeDrafter(tree, oracle), TreeVerifier(), ids, 30, set(), stats)
+        assert len(tokens) == 30
+        _assert_agrees_up_to_ties(model, ids, tokens, reference)
+        assert max(stats.accepted_lengths) > 1
+
+
+class OneHotChain(TreeDrafter):
+    """A chain drafter that states its drafts' law (one-hot: top-1 drafts), on the CPU, for speculative sampling."""
+
+    def propose(self, room: int) -> Draft:
+        draft = super().propose(room)
+        probs = torch.nn.functional.one_hot(draft.tokens[1:].cpu(), self.vocab).float()  # (D, V)
+        return Draft(draft.tree, draft.tokens, probs)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@torch.no_grad()
+def test_speculative_sampling_of_a_bfloat16_policy(tiny, tiny_llama, device):
+    """SamplingVerifier on a bf16 policy with a generator on the model's device (a CUDA generator under cuda) and
+    the drafts' law on the CPU: seeded runs repeat, and every token is in the vocabulary."""
+    _, prompts = tiny
+    model = _bf16_tiny(tiny_llama, device)
+    ids = prompts[0].to(device)
+    vocab = model.config.vocab_size
+
+    def run(seed: int) -> tuple[list[int], SpeculativeStats]:
+        drafts = torch.Generator().manual_seed(seed)
+        drafter = OneHotChain(chain_tree(3), lambda h, r: torch.randn(3, vocab, generator=drafts))
+        drafter.vocab = vocab
+        verifier = SamplingVerifier(0.8, torch.Generator(device=device).manual_seed(seed))
+        return speculative_generate(model, drafter, verifier, ids, 24, set())
+
+    tokens, stats = run(0)
+    assert len(tokens) == 24 and all(0 <= t < vocab for t in tokens) and stats.drafted_tokens > 0
+    assert run(0)[0] == tokens and run(1)[0] != tokens
+
+
+def test_a_generator_on_another_device_is_refused_naming_the_fix():
+    probs = torch.full((8,), 1 / 8, device="meta")
+    with pytest.raises(ValueError, match=r"torch.Generator\(device='meta'\)"):
+        draw(probs, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="generator is on cpu"):
+        verify_speculative_sampling([1], torch.zeros(1, 8), torch.full((2, 8), 1 / 8, device="meta"),
+                                    torch.Generator())

@@ -21,8 +21,8 @@ stats)``; the loop owns what they would otherwise each write again:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +34,20 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@contextmanager
+def float32_master_weights(params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """The parameters held in float32 inside the block (master weights), cast back to their own dtypes after. At lr
+    1e-6 an AdamW step moves a bfloat16 weight by less than half its spacing (2⁻⁸ relative): it would round away."""
+    dtypes = [p.dtype for p in params]
+    for p in params:
+        p.data = p.data.float()  # a no-op for float32 ones
+    try:
+        yield
+    finally:
+        for p, dtype in zip(params, dtypes, strict=True):
+            p.data = p.data.to(dtype)
 
 
 Step = Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, float | torch.Tensor]]]
@@ -62,49 +76,49 @@ def train(model: nn.Module, data, step: Step, params: Iterable[nn.Parameter] | I
     params = list(params)
     trained = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
     half = next((p.dtype for p in model.parameters() if p.dtype in HALF_DTYPES), None)
-    dtypes = [p.dtype for p in trained]
-    for p in trained:
-        p.data = p.data.float()  # master weights (a no-op for float32 ones)
+    with float32_master_weights(trained):
+        loader = DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn,
+                            generator=torch.Generator().manual_seed(seed))
+        optimizer = optimizer(params)
+        # Counted before prepare(): the schedule spans the global number of steps (accelerate steps a prepared
+        # scheduler once per process for every optimizer step when batches are split between processes). The
+        # warm-up is a whole number of those optimizer steps, so N processes at batch B follow the schedule of
+        # one process at batch N·B.
+        num_steps = epochs * len(loader)
+        processes = accelerator.num_processes
+        warmup_steps = processes * round(warmup_ratio * num_steps / processes) if warmup_ratio is not None else 0
+        schedule = ([get_cosine_schedule_with_warmup(optimizer, warmup_steps, num_steps)]
+                    if warmup_ratio is not None else [])
+        prepared, optimizer, loader, *schedule = accelerator.prepare(model, optimizer, loader, *schedule)
 
-    loader = DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn,
-                        generator=torch.Generator().manual_seed(seed))
-    optimizer = optimizer(params)
-    # Counted before prepare(): the schedule spans the global number of steps (accelerate steps a prepared
-    # scheduler once per process for every optimizer step when batches are split between processes).
-    num_steps = epochs * len(loader)
-    schedule = ([get_cosine_schedule_with_warmup(optimizer, round(warmup_ratio * num_steps), num_steps)]
-                if warmup_ratio is not None else [])
-    prepared, optimizer, loader, *schedule = accelerator.prepare(model, optimizer, loader, *schedule)
+        history: dict[str, list[float]] = {"learning_rate": []}
+        local_steps = epochs * len(loader)  # this process's share of num_steps
+        bar = tqdm(total=local_steps, desc=desc, unit="step", disable=not accelerator.is_local_main_process)
+        for epoch in range(epochs):
+            for batch in loader:
+                # a disabled torch.autocast would switch accelerate's off too, hence nullcontext
+                half_autocast = torch.autocast(accelerator.device.type, dtype=half) if half else nullcontext()
+                with accelerator.autocast(), half_autocast:
+                    loss, stats = step(prepared, batch)
+                accelerator.backward(loss)
+                rate = schedule[0].get_last_lr()[0] if schedule else optimizer.param_groups[0]["lr"]
+                history["learning_rate"].append(rate)  # the rate this step applies
+                optimizer.step()
+                for scheduler in schedule:
+                    scheduler.step()
+                optimizer.zero_grad()
 
-    history: dict[str, list[float]] = {"learning_rate": []}
-    local_steps = epochs * len(loader)  # this process's share of num_steps
-    bar = tqdm(total=local_steps, desc=desc, unit="step", disable=not accelerator.is_local_main_process)
-    for epoch in range(epochs):
-        for batch in loader:
-            # a disabled torch.autocast would switch accelerate's off too, hence nullcontext
-            half_autocast = torch.autocast(accelerator.device.type, dtype=half) if half else nullcontext()
-            with accelerator.autocast(), half_autocast:
-                loss, stats = step(prepared, batch)
-            accelerator.backward(loss)
-            rate = schedule[0].get_last_lr()[0] if schedule else optimizer.param_groups[0]["lr"]
-            history["learning_rate"].append(rate)  # the rate this step applies
-            optimizer.step()
-            for scheduler in schedule:
-                scheduler.step()
-            optimizer.zero_grad()
-
-            # float64: a float32 stat (and a Python float made from one) passes through exactly
-            values = torch.tensor([float(v) for v in stats.values()], dtype=torch.float64, device=accelerator.device)
-            logged = dict(zip(stats, accelerator.reduce(values, "mean").tolist(), strict=True))
-            for key, value in logged.items():
-                history.setdefault(key, []).append(value)
-            bar.update(1)
-            bar.set_postfix({key: f"{logged[key]:.4f}" for key in show})
-            if on_step is not None and accelerator.is_main_process:
-                on_step(bar.n, local_steps, logged)
-        if on_epoch_end is not None:
-            on_epoch_end(epoch)
-    bar.close()
-    for p, dtype in zip(trained, dtypes, strict=True):
-        p.data = p.data.to(dtype)
+                # float64: a float32 stat (and a Python float made from one) passes through exactly
+                values = torch.tensor([float(v) for v in stats.values()], dtype=torch.float64,
+                                      device=accelerator.device)
+                logged = dict(zip(stats, accelerator.reduce(values, "mean").tolist(), strict=True))
+                for key, value in logged.items():
+                    history.setdefault(key, []).append(value)
+                bar.update(1)
+                bar.set_postfix({key: f"{logged[key]:.4f}" for key in show})
+                if on_step is not None and accelerator.is_main_process:
+                    on_step(bar.n, local_steps, logged)
+            if on_epoch_end is not None:
+                on_epoch_end(epoch)
+        bar.close()
     return accelerator.unwrap_model(prepared), history

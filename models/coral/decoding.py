@@ -50,8 +50,8 @@ from models.engine.speculative import (
     build_tree,
     sparse_tree,
     speculative_generate,
-    tree_attention_inputs,
     tree_candidates,
+    tree_masks,
 )
 
 
@@ -107,13 +107,19 @@ def _root_only_tree() -> Tree:
 
 @dataclass
 class _Forward:
-    """A target-aware tree forward's log-probabilities, by (node, offset)."""
+    """A target-aware tree forward's log-probabilities, by (node, offset).
+
+    The full distributions stay on the model's device (the next step's ensemble mixes them); verification reads
+    only each row's log-probability of each node's token and the rows' entropies, copied to the CPU once per
+    step, so scoring the paths is plain CPU arithmetic (no small device ops, no synchronisation per token).
+    """
 
     tokens: torch.Tensor  # (N+1,)
     offsets: tuple[int, ...]
-    row_of: torch.Tensor  # (N+1, O) row index into log_probs, −1 where not computed
-    log_probs: torch.Tensor  # (R, V)
-    entropy: torch.Tensor  # (R,)
+    row_of: torch.Tensor  # (N+1, O) row index into log_probs, −1 where not computed (CPU)
+    log_probs: torch.Tensor  # (R, V) float32, on the model's device
+    node_log_probs: torch.Tensor  # (R, N+1) float32 on the CPU: [r, n] = log_probs[r, tokens[n]]
+    entropy: torch.Tensor  # (R,) float32 on the CPU
 
     def row(self, node: int, offset: int) -> int:
         return int(self.row_of[node, self.offsets.index(offset)])
@@ -126,7 +132,7 @@ def target_aware_tree_forward(model, tokens: torch.Tensor, tree: Tree, cache: Dy
     tokens = tokens.to(model.device)
     horizon = tree.depth + settings.forward_window
     offsets = settings.offsets()
-    position_ids, mask = tree_attention_inputs(tree, cache.get_seq_length(), model.dtype, tokens.device)
+    position_ids, mask = tree_masks(model, tree, cache)  # per attention kind: sliding-window layers see their window
     hidden = target_aware_hidden(model, tokens[None], offsets, attention_mask=mask, position_ids=position_ids,
                                  past_key_values=cache)[0]  # (O, N+1, H)
     target_depth = tree.depths[:, None] + torch.tensor(offsets)[None, :]  # (N+1, O)
@@ -137,28 +143,27 @@ def target_aware_tree_forward(model, tokens: torch.Tensor, tree: Tree, cache: Dy
     logits = model.get_output_embeddings()(hidden[offset_index.to(hidden.device), nodes.to(hidden.device)])  # (R, V)
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)  # (R,)
-    return _Forward(tokens, offsets, row_of, log_probs, entropy)
+    return _Forward(tokens, offsets, row_of, log_probs, log_probs[:, tokens].cpu(), entropy.cpu())
 
 
 def _path_scores(forward: _Forward, path: list[int], settings: CoralDecoding) -> tuple[float, list[float]]:
     """Eq. 6 + eq. 7 averaged over the path's block tokens, and eq. 8's acceptance score of each of them."""
-    tokens = forward.tokens
     threshold_scale = math.sqrt(settings.epsilon)
     scores, confidences = [], []
     for d in range(1, len(path)):
-        token = int(tokens[path[d]])
+        node = path[d]
         verify_rows = [(1, forward.row(path[d - 1], 1))] + [
             (-g, forward.row(path[d + g], -g)) for g in range(settings.backward_window + 1) if d + g < len(path)]
         weights = torch.tensor([settings.weight(distance) for distance, _ in verify_rows])
         rows = torch.tensor([r for _, r in verify_rows])
-        log_p = forward.log_probs[rows, token]  # (deps,)
+        log_p = forward.node_log_probs[rows, node]  # (deps,)
         v = float((weights * log_p).sum() / weights.sum())  # eq. 6
         ahead = [(delta, forward.row(path[d - delta], delta)) for delta in range(2, settings.forward_window + 1)
                  if d - delta >= 0]
         v_cd = 0.0
         if ahead:  # eq. 7: next-token log-prob above the (long-dependency-penalised) forward predictions
             inverse = torch.tensor([1.0 / settings.weight(delta) for delta, _ in ahead])
-            forward_log_p = forward.log_probs[torch.tensor([r for _, r in ahead]), token]
+            forward_log_p = forward.node_log_probs[torch.tensor([r for _, r in ahead]), node]
             v_cd = max(0.0, float(log_p[0] - (inverse * forward_log_p).sum() / inverse.sum()))
         scores.append(v + v_cd)
         threshold = torch.clamp(threshold_scale * torch.exp(-forward.entropy[rows]), max=settings.epsilon)
@@ -241,6 +246,7 @@ class CoralVerifier:
 
     def __init__(self, settings: CoralDecoding):
         self.settings = settings
+        # on the CPU on purpose: the draws meet only CPU floats, and a run draws alike on any device
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.stalled = self.forced = 0
 
@@ -264,7 +270,8 @@ def coral_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_toke
     """Decode one prompt (1, L) with sliding blockwise order-agnostic decoding; returns the new tokens."""
     stats = stats if stats is not None else CoralStats()
     verifier = CoralVerifier(settings)
-    tokens, _ = speculative_generate(model, EnsembleDrafter(settings), verifier, input_ids, max_new_tokens,
-                                     eos_token_ids, stats, partial(target_aware_tree_forward, settings=settings))
+    tokens, _ = speculative_generate(model, EnsembleDrafter(settings), verifier, input_ids.to(model.device),
+                                     max_new_tokens, eos_token_ids, stats,
+                                     partial(target_aware_tree_forward, settings=settings))
     stats.forced += verifier.forced
     return tokens

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import rotate_half
 
 FORWARD_OFFSETS = (1, 2, 3, 4)
@@ -72,9 +73,11 @@ class TargetAwareLayer(nn.Module):
         key = _rotate(key, cos, sin)  # keys at their own positions
         if past_key_values is not None:  # the keys/values are the ordinary ones: cacheable as usual
             key, value = past_key_values.update(key, value, attention.layer_idx)
-        # each query once per offset, rotated at its target position m + o − 1 (o = +1: the usual m)
+        # each query once per offset, rotated at its target position m + o − 1 (o = +1: the usual m); the angles
+        # in the query's dtype, as the keys' are in theirs (a float32 norm weight, say float32 master weights
+        # under autocast, would otherwise turn the queries float32 and the keys not)
         target_positions = torch.cat([position_ids + (o - 1) for o in self.offsets], dim=-1)  # (B|1, O·T)
-        cos_q, sin_q = self.rotary_emb(x, target_positions)
+        cos_q, sin_q = self.rotary_emb(query, target_positions)
         query = _rotate(query.repeat(1, 1, num_offsets, 1), cos_q, sin_q)  # (B, heads, O·T, d)
         mask = _causal_rows(attention_mask, length, key.shape[2], hidden_states.device)  # (B|1, 1, T, S)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask.repeat(1, 1, num_offsets, 1),
@@ -191,7 +194,7 @@ def offset_targets(input_ids: torch.Tensor, target_mask: torch.Tensor, offsets: 
 
     ``target_mask`` (B, T) marks the positions that may be targets (response tokens; corrupted tokens).
     """
-    batch, length = input_ids.shape
+    length = input_ids.shape[1]
     positions = torch.arange(length, device=input_ids.device)
     targets, valid = [], []
     for o in offsets:
@@ -211,12 +214,36 @@ def offset_cross_entropy(hidden: torch.Tensor, lm_head: nn.Module, targets: torc
     offset has no target), and the per-offset count of targets (O,).
     """
     rows = valid.nonzero(as_tuple=True)
-    logits = lm_head(hidden[rows])  # (N, V)
-    losses = F.cross_entropy(logits.float(), targets[rows], reduction="none")  # (N,)
+    losses = row_cross_entropy(hidden[rows], lm_head, targets[rows])  # (N,)
     offset_index = rows[1]
     counts = torch.bincount(offset_index, minlength=valid.shape[1]).float()  # (O,)
     sums = torch.zeros(valid.shape[1], device=hidden.device).index_add(0, offset_index, losses)
     return sums / counts.clamp(min=1), counts
+
+
+LOGIT_ROWS_PER_CHUNK = 1024
+"""Rows whose vocabulary logits exist at once: at 8B (V = 128k) a chunk's float32 logits take 0.5 GB."""
+
+
+def logit_chunks(hidden_rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``hidden_rows`` (N, H) in chunks of at most :data:`LOGIT_ROWS_PER_CHUNK` rows (one, empty, when N = 0)."""
+    return hidden_rows.split(LOGIT_ROWS_PER_CHUNK)
+
+
+def row_cross_entropy(hidden_rows: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy (N,) of each hidden row (N, H) against its target (N,), chunk by chunk.
+
+    With gradients, each chunk is checkpointed: its logits and softmax are freed after the forward and
+    recomputed in the backward pass, so N · V float32 logits never exist at once (N is up to B · O · T).
+    """
+    def chunk_loss(rows: torch.Tensor, chunk_targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(lm_head(rows).float(), chunk_targets, reduction="none")
+
+    losses = [checkpoint(chunk_loss, rows, chunk_targets, use_reentrant=False) if torch.is_grad_enabled()
+              else chunk_loss(rows, chunk_targets)
+              for rows, chunk_targets in zip(logit_chunks(hidden_rows), targets.split(LOGIT_ROWS_PER_CHUNK),
+                                             strict=True)]
+    return torch.cat(losses)  # (N,)
 
 
 def weighted_offset_loss(per_offset: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,12 +49,26 @@ class Policy:
 
 
 def resolve_device(device: DeviceName) -> torch.device:
-    """``auto`` = CUDA when present, else CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
+    """``auto`` = CUDA when present, else CPU.
+
+    Under a launcher (``accelerate launch`` / torchrun set ``LOCAL_RANK``) each process takes its own GPU,
+    ``cuda:LOCAL_RANK`` — the device its Accelerator uses — instead of every rank piling onto ``cuda:0``. A
+    launcher that shows each process one GPU only (``CUDA_VISIBLE_DEVICES`` per rank) leaves it ``cuda:0``.
+    """
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' was requested but no CUDA GPU is visible (set device: auto or cpu)")
-    return torch.device(device)
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None:
+        return torch.device("cuda")
+    visible = torch.cuda.device_count()
+    if visible == 1:
+        return torch.device("cuda", 0)
+    if int(local_rank) >= visible:
+        raise RuntimeError(f"process LOCAL_RANK={local_rank} has no GPU of its own: {visible} are visible "
+                           "(launch.num_processes must not exceed the GPUs)")
+    return torch.device("cuda", int(local_rank))
 
 
 def resolve_dtype(dtype: DtypeName, device: torch.device) -> torch.dtype:
@@ -167,8 +182,10 @@ def load_pretrained(path: Path, cfg: PolicySpec) -> Policy:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    model.to(device).eval()
+    # device_map: the weights go straight to the device (no full copy in CPU RAM first: 16 GB at 8B in bf16)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device},
+                                                 trust_remote_code=cfg.trust_remote_code)
+    model.eval()
     if tokenizer.pad_token_id is None:  # batched generation pads on the left with some token
         tokenizer.pad_token = tokenizer.eos_token
     return Policy(model=model, tokenizer=tokenizer, device=device, name=cfg.model)

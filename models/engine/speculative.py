@@ -10,6 +10,18 @@ attention, §2.3.1 typical acceptance), built as a pipeline of small pure functi
       →  evaluate (:func:`verify_greedy` lossless | :func:`verify_typical` lossy | :func:`verify_speculative_sampling`)
       →  update (:func:`keep_accepted`: gather the accepted nodes' keys/values into the cache)
 
+Sliding-window attention (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``). The cache comes from
+:func:`speculative_cache`: a sliding-window layer records its past until :func:`keep_accepted` has picked the
+accepted nodes, then is cut back to its window, and each tree forward gets one mask per attention kind
+(:func:`tree_masks`): a node at position p sees the prefix keys less than the window behind p, as plain
+decoding would. Cache layers that cannot be rolled back by index (recurrent / linear attention, sparse-index,
+quantised) are refused up front, naming the layer.
+
+Devices and dtypes. Every tensor is made on the device of what it is combined with (the tree forward on the
+model's device, its mask in the model's dtype: verification runs in the policy's dtype). A ``generator`` passed
+to the sampling functions must live on the device of the probabilities it draws from
+(``torch.Generator(device=probs.device)``, e.g. ``cuda:0``); a mismatch is refused with that advice.
+
 The tree. A candidate tree is a set of *choices*: paths of per-depth ranks, e.g. ``(0, 1)`` = "the
 drafter's best token for position +1, then its second-best for position +2". Node 0 is the *root*: the
 last token already decided, not yet in the cache. A node at depth d ≥ 1 holds the drafter's rank-r token
@@ -49,6 +61,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from models.engine.config import TypicalAcceptance
 
@@ -146,19 +159,54 @@ def tree_candidates(root_token: int, draft_logits: torch.Tensor, tree: Tree) -> 
     return tokens
 
 
-def tree_attention_inputs(tree: Tree, past_length: int, dtype: torch.dtype, device: torch.device
+def tree_attention_inputs(tree: Tree, past_length: int, dtype: torch.dtype, device: torch.device,
+                          window: int | None = None, kept_prefix: int | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position ids (1, N+1) and the additive 4-D mask (1, 1, N+1, past+N+1) of a tree forward.
+    """Position ids (1, N+1) and the additive 4-D mask (1, 1, N+1, kept+N+1) of a tree forward.
 
     Positions are ``past_length + depth`` (siblings share a position; HF's default arange would be
     wrong). The mask is float (0 = attend, dtype min = blocked): transformers uses a 4-D mask as given,
     and a boolean one is read differently by different attention kernels.
+
+    A full-attention layer sees the whole prefix (``kept_prefix`` = ``past_length``, the default). A
+    sliding-window layer hands attention only its ``kept_prefix`` most recent prefix keys, and a query at
+    position p may see keys at positions > p − ``window`` only (transformers' sliding-window rule).
     """
-    position_ids = (past_length + tree.depths).to(device)[None]  # (1, N+1)
+    kept = past_length if kept_prefix is None else kept_prefix
+    query_positions = (past_length + tree.depths).to(device)  # (N+1,)
+    key_positions = torch.cat([torch.arange(past_length - kept, past_length, device=device), query_positions])
+    visible = torch.cat([torch.ones(tree.size, kept, dtype=torch.bool, device=device),
+                         tree.ancestors.to(device)], dim=1)  # (N+1, kept+N+1)
+    if window is not None:
+        visible &= (query_positions[:, None] - key_positions[None, :]) < window
     blocked = torch.finfo(dtype).min
-    tree_part = torch.where(tree.ancestors, 0.0, blocked).to(device=device, dtype=dtype)  # (N+1, N+1)
-    prefix_part = torch.zeros(tree.size, past_length, device=device, dtype=dtype)  # (N+1, past)
-    return position_ids, torch.cat([prefix_part, tree_part], dim=1)[None, None]  # (1, 1, N+1, past+N+1)
+    mask = torch.where(visible, 0.0, blocked).to(dtype)  # (N+1, kept+N+1)
+    return query_positions[None], mask[None, None]  # (1, N+1), (1, 1, N+1, kept+N+1)
+
+
+def _layer_types(model, cache: DynamicCache) -> list[str]:
+    """The attention kind of each cache layer: the config's ``layer_types`` where it has them (Gemma, Qwen2),
+    else one kind for all (Llama: full; Mistral: sliding with ``sliding_window`` set)."""
+    declared = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+    return list(declared) if declared is not None else ["attention"] * len(cache.layers)
+
+
+def tree_masks(model, tree: Tree, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor]]:
+    """Position ids (1, N+1) and the tree forward's attention mask in the model's dtype and on its device: ONE
+    4-D mask when every layer attends alike, else one per layer kind, keyed as the config's ``layer_types``
+    (the dict that Gemma / Qwen2-style models take as ``attention_mask``). Each kind's mask is sized to the keys
+    its cache layer hands attention (``get_mask_sizes``, as transformers sizes its own masks)."""
+    past_length = cache.get_seq_length()
+    masks: dict[str, torch.Tensor] = {}
+    position_ids = None
+    for kind, layer in zip(_layer_types(model, cache), cache.layers, strict=True):
+        if kind in masks or isinstance(layer, DummyLayer):  # a shared-KV layer reads another layer's keys
+            continue
+        kv_length, _ = layer.get_mask_sizes(tree.size)
+        window = layer.sliding_window if layer.is_sliding else None
+        position_ids, masks[kind] = tree_attention_inputs(tree, past_length, model.dtype, model.device, window,
+                                                          kept_prefix=kv_length - tree.size)
+    return position_ids, (next(iter(masks.values())) if len(masks) == 1 else masks)
 
 
 def tree_forward(model, tokens: torch.Tensor, tree: Tree, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,9 +214,9 @@ def tree_forward(model, tokens: torch.Tensor, tree: Tree, cache: DynamicCache) -
 
     The cache grows by N + 1 positions (all nodes); :func:`keep_accepted` drops the rejected ones.
     """
-    position_ids, mask = tree_attention_inputs(tree, cache.get_seq_length(), model.dtype, tokens.device)
-    out = model(input_ids=tokens[None], position_ids=position_ids, attention_mask=mask, past_key_values=cache,
-                use_cache=True, output_hidden_states=True)
+    position_ids, mask = tree_masks(model, tree, cache)
+    out = model(input_ids=tokens.to(model.device)[None], position_ids=position_ids, attention_mask=mask,
+                past_key_values=cache, use_cache=True, output_hidden_states=True)
     return out.logits[0], out.hidden_states[-1][0]
 
 
@@ -188,6 +236,7 @@ def _accepted_path(tree: Tree, match: torch.Tensor) -> list[int]:
 def verify_greedy(tokens: torch.Tensor, logits: torch.Tensor, tree: Tree) -> list[int]:
     """Lossless: a node is accepted when its token is its parent's argmax. Returns the accepted nodes."""
     predictions = logits.argmax(dim=-1)  # (N+1,)
+    tokens = tokens.to(logits.device)  # drafts may come from another device than the verifying model
     parents = _parents(tree).to(tokens.device)
     match = tokens == predictions[parents.clamp(min=0)]
     match[0] = True
@@ -198,6 +247,7 @@ def verify_greedy(tokens: torch.Tensor, logits: torch.Tensor, tree: Tree) -> lis
 def verify_typical(tokens: torch.Tensor, logits: torch.Tensor, tree: Tree, rule: TypicalAcceptance) -> list[int]:
     """Lossy: accept a child whose token is "typical" under its parent's distribution. Returns accepted nodes."""
     probs = torch.softmax(logits.float() / rule.temperature, dim=-1)  # (N+1, V)
+    tokens = tokens.to(logits.device)  # drafts may come from another device than the verifying model
     entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)  # (N+1,)
     threshold = torch.minimum(torch.full_like(entropy, rule.posterior_threshold),
                               rule.posterior_alpha * torch.exp(-entropy))
@@ -217,9 +267,13 @@ def verify_speculative_sampling(draft_tokens: Sequence[int], draft_probs: torch.
     norm(max(0, p − q)), and when every draft passes, a bonus token from the last p. Every emitted token is
     then distributed exactly as sampling from the model one token at a time.
 
-    Returns (accepted drafts, next token).
+    ``generator`` (optional) must be on ``target_probs``' device; ``draft_probs`` may be anywhere (drafts may
+    run elsewhere) and are moved there. Returns (accepted drafts, next token).
     """
-    uniforms = torch.rand(len(draft_tokens), generator=generator, device=generator.device if generator else None)
+    device = target_probs.device
+    _check_generator(generator, device)
+    draft_probs = draft_probs.to(device)
+    uniforms = torch.rand(len(draft_tokens), generator=generator, device=device)
     for d, token in enumerate(draft_tokens):
         p, q = target_probs[d], draft_probs[d]
         if uniforms[d] * q[token] <= p[token]:  # u < p/q, without dividing by a zero q
@@ -240,15 +294,58 @@ def _parents(tree: Tree) -> torch.Tensor:
     return parents
 
 
+def _unsupported_layer(layer) -> bool:
+    """A cache layer :func:`keep_accepted` cannot roll back by index: anything holding more than plain keys /
+    values (recurrent or linear-attention state, sparse-attention indexer keys, quantised blocks)."""
+    return type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer)
+
+
+def speculative_cache(model) -> DynamicCache:
+    """The KV cache of a speculative decoding run: transformers' cache for ``model``'s layer kinds, with every
+    sliding-window layer recording its past (it would otherwise drop the oldest window positions as soon as
+    the tree's nodes arrive, before :func:`keep_accepted` knows which of them stay)."""
+    cache = DynamicCache(config=model.config)
+    unsupported = sorted({type(layer).__name__ for layer in cache.layers if _unsupported_layer(layer)})
+    if unsupported:
+        raise NotImplementedError(
+            f"tree speculative decoding cannot roll back {', '.join(unsupported)} cache layers "
+            f"({type(model).__name__}): it supports full and sliding-window attention")
+    chunked = [kind for kind in _layer_types(model, cache) if kind == "chunked_attention"]
+    if chunked:
+        raise NotImplementedError(f"tree speculative decoding has no tree mask for chunked attention "
+                                  f"({type(model).__name__})")
+    for layer in cache.layers:
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.activate_past_recording()
+    return cache
+
+
 def keep_accepted(cache: DynamicCache, past_length: int, accepted_nodes: Sequence[int]) -> None:
     """Keep the prefix and the accepted nodes' keys/values, in path order (cropping alone would keep
-    whichever nodes come first in tree order, not the accepted path)."""
-    device = cache.layers[0].keys.device
-    keep = torch.cat([torch.arange(past_length, device=device),
-                      past_length + torch.as_tensor(accepted_nodes, dtype=torch.long, device=device)])
+    whichever nodes come first in tree order, not the accepted path).
+
+    Every layer holds some prefix keys, then the tree's nodes: a full-attention layer the whole prefix, a
+    sliding-window layer (recording its past, :func:`speculative_cache`) its most recent ones. Its kept prefix
+    and accepted nodes are gathered; a sliding-window layer is then cut back to the ``window − 1`` positions
+    its next forward can see, and told its new length (``cumulative_length``: it places the next masks).
+    """
+    accepted = torch.as_tensor(accepted_nodes, dtype=torch.long)
+    new_length = past_length + len(accepted)
     for layer in cache.layers:
-        layer.keys = layer.keys[:, :, keep]  # (B, heads, past + accepted, head_dim)
+        if isinstance(layer, DummyLayer) or not layer.is_initialized:  # holds nothing (shared KV, no attention)
+            continue
+        if _unsupported_layer(layer):
+            raise NotImplementedError(f"keep_accepted cannot roll back a {type(layer).__name__} cache layer")
+        nodes = layer.get_seq_length() - past_length  # the tree's nodes, stored after the kept prefix
+        kept_prefix = layer.keys.shape[-2] - nodes
+        device = layer.keys.device
+        keep = torch.cat([torch.arange(kept_prefix, device=device), kept_prefix + accepted.to(device)])
+        layer.keys = layer.keys[:, :, keep]  # (B, heads, kept prefix + accepted, head_dim)
         layer.values = layer.values[:, :, keep]
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            visible = layer.sliding_window - 1  # what transformers keeps of a sliding layer between forwards
+            layer.keys, layer.values = layer.keys[:, :, -visible:], layer.values[:, :, -visible:]
+            layer.cumulative_length = new_length
 
 
 def temperature_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -258,8 +355,16 @@ def temperature_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
+def _check_generator(generator: torch.Generator | None, device: torch.device) -> None:
+    """A generator draws only on its own device type: say which one to make instead of torch's bare error."""
+    if generator is not None and generator.device.type != device.type:
+        raise ValueError(f"the generator is on {generator.device} but the probabilities it draws from are on "
+                         f"{device}: pass torch.Generator(device={str(device)!r}).manual_seed(seed)")
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from ``probs`` (V,)."""
+    """One token from ``probs`` (V,); ``generator`` on ``probs``' device."""
+    _check_generator(generator, probs.device)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -369,7 +474,7 @@ def speculative_stream(model, drafter: Drafter, verifier: Verifier, input_ids: t
     if input_ids.shape[0] != 1:
         raise ValueError(f"speculative decoding takes one prompt at a time, got a batch of {input_ids.shape[0]}")
     stats = stats if stats is not None else SpeculativeStats()
-    cache = DynamicCache(config=model.config)
+    cache = speculative_cache(model)
     first = drafter.prefill(model, input_ids, cache, verifier)
     stats.forwards += int(cache.get_seq_length() > 0)  # a one-token prompt that is its own root needs no prefill
     step, ended = _output(first, max_new_tokens, eos_token_ids)
@@ -457,7 +562,8 @@ class TreeVerifier:
 
 class SamplingVerifier:
     """Speculative sampling (:func:`verify_speculative_sampling`) of a chain at ``temperature`` > 0: the output
-    is distributed exactly as sampling from the model, whatever the drafts (``draft.probs``: their law)."""
+    is distributed exactly as sampling from the model, whatever the drafts (``draft.probs``: their law).
+    ``generator``: on the model's device (the target probabilities are drawn from there)."""
 
     def __init__(self, temperature: float, generator: torch.Generator | None = None):
         self.temperature, self.generator = temperature, generator

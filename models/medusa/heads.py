@@ -113,13 +113,16 @@ class MedusaHeads(nn.Module):
             (tmp / "heads.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
 
     @classmethod
-    def load(cls, folder: Path, lm_head: nn.Module | None = None) -> MedusaHeads:
+    def load(cls, folder: Path, lm_head: nn.Module) -> MedusaHeads:
+        """The heads saved in ``folder``, on ``lm_head``'s device and in its dtype (the policy's): they read the
+        backbone's hidden states, which live there."""
         folder = Path(folder)
         if not (folder / "heads.json").is_file():
             raise FileNotFoundError(f"no Medusa heads in {folder} (heads.json missing): run the train_medusa stage")
         config = MedusaHeadsConfig(**json.loads((folder / "heads.json").read_text()))
-        heads = cls(config, lm_head if config.untie else None)
-        heads.load_state_dict(load_file(folder / "heads.safetensors"))
+        weight = lm_head.weight
+        heads = cls(config, lm_head if config.untie else None).to(device=weight.device, dtype=weight.dtype)
+        heads.load_state_dict(load_file(folder / "heads.safetensors", device=str(weight.device)))
         return heads
 
 
@@ -147,7 +150,7 @@ def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, decay: float =
 class MedusaDrafter(TreeDrafter):
     """Medusa's drafter for the speculative loop (:class:`models.engine.speculative.TreeDrafter`): ``tree``
     filled from the heads' logits for the K positions after the root, read from the last accepted token's
-    hidden state.
+    hidden state. The heads' copy lives on the model's device.
 
     ``dtype``: the precision the drafts are computed in (a copy of the heads and of the LM head). Under
     greedy verification drafts only decide what gets *checked*, never what is output, so a cheaper
@@ -159,7 +162,7 @@ class MedusaDrafter(TreeDrafter):
         lm_head = model.get_output_embeddings()
         dtype = dtype or lm_head.weight.dtype
         self.lm_head = copy.deepcopy(lm_head).to(dtype) if dtype != lm_head.weight.dtype else lm_head
-        self.heads = copy.deepcopy(heads).to(dtype).eval()
+        self.heads = copy.deepcopy(heads).to(device=lm_head.weight.device, dtype=dtype).eval()
         self.dtype = dtype
         super().__init__(tree, self.logits)
 

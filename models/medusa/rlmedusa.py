@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import TensorDataset
 
 from models.common.training import train
 from models.medusa.config import RLMedusaTraining
 from models.medusa.heads import MedusaHeads
+from models.medusa.training import HiddenStates, StateDataset
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -47,7 +47,8 @@ class TokenRewardModel(nn.Module):
     """r(e, h) = σ(MLP([LayerNorm(h) ; LayerNorm(e)])): how likely token e is two steps after state h.
 
     Each input is normalised on its own: hidden states and embeddings live on very different scales, and
-    one norm over the concatenation would drown the token in the context.
+    one norm over the concatenation would drown the token in the context. Inputs are cast to the model's own
+    dtype (float32: a small network trained from scratch), whatever the policy's (bf16 on a GPU).
     """
 
     def __init__(self, hidden_size: int, embedding_size: int, width: int = 512):
@@ -62,27 +63,29 @@ class TokenRewardModel(nn.Module):
 
     def forward(self, hidden: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """``hidden`` (N, H) with ``embeddings`` (N, C, E) → rewards (N, C)."""
-        states = self.hidden_norm(hidden)[:, None, :].expand(-1, embeddings.shape[1], -1)  # (N, C, H)
-        inputs = torch.cat([states, self.embedding_norm(embeddings)], dim=-1)  # (N, C, H + E)
+        dtype = self.hidden_norm.weight.dtype
+        states = self.hidden_norm(hidden.to(dtype))[:, None, :].expand(-1, embeddings.shape[1], -1)  # (N, C, H)
+        inputs = torch.cat([states, self.embedding_norm(embeddings.to(dtype))], dim=-1)  # (N, C, H + E)
         return torch.sigmoid(self.net(inputs)).squeeze(-1)  # (N, C)
 
 
-def fit_reward_model(hidden: torch.Tensor, candidate_embeddings: Callable[[torch.Tensor], torch.Tensor],
+def fit_reward_model(hidden: HiddenStates | torch.Tensor, candidate_embeddings: Callable[[torch.Tensor], torch.Tensor],
                      candidates: torch.Tensor, probs: torch.Tensor, cfg: RLMedusaTraining,
                      accelerator: Accelerator) -> tuple[TokenRewardModel, list[float]]:
-    """MSE fit of r(e, h) to the base model's probabilities. ``hidden`` (R, H), ``candidates`` and
-    ``probs`` (R, C); ``candidate_embeddings`` maps token ids to (frozen) input embeddings."""
+    """MSE fit of r(e, h) to the base model's probabilities. ``hidden`` (R, H) (read a batch at a time),
+    ``candidates`` and ``probs`` (R, C); ``candidate_embeddings`` maps token ids to (frozen) input embeddings.
+    The model ends on ``accelerator.device``."""
     torch.manual_seed(cfg.seed)
     embedding_size = candidate_embeddings(candidates[:1]).shape[-1]
     model = TokenRewardModel(hidden.shape[-1], embedding_size, cfg.reward_width)
 
     def step(model: TokenRewardModel, batch: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         states, tokens, targets = batch
-        loss = F.mse_loss(model(states.float(), candidate_embeddings(tokens).float()), targets.float())
+        loss = F.mse_loss(model(states, candidate_embeddings(tokens)).float(), targets.float())
         return loss, {"loss": loss.detach()}
 
     # AdamW at its default weight decay (1e-2) and a constant rate
-    model, history = train(model, TensorDataset(hidden, candidates, probs), step, model.parameters(),
+    model, history = train(model, StateDataset(hidden, candidates, probs), step, model.parameters(),
                            partial(torch.optim.AdamW, lr=cfg.reward_learning_rate), accelerator=accelerator,
                            epochs=cfg.reward_epochs, batch_size=cfg.reward_batch_size, seed=cfg.seed,
                            desc="reward model r(e, h)")
@@ -90,10 +93,16 @@ def fit_reward_model(hidden: torch.Tensor, candidate_embeddings: Callable[[torch
 
 
 @torch.no_grad()
-def evaluate_reward_model(model: TokenRewardModel, hidden: torch.Tensor, embeddings: torch.Tensor,
-                          probs: torch.Tensor) -> dict[str, float]:
-    """Held-out MSE, and how often r ranks the true top-1 candidate (column 0) first among the 9."""
-    predicted = model(hidden.float(), embeddings.float())  # (R, C)
+def evaluate_reward_model(model: TokenRewardModel, hidden: HiddenStates | torch.Tensor,
+                          candidate_embeddings: Callable[[torch.Tensor], torch.Tensor], candidates: torch.Tensor,
+                          probs: torch.Tensor, batch_size: int = 1024) -> dict[str, float]:
+    """Held-out MSE, and how often r ranks the true top-1 candidate (column 0) first among the 9. ``hidden``
+    (R, H), ``candidates`` and ``probs`` (R, C), scored ``batch_size`` states at a time on the model's device."""
+    device = next(model.parameters()).device
+    predicted = torch.cat([
+        model(hidden[start : start + batch_size].to(device),
+              candidate_embeddings(candidates[start : start + batch_size]).to(device)).float().cpu()
+        for start in range(0, len(candidates), batch_size)])  # (R, C)
     return {"mse": F.mse_loss(predicted, probs.float()).item(),
             "top1_ranked_first": (predicted.argmax(dim=-1) == probs.argmax(dim=-1)).float().mean().item()}
 
@@ -114,23 +123,38 @@ def state_baselined_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - rewards.mean(dim=-1, keepdim=True)
 
 
+def _global_batch(local: torch.Tensor, accelerator: Accelerator | None) -> tuple[torch.Tensor, slice]:
+    """Every process's rows of a batch, (P·N, ...) and the same on each, and this process's rows in it; with
+    one process (or none given), ``local`` itself."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return local, slice(None)
+    n = len(local)  # the loop's loader gives every process a batch of the same size
+    return accelerator.gather(local.contiguous()), slice(accelerator.process_index * n,
+                                                         (accelerator.process_index + 1) * n)
+
+
 def reinforce_step_loss(head_logits: torch.Tensor, ref_logits: torch.Tensor, hidden: torch.Tensor,
                  reward_model: TokenRewardModel, embed: Callable[[torch.Tensor], torch.Tensor], num_actions: int,
-                 beta: float, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                 beta: float, generator: torch.Generator | None = None, accelerator: Accelerator | None = None,
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One REINFORCE loss over a batch of states: sample ``num_actions`` tokens per state from the head.
 
-    ``head_logits``/``ref_logits`` (N, V) of the trained head and its frozen start, ``hidden`` (N, H).
+    ``head_logits``/``ref_logits`` (N, V) of the trained head and its frozen start, ``hidden`` (N, H);
+    ``generator`` on their device. Under several processes (``accelerator``) the actions are drawn for the
+    global batch and the advantages scaled by its spread, so the run does not depend on how many processes
+    share a batch: P processes with batches of N train exactly as one with batches of P·N.
     """
     logps = torch.log_softmax(head_logits.float(), dim=-1)  # (N, V)
     ref_logps = torch.log_softmax(ref_logits.float(), dim=-1)
-    actions = torch.multinomial(logps.detach().exp(), num_actions, replacement=True, generator=generator)  # (N, G)
+    probs, mine = _global_batch(logps.detach().exp(), accelerator)  # (P·N, V)
+    actions = torch.multinomial(probs, num_actions, replacement=True, generator=generator)[mine]  # (N, G)
     logprobs = logps.gather(1, actions)  # (N, G)
     with torch.no_grad():
-        rewards = reward_model(hidden.float(), embed(actions).float())  # (N, G)
+        rewards = reward_model(hidden, embed(actions)).float()  # (N, G)
     shaped = shaped_rewards(rewards, logprobs, ref_logps.gather(1, actions), beta)
     advantages = state_baselined_advantages(shaped)
     # r is a probability, often ~1e-3: scaling advantages to unit spread keeps the step size independent of it
-    advantages = advantages / (advantages.std() + 1e-8)
+    advantages = advantages / (_global_batch(advantages, accelerator)[0].std() + 1e-8)
     loss = reinforce_loss(logprobs, advantages)
     kl = (logps.exp() * (logps - ref_logps)).sum(dim=-1).mean()  # exact KL(p₂ ‖ p_ref), for the log
     return loss, {"loss": loss.item(), "reward": rewards.mean().item(), "kl": kl.item()}
@@ -144,12 +168,14 @@ def train_rl_head(heads: MedusaHeads, lm_head: nn.Module, reward_model: TokenRew
     """Train head 1 (the t + 2 head) of a copy of ``heads`` by REINFORCE on r − β·KL(· ‖ its start).
 
     Only head 1's parameters change; the other heads are returned as they were. ``hidden`` (R, H) are the
-    trajectory states. Returns the new heads and per-step ``loss``, ``reward`` (mean r of sampled tokens),
-    ``kl`` (exact, against the start) and ``learning_rate``.
+    trajectory states (read a batch at a time). The heads train and come back in the LM head's dtype and on
+    its device (the shared loop keeps float32 master weights under autocast when that dtype is a half one).
+    Returns the new heads and per-step ``loss``, ``reward`` (mean r of sampled tokens), ``kl`` (exact,
+    against the start) and ``learning_rate``.
     """
     torch.manual_seed(cfg.seed)
     lm_head.requires_grad_(False)  # part of the frozen backbone: only head 1's own parameters learn
-    heads = copy.deepcopy(heads).float()
+    heads = copy.deepcopy(heads).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
     reference = copy.deepcopy(heads).requires_grad_(False).eval()
     trained = [p for name, p in heads.named_parameters() if name.startswith(("blocks.0.", "projections.0."))]
     for p in heads.parameters():
@@ -162,10 +188,10 @@ def train_rl_head(heads: MedusaHeads, lm_head: nn.Module, reward_model: TokenRew
         with torch.no_grad():
             ref_logits = reference(states, lm_head, only=0)
         return reinforce_step_loss(head_logits, ref_logits, states, reward_model, embed, cfg.num_actions, cfg.beta,
-                                   generator)
+                                   generator, accelerator)
 
-    heads, history = train(heads, TensorDataset(hidden), step, trained,
+    heads, history = train(heads, StateDataset(hidden), step, trained,
                            partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=0.0),
                            accelerator=accelerator, epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed,
                            desc="RL head (t+2)", show=("reward", "kl"), on_step=on_step)
-    return heads.to(lm_head.weight.dtype).eval(), history
+    return heads.eval(), history

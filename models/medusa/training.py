@@ -13,6 +13,10 @@ the head stages need, so the backbone runs once:
   ``trajectory_tokens`` tokens, 9 candidate tokens per step (top-1, 3 of the top-50, 5 random;
   :func:`sample_candidates`) and the base model's probability of each as the token two steps ahead, p₁(x_{t+2} | x_{≤t+1}).
 
+The hidden states are the bulk of it (8 KiB per position for an 8B model in bf16, millions of positions on
+real data): the pass streams them to a file on disk in the policy's dtype, and training reads them back
+through a memory map (:class:`HiddenStates`), a batch of rows at a time, so they never have to fit in RAM.
+
 Training (:func:`train_medusa_heads`) then touches only the heads: batches of positions, the loss of
 :func:`models.medusa.heads.medusa_loss`, AdamW with a cosine schedule, in the shared loop of
 :mod:`models.common.training`.
@@ -21,13 +25,17 @@ Training (:func:`train_medusa_heads`) then touches only the heads: batches of po
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
-from torch.utils.data import TensorDataset
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from models.common.sequences import padding_id, right_pad, tokenize_sequence
@@ -39,13 +47,72 @@ from models.medusa.heads import IGNORE_INDEX, MedusaHeads, heads_for, medusa_los
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+HIDDEN_FILE = "hidden.bin"  # the (M, H) hidden states, row-major raw bytes in the policy's dtype
+INDEX_FILE = "states.safetensors"  # everything else the pass yields (small), and the hidden states' dtype and width
+INDEX_FIELDS = ("targets", "sample", "rl_rows", "rl_candidates", "rl_probs")
+
+
+class HiddenStates:
+    """Rows of the frozen pass's final hidden states, (len, H), read on demand.
+
+    ``table`` holds every position's state (M, H) — memory-mapped from :data:`HIDDEN_FILE` by :meth:`open`, so
+    indexing reads just the rows asked for from disk — and ``rows`` says which of them are this set's (a
+    subset is a new view: nothing is read). Indexing works as on a tensor: ``states[i]``, ``states[a:b]``,
+    ``states[index_tensor]``; the result is a tensor in RAM in the cache's dtype.
+    """
+
+    def __init__(self, table: torch.Tensor, rows: torch.Tensor | None = None):
+        self.table = table  # (M, H)
+        self.rows = torch.arange(len(table)) if rows is None else rows  # (len,)
+
+    @classmethod
+    def open(cls, path: Path, dtype: torch.dtype, hidden_size: int) -> HiddenStates:
+        """Memory-map a file of (M, hidden_size) ``dtype`` rows (read-only; pages load when a row is read)."""
+        count = Path(path).stat().st_size // (hidden_size * dtype.itemsize)
+        table = torch.from_file(str(path), shared=False, size=count * hidden_size, dtype=dtype)
+        return cls(table.view(count, hidden_size))  # (M, H)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self.rows), self.table.shape[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.table.dtype
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.table[self.rows[index]]
+
+    def subset(self, index: torch.Tensor) -> HiddenStates:
+        """The rows ``index`` (positions, or a boolean mask) of this set, as a view."""
+        return HiddenStates(self.table, self.rows[index])
+
+
+class StateDataset(Dataset):
+    """Item i = (hidden state i, row i of each of ``columns``); the state is read from the cache per item.
+    ``hidden``: :class:`HiddenStates` or a tensor (N, H)."""
+
+    def __init__(self, hidden: HiddenStates | torch.Tensor, *columns: torch.Tensor):
+        if any(len(column) != len(hidden) for column in columns):
+            raise ValueError("every column needs one row per hidden state")
+        self.hidden, self.columns = hidden, columns
+
+    def __len__(self) -> int:
+        return len(self.hidden)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        return (self.hidden[i], *(column[i] for column in self.columns))
 
 
 @dataclass
 class DistilledStates:
-    """What one frozen pass over the responses yields (all on CPU)."""
+    """What one frozen pass over the responses yields: the hidden states on disk (:class:`HiddenStates`), the
+    rest in RAM on the CPU."""
 
-    hidden: torch.Tensor  # (M, H) final hidden state at each response position t (predicting t + 1)
+    hidden: HiddenStates  # (M, H) final hidden state at each response position t (predicting t + 1)
     targets: torch.Tensor  # (M, K) head k's target token t + k + 1, IGNORE_INDEX past the response
     sample: torch.Tensor  # (M,) row of the samples table each position comes from
     rl_rows: torch.Tensor  # (R,) rows of ``hidden`` that are RLMedusa trajectory states
@@ -57,8 +124,25 @@ class DistilledStates:
         keep = torch.isin(self.sample, samples)
         new_index = torch.cumsum(keep.long(), 0) - 1
         rl_keep = keep[self.rl_rows]
-        return DistilledStates(self.hidden[keep], self.targets[keep], self.sample[keep],
+        return DistilledStates(self.hidden.subset(keep), self.targets[keep], self.sample[keep],
                                new_index[self.rl_rows[rl_keep]], self.rl_candidates[rl_keep], self.rl_probs[rl_keep])
+
+    def rl_states(self) -> HiddenStates:
+        """The trajectory states (R, H), as a view."""
+        return self.hidden.subset(self.rl_rows)
+
+
+def load_distilled(folder: Path) -> DistilledStates:
+    """The cache :func:`self_distill` wrote to ``folder``; the hidden states stay on disk (memory-mapped)."""
+    folder = Path(folder)
+    with safe_open(folder / INDEX_FILE, framework="pt") as index:
+        meta = index.metadata()
+        tensors = {name: index.get_tensor(name) for name in INDEX_FIELDS}
+    hidden = HiddenStates.open(folder / HIDDEN_FILE, getattr(torch, meta["hidden_dtype"]), int(meta["hidden_size"]))
+    if len(hidden) != len(tensors["targets"]):
+        raise ValueError(f"{folder / HIDDEN_FILE} holds {len(hidden)} states for {len(tensors['targets'])} positions: "
+                         "the cache is incomplete, run the train_medusa stage again")
+    return DistilledStates(hidden, **tensors)
 
 
 def greedy_responses(policy: Policy, prompts: pd.DataFrame, max_new_tokens: int, batch_size: int,
@@ -86,12 +170,15 @@ def sample_candidates(probs: torch.Tensor, generator: torch.Generator, num_top: 
                       num_random: int = 5) -> torch.Tensor:
     """RLMedusa's candidate mix per row of ``probs`` (R, V): the top-1 token, ``num_top`` distinct tokens
     drawn from ranks 2..``top_pool``, and ``num_random`` distinct tokens drawn uniformly from the rest of
-    the vocabulary. Returns (R, 1 + num_top + num_random) token ids, all distinct within a row."""
+    the vocabulary. Returns (R, 1 + num_top + num_random) token ids on ``probs``' device, all distinct
+    within a row. The random numbers come from ``generator`` on its own device (a CPU generator gives the
+    same candidates whichever device ``probs`` lives on)."""
     rows, vocab = probs.shape
+    draw = partial(torch.rand, generator=generator, device=generator.device)
     ranked = probs.topk(top_pool, dim=-1).indices  # (R, top_pool)
-    pick = torch.rand(rows, top_pool - 1, generator=generator).argsort(dim=-1)[:, :num_top] + 1  # (R, num_top)
+    pick = draw(rows, top_pool - 1).argsort(dim=-1)[:, :num_top].to(probs.device) + 1  # (R, num_top)
     chosen = torch.cat([ranked[:, :1], ranked.gather(1, pick)], dim=1)  # (R, 1 + num_top)
-    scores = torch.rand(rows, vocab, generator=generator)
+    scores = draw(rows, vocab).to(probs.device)  # (R, V)
     scores.scatter_(1, chosen, -1.0)  # never re-draw a chosen token
     return torch.cat([chosen, scores.topk(num_random, dim=-1).indices], dim=1)
 
@@ -106,60 +193,86 @@ def _head_targets(next_tokens: torch.Tensor, num_heads: int) -> torch.Tensor:
     return targets
 
 
+def _response_positions(ids: list[int], mask: list[int]) -> torch.Tensor:
+    """Positions t = first−1 .. len−2, which predict the response tokens t + 1 = first .. len−1."""
+    first = mask.index(1) if 1 in mask else len(ids)
+    return torch.arange(first - 1, len(ids) - 1)
+
+
+def _autocast(policy: Policy, cfg: MedusaTraining) -> AbstractContextManager:
+    """bfloat16 autocast on the policy's device under ``mixed_precision: bf16``, else nothing."""
+    return torch.autocast(policy.device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
+
+
 @torch.no_grad()
-def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaTraining, rl_cfg: RLMedusaCandidates
-                 ) -> DistilledStates:
-    """One frozen forward per batch of (prompt + response) sequences; see the module docstring.
+def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaTraining, rl_cfg: RLMedusaCandidates,
+                 folder: Path) -> DistilledStates:
+    """One frozen forward per batch of (prompt + response) sequences (see the module docstring); the cache
+    goes to ``folder`` and comes back as :func:`load_distilled` reads it.
+
+    Only the final hidden states come out of the backbone; the LM head then runs per sequence on its
+    response positions alone (at most ``max_length`` rows × V at a time, instead of the whole batch's
+    logits), and only the RL trajectory's few rows ever become float32 probabilities. The states are
+    written in the policy's dtype as each batch finishes, so RAM holds one batch of them at a time.
 
     Under ``mixed_precision: bf16`` the pass runs in bfloat16 autocast (~2.5× faster on a CPU with bf16
     units); the heads then learn from states a rounding away from those they see when decoding.
     """
     tok, model = policy.tokenizer, policy.model
-    generator = torch.Generator().manual_seed(cfg.seed)
+    lm_head = model.get_output_embeddings()
+    generator = torch.Generator().manual_seed(cfg.seed)  # on the CPU: the same RL candidates on any device
     sequences = [tokenize_sequence(tok, p, r, cfg.max_length, add_end=finish == "eos")
                  for p, r, finish in zip(samples["prompt"], samples["response"], samples["finish_reason"], strict=True)]
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("hidden", "targets", "sample", "rl_rows", "rl_cand", "rl_probs")}
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in INDEX_FIELDS}
     rows_so_far = 0
-    for start in tqdm(range(0, len(sequences), cfg.distill_batch_size), desc="self-distillation pass", unit="batch"):
-        chunk = sequences[start : start + cfg.distill_batch_size]
-        batch = right_pad(chunk, padding_id(tok))  # (B, T) each
-        with torch.autocast(policy.device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16"):
-            out = model(input_ids=batch["input_ids"].to(policy.device),
-                        attention_mask=batch["attention_mask"].to(policy.device), output_hidden_states=True)
-        hidden, logits = out.hidden_states[-1].float().cpu(), out.logits.float().cpu()  # (B, T, H), (B, T, V)
-        for row, (ids, mask) in enumerate(chunk):
-            first = mask.index(1) if 1 in mask else len(ids)
-            # positions t = first−1 .. len−2 predict the response tokens t + 1 = first .. len−1
-            positions = torch.arange(first - 1, len(ids) - 1)
-            if len(positions) == 0:
-                continue
-            sampled = torch.tensor(ids)[positions + 1]
-            next_tokens = logits[row, positions].argmax(-1) if cfg.targets == "greedy" else sampled
-            parts["hidden"].append(hidden[row, positions])
-            parts["targets"].append(_head_targets(next_tokens, cfg.num_heads))
-            parts["sample"].append(torch.full((len(positions),), start + row))
-            # trajectory states: t + 2 must still be a response token, so p(x_{t+2} | x_{≤t+1}) is logits[t + 1]
-            steps = min(rl_cfg.trajectory_tokens, len(positions) - 1)
-            if steps > 0:
-                probs = torch.softmax(logits[row, positions[1 : steps + 1]], dim=-1)  # (steps, V)
-                candidates = sample_candidates(probs, generator, rl_cfg.top_candidates, rl_cfg.top_pool,
-                                               rl_cfg.random_candidates)
-                parts["rl_rows"].append(rows_so_far + torch.arange(steps))
-                parts["rl_cand"].append(candidates)
-                parts["rl_probs"].append(probs.gather(1, candidates))
-            rows_so_far += len(positions)
-    if not parts["hidden"]:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / HIDDEN_FILE, "wb") as cache:
+        for start in tqdm(range(0, len(sequences), cfg.distill_batch_size), desc="self-distillation pass",
+                          unit="batch"):
+            chunk = sequences[start : start + cfg.distill_batch_size]
+            batch = right_pad(chunk, padding_id(tok))  # (B, T) each
+            with _autocast(policy, cfg):
+                hidden = model.base_model(input_ids=batch["input_ids"].to(policy.device),
+                                          attention_mask=batch["attention_mask"].to(policy.device)
+                                          ).last_hidden_state  # (B, T, H): the states the LM head reads
+            for row, (ids, mask) in enumerate(chunk):
+                positions = _response_positions(ids, mask)
+                if len(positions) == 0:
+                    continue
+                states = hidden[row, positions.to(policy.device)]  # (n, H)
+                with _autocast(policy, cfg):
+                    logits = lm_head(states)  # (n, V)
+                sampled = torch.tensor(ids)[positions + 1]
+                next_tokens = logits.argmax(-1).cpu() if cfg.targets == "greedy" else sampled
+                cache.write(states.to(lm_head.weight.dtype).cpu().contiguous().view(torch.uint8).numpy())
+                parts["targets"].append(_head_targets(next_tokens, cfg.num_heads))
+                parts["sample"].append(torch.full((len(positions),), start + row))
+                # trajectory states: t + 2 must still be a response token, so p(x_{t+2} | x_{≤t+1}) is logits[t + 1]
+                steps = min(rl_cfg.trajectory_tokens, len(positions) - 1)
+                if steps > 0:
+                    probs = torch.softmax(logits[1 : steps + 1].float(), dim=-1)  # (steps, V)
+                    candidates = sample_candidates(probs, generator, rl_cfg.top_candidates, rl_cfg.top_pool,
+                                                   rl_cfg.random_candidates)
+                    parts["rl_rows"].append(rows_so_far + torch.arange(steps))
+                    parts["rl_candidates"].append(candidates.cpu())
+                    parts["rl_probs"].append(probs.gather(1, candidates).cpu())
+                rows_so_far += len(positions)
+    if not parts["targets"]:
         raise ValueError("no response tokens to learn from: every sample's response is empty")
-    return DistilledStates(torch.cat(parts["hidden"]), torch.cat(parts["targets"]), torch.cat(parts["sample"]),
-                           torch.cat(parts["rl_rows"]), torch.cat(parts["rl_cand"]), torch.cat(parts["rl_probs"]))
+    save_file({name: torch.cat(values) for name, values in parts.items()}, folder / INDEX_FILE,
+              metadata={"hidden_dtype": str(lm_head.weight.dtype).removeprefix("torch."),
+                        "hidden_size": str(lm_head.weight.shape[1])})
+    return load_distilled(folder)
 
 
 def train_medusa_heads(policy: Policy, data: DistilledStates, cfg: MedusaTraining,
                        accelerator: Accelerator | None = None,
                        on_step: Callable[[int, int, dict[str, float]], None] | None = None,
                        ) -> tuple[MedusaHeads, dict[str, list]]:
-    """Medusa-1: fit fresh heads to ``data`` with the backbone frozen. Returns the heads and a history
-    (``loss`` and per-head ``ce_head{k}`` per step, ``learning_rate``)."""
+    """Medusa-1: fit fresh heads to ``data`` with the backbone frozen. Returns the heads (in the policy's
+    dtype; the shared loop trains float32 master weights under autocast when that is a half dtype) and a
+    history (``loss`` and per-head ``ce_head{k}`` per step, ``learning_rate``)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -175,7 +288,7 @@ def train_medusa_heads(policy: Policy, data: DistilledStates, cfg: MedusaTrainin
         loss, per_head = medusa_loss(logits, targets, cfg.loss_decay)
         return loss, {"loss": loss.detach(), **{f"ce_head{k + 1}": ce for k, ce in enumerate(per_head)}}
 
-    return train(heads, TensorDataset(data.hidden, data.targets), step, heads.parameters(),
+    return train(heads, StateDataset(data.hidden, data.targets), step, heads.parameters(),
                  partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=0.0), accelerator=accelerator,
                  epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed, warmup_ratio=cfg.warmup_ratio,
                  desc="Medusa heads", on_step=on_step)

@@ -23,7 +23,7 @@ class MTPRLTraining:
     """Everything one variant's RL run reads: rollouts, the GRPO update, and the MTP loss weights."""
 
     steps: int = 3  # RL steps (one rollout phase and one update each)
-    prompts_per_step: int = 1
+    prompts_per_step: int = 1  # a multiple of the number of processes: each rolls out an equal share
     group_size: int = 3  # G: rollouts per prompt, advantages normalised within each group
     temperature: float = 0.8  # rollout sampling temperature (no top-k / top-p)
     max_new_tokens: int = 64  # longest rollout

@@ -47,35 +47,55 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
-def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tensor | float | None = None
+               ) -> torch.Tensor:
     """Σ values over the masked tokens of the whole batch / their count (DAPO's token-level aggregation:
-    long completions weigh by their length, unlike a mean of per-sequence means)."""
+    long completions weigh by their length, unlike a mean of per-sequence means).
+
+    ``num_tokens``: the count to divide by when the batch is one process's share of a global batch (the global
+    count, so the shares of all processes sum to the global token mean); default: this batch's own count.
+    """
     mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+    count = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    return (values * mask).sum() / count
 
 
 def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, completion_mask: torch.Tensor,
               epsilon_low: float = 0.2, epsilon_high: float = 0.28, ref_logps: torch.Tensor | None = None,
-              kl_beta: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """The token-mean clipped loss, plus β·k3 KL to a reference when ``kl_beta`` > 0. Returns it and its parts."""
+              kl_beta: float = 0.0, num_tokens: torch.Tensor | float | None = None
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The token-mean clipped loss, plus β·k3 KL to a reference when ``kl_beta`` > 0. Returns it and its parts.
+    ``num_tokens``: as :func:`token_mean` (the global completion-token count when the batch is split)."""
     per_token, clipped = clipped_policy_loss(logps, old_logps, advantages, completion_mask, epsilon_low, epsilon_high)
-    loss = token_mean(per_token, completion_mask)
-    stats = {"policy_loss": loss.item(), "clip_fraction": token_mean(clipped.float(), completion_mask).item()}
+    loss = token_mean(per_token, completion_mask, num_tokens)
+    stats = {"policy_loss": loss.item(),
+             "clip_fraction": token_mean(clipped.float(), completion_mask, num_tokens).item()}
     if kl_beta > 0:
         if ref_logps is None:
             raise ValueError("kl_beta > 0 needs the reference model's log-probs")
-        kl = token_mean(k3_kl(logps, ref_logps), completion_mask)
+        kl = token_mean(k3_kl(logps, ref_logps), completion_mask, num_tokens)
         loss = loss + kl_beta * kl
         stats["kl"] = kl.item()
     return loss, stats
 
 
-def token_logps(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log π(t_{i+1} | t_{≤i}) at every position: logits (B, T, V), ids (B, T) → (B, T), 0 at the last position.
+def token_logps(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, first: int = 0
+                ) -> torch.Tensor:
+    """log π(t_{i+1} | t_{≤i}) at every position: ids (B, T) → (B, T), 0 before ``first`` and at the last position.
 
-    Divided by the sampling temperature first, as TRL does: the ratio compares the distributions the
-    completions were actually drawn from.
+    ``logits`` (B, T − first, V): those of positions ``first`` … T − 1 only (a forward with ``logits_to_keep =
+    T − first`` skips the prompt's). Divided by the sampling temperature first, as TRL does: the ratio compares
+    the distributions the completions were actually drawn from. One sequence at a time, as logsumexp − the
+    picked logit: a float32 log-softmax of the whole batch would be a second (B, T, V) tensor (~16 GB for 32
+    sequences of 1,000 tokens over Llama-3's 128k vocabulary).
     """
-    logps = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # (B, T−1, V)
-    picked = logps.gather(-1, input_ids[:, 1:, None])[..., 0]  # (B, T−1)
-    return torch.nn.functional.pad(picked, (0, 1))
+    targets = input_ids[:, first + 1 :]  # (B, T − first − 1): the token each kept position predicts
+    picked = torch.stack([_picked_logps(row[:-1], row_targets, temperature)
+                          for row, row_targets in zip(logits, targets, strict=True)])  # (B, T − first − 1)
+    return torch.nn.functional.pad(picked, (first, 1))
+
+
+def _picked_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) at ``targets``: logits (N, V), targets (N,) → (N,), in float32."""
+    scaled = logits.float() / temperature
+    return scaled.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)

@@ -179,46 +179,53 @@ def depth_targets(input_ids: torch.Tensor, target_mask: torch.Tensor, depth: int
 
 
 def mtp_cross_entropy(base, states: Sequence[torch.Tensor], input_ids: torch.Tensor, target_mask: torch.Tensor,
-                      depth_weights: Sequence[float]) -> tuple[torch.Tensor, list[float]]:
-    """Eq. 1: Σ_k λ_k · mean over valid positions of −log p^k(t_{i+k+1}). Returns it and each depth's CE."""
+                      depth_weights: Sequence[float], num_targets: Sequence[torch.Tensor | float] | None = None
+                      ) -> tuple[torch.Tensor, list[float]]:
+    """Eq. 1: Σ_k λ_k · mean over valid positions of −log p^k(t_{i+k+1}). Returns it and each depth's CE.
+
+    ``num_targets``: each depth's number of valid targets over a global batch of which this is one process's
+    share (the shares of all processes then sum to the global loss); default: this batch's own counts. A depth
+    with no target at all contributes nothing (its CE is NaN).
+    """
     total, per_depth = states[0].new_zeros(()), []
     for k, (state, weight) in enumerate(zip(states, depth_weights, strict=True), start=1):
         targets, valid = depth_targets(input_ids, target_mask, k)
-        if not valid.any():
+        count = valid.sum() if num_targets is None else num_targets[k - 1]
+        if count == 0:
             per_depth.append(float("nan"))
             continue
-        ce = F.cross_entropy(mtp_logits(base, state[valid]).float(), targets[valid])
+        ce = F.cross_entropy(mtp_logits(base, state[valid]).float(), targets[valid], reduction="sum") / count
         total = total + weight * ce
         per_depth.append(ce.item())
     return total, per_depth
 
 
 def advantage_aware_kl(base, states: Sequence[torch.Tensor], main_logits: torch.Tensor, target_mask: torch.Tensor,
-                       sample_weights: torch.Tensor, depth_weights: Sequence[float]
-                       ) -> tuple[torch.Tensor, list[float]]:
+                       sample_weights: torch.Tensor, depth_weights: Sequence[float], logits_start: int = 0,
+                       num_samples: int | None = None) -> tuple[torch.Tensor, list[float]]:
     """Eq. 3: per sample w_j · (1/S) Σ_i KL(π_main ‖ π_MTP) at the tokens it predicts, averaged over samples
-    and summed over depths with λ_k. ``main_logits`` (B, S, V): the main model's logits at every position
-    (position i + k predicts the token depth k predicts from i); ``sample_weights`` (B,): w(A_j) of eq. 2.
+    and summed over depths with λ_k. ``main_logits`` (B, S − logits_start, V): the main model's logits at
+    positions ``logits_start`` … S − 1 (position i + k predicts the token depth k predicts from i; only
+    positions that predict a ``target_mask`` token are read, so a forward may skip the prompt's logits);
+    ``sample_weights`` (B,): w(A_j) of eq. 2. ``num_samples``: the global batch size when this batch is one
+    process's share of it (default B).
 
     The KL sums over the vocabulary; eq. 3's extra 1/V would only rescale the term by ~2e-5 against the CE.
-    Returns the loss and each depth's unweighted mean KL over the positive-weight samples (for the logs).
+    Returns the loss and each depth's term before λ_k (for the logs).
     """
     total, per_depth = states[0].new_zeros(()), []
     batch = main_logits.shape[0]
     for k, (state, weight) in enumerate(zip(states, depth_weights, strict=True), start=1):
         _, valid = depth_targets(target_mask, target_mask, k)  # (B, S): positions whose target counts
-        if not valid.any():
-            per_depth.append(float("nan"))
-            continue
         rows, cols = valid.nonzero(as_tuple=True)
-        main_logps = torch.log_softmax(main_logits[rows, cols + k].float(), dim=-1)  # (N, V)
+        main_logps = torch.log_softmax(main_logits[rows, cols + k - logits_start].float(), dim=-1)  # (N, V)
         mtp_logps = torch.log_softmax(mtp_logits(base, state[rows, cols]).float(), dim=-1)  # (N, V)
         kl = (main_logps.exp() * (main_logps - mtp_logps)).sum(dim=-1)  # (N,)
         per_sample = torch.zeros(batch, device=kl.device).index_add(0, rows, kl)
         per_sample = per_sample / valid.sum(dim=1).clamp(min=1)  # (B,) token mean per sample
-        total = total + weight * (sample_weights.to(kl.dtype) * per_sample).mean()
-        positive = sample_weights > 0
-        per_depth.append(per_sample[positive].mean().item() if positive.any() else float("nan"))
+        term = (sample_weights.to(kl.dtype) * per_sample).sum() / (num_samples or batch)
+        total = total + weight * term
+        per_depth.append(term.item())
     return total, per_depth
 
 
@@ -235,10 +242,11 @@ def draft_parts(base, module: MTPModule, dtype: torch.dtype | None = None) -> tu
     uses the very distribution a draft was sampled from), so a cheaper precision never changes what comes out;
     on a CPU with bf16 units it halves the drafts' cost, most of which is reading the LM head.
     """
-    weight = base.get_output_embeddings().weight
-    if dtype is None or dtype == weight.dtype:
+    if dtype is None:
         return base, module
-    return _DraftHead(base, dtype), copy.deepcopy(module).to(dtype).eval()
+    same = base.get_output_embeddings().weight.dtype == dtype
+    drafting_module = module if next(module.parameters()).dtype == dtype else copy.deepcopy(module).to(dtype).eval()
+    return (base if same else _DraftHead(base, dtype)), drafting_module
 
 
 class MTPDrafter:

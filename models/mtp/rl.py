@@ -25,13 +25,17 @@ loss; bending both would take more code than the ~100 lines of GRPO here, whose 
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from models.common.lora import adapters_disabled, is_lora, memory_saving, merged
 from models.common.sequences import padding_id, right_pad
+from models.common.training import HALF_DTYPES, float32_master_weights
 from models.engine.policy import Policy
 from models.engine.speculative import SpeculativeStats
 from models.labeling.labelers import is_correct
@@ -41,10 +45,14 @@ from models.mtp.module import (
     MTPModule,
     advantage_aware_kl,
     advantage_mask,
+    depth_targets,
     draft_parts,
     mtp_cross_entropy,
     mtp_generate,
 )
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 
 @dataclass(frozen=True)
@@ -89,16 +97,20 @@ class Rollouts:
     stats: SpeculativeStats  # draft counters (empty for plain sampling)
 
 
-def rollout_generator(seed: int, step: int, index: int) -> torch.Generator:
-    """The sampling stream of rollout ``index`` of ``step``: the same for every variant."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + index)
+def rollout_generator(seed: int, step: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The sampling stream of rollout ``index`` of ``step``: the same for every variant.
+
+    On the policy's ``device``: ``torch.multinomial`` draws only with a generator on its probabilities' device, so
+    a CPU stream fails on a CUDA policy. A CUDA stream gives other numbers than a CPU one of the same seed; every
+    variant still draws from the same streams."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + step * 1_009 + index)
 
 
 @torch.no_grad()
 def sample_plainly(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids: set[int], temperature: float,
                    generator: torch.Generator) -> list[int]:
     """Vanilla rollout: HF ``generate`` at batch 1, pure temperature sampling, seeded from ``generator``."""
-    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)))
     out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
                          temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                          eos_token_id=sorted(eos_token_ids), pad_token_id=sorted(eos_token_ids)[0])
@@ -107,20 +119,24 @@ def sample_plainly(model, input_ids: torch.Tensor, max_new_tokens: int, eos_toke
     return new if ended is None else new[: ended + 1]
 
 
-def collect_rollouts(policy: Policy, module: MTPModule | None, prompts: Sequence[torch.Tensor],
+def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequence[torch.Tensor],
                      answers: Sequence[str], cfg: MTPRLTraining, step: int, eos_token_ids: set[int],
-                     on_rollout: Callable[[], None] | None = None) -> Rollouts:
-    """G rollouts per prompt at batch 1 (plain sampling when ``module`` is None) and their 0/1 rewards."""
-    model = policy.model.eval()
+                     first_prompt: int = 0, on_rollout: Callable[[], None] | None = None) -> Rollouts:
+    """G rollouts per prompt at batch 1 (plain sampling when ``module`` is None) and their 0/1 rewards.
+    ``first_prompt``: the index of ``prompts[0]`` among the step's prompts (a process's share starts there), which
+    picks each rollout's sampling stream."""
+    model.eval()
+    device = model.get_output_embeddings().weight.device
     started = time.perf_counter()
     stats = SpeculativeStats()
     if module is not None:
         draft_dtype = getattr(torch, cfg.draft_dtype)
         draft_base, draft_module = draft_parts(model, module.eval(), draft_dtype)
     prompt_ids, completions, rewards = [], [], []
-    for p, (ids, answer) in enumerate(zip(prompts, answers, strict=True)):
+    for p, (ids, answer) in enumerate(zip(prompts, answers, strict=True), start=first_prompt):
         for g in range(cfg.group_size):
-            generator = rollout_generator(cfg.seed, step, p * cfg.group_size + g)
+            generator = rollout_generator(cfg.seed, step, p * cfg.group_size + g, device)
+            ids = ids.to(device)
             if module is None:
                 tokens = sample_plainly(model, ids, cfg.max_new_tokens, eos_token_ids, cfg.temperature, generator)
             else:
@@ -128,7 +144,7 @@ def collect_rollouts(policy: Policy, module: MTPModule | None, prompts: Sequence
                                       cfg.temperature, generator, stats, cfg.draft_temperature)
             prompt_ids.append(ids[0].tolist())
             completions.append(tokens)
-            response = policy.tokenizer.decode(tokens, skip_special_tokens=True)
+            response = tokenizer.decode(tokens, skip_special_tokens=True)
             rewards.append(1.0 if is_correct(response, answer) else 0.0)
             if on_rollout is not None:
                 on_rollout()
@@ -143,6 +159,49 @@ def rollout_batch(rollouts: Rollouts, pad_token_id: int, device: torch.device) -
     return {key: value.to(device) for key, value in batch.items()}
 
 
+def predicts_completion(response_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T): the positions whose next token is a completion token."""
+    return torch.nn.functional.pad(response_mask[:, 1:], (0, 1))
+
+
+def first_completion_position(response_mask: torch.Tensor) -> int:
+    """The first position of the batch that predicts a completion token (the shortest prompt's last one): the
+    logits before it are never read."""
+    prompt_lengths = (response_mask.cumsum(dim=1) == 0).sum(dim=1)  # (B,): leading non-completion tokens
+    return max(0, int(prompt_lengths.min()) - 1)
+
+
+def completion_logps(model, batch: dict[str, torch.Tensor], temperature: float, output_hidden_states: bool = False):
+    """One forward over the batch with logits for the completion positions only (``logits_to_keep``): at 8B with a
+    128k vocabulary the prompts' logits would be most of the activation memory. Returns the output, the token
+    log-probs (B, T) and the first position whose logits it holds."""
+    input_ids = batch["input_ids"]
+    first = first_completion_position(batch["response_mask"])
+    out = model(input_ids=input_ids, attention_mask=batch["attention_mask"], output_hidden_states=output_hidden_states,
+                logits_to_keep=input_ids.shape[1] - first)
+    return out, token_logps(out.logits, input_ids, temperature, first), first
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """Counts over a step's whole batch — every process's share — that the losses divide by, so the processes'
+    losses are shares that sum to the loss of the global batch."""
+
+    completion_tokens: torch.Tensor  # scalar: the GRPO token mean's denominator
+    depth_targets: list[torch.Tensor]  # per depth of the module: its valid targets (the CE's denominators)
+    samples: int  # rollouts (the advantage-aware KL's sample mean)
+
+
+def batch_totals(batch: dict[str, torch.Tensor], num_depths: int, accelerator: Accelerator) -> BatchTotals:
+    """:class:`BatchTotals` of this process's ``batch`` summed over every process."""
+    response_mask = batch["response_mask"]
+    local = torch.stack([predicts_completion(response_mask).sum(), torch.tensor(len(response_mask)).to(response_mask),
+                         *[depth_targets(response_mask, response_mask, k)[1].sum()
+                           for k in range(1, num_depths + 1)]])
+    total = accelerator.reduce(local, "sum")
+    return BatchTotals(total[0].clamp(min=1), list(total[2:]), int(total[1]))
+
+
 @contextlib.contextmanager
 def frozen(model: torch.nn.Module):
     """The model's parameters take no gradient inside the block (their flags are restored after)."""
@@ -155,26 +214,23 @@ def frozen(model: torch.nn.Module):
             p.requires_grad_(flag)
 
 
-def mtp_rl_step_loss(model, policy: Policy, module: MTPModule | None, rollouts: Rollouts, advantages: torch.Tensor,
+def mtp_rl_step_loss(model, base, module, batch: dict[str, torch.Tensor], advantages: torch.Tensor,
                      old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None, var: Variant, cfg: MTPRLTraining,
-                     weights: Sequence[float], backward: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, dict]:
+                     weights: Sequence[float], backward: Callable[[torch.Tensor], None],
+                     totals: BatchTotals | None = None) -> tuple[torch.Tensor, dict]:
     """Build (and back-propagate, through ``backward``) one update's loss; returns this pass's token log-probs
     (detached: π_old of later passes) and the step's numbers. ``model``: the policy's model as accelerate
-    prepared it (what the forward runs through); ``policy.model``: the plain model, whose embedding, norm and
-    head the module shares. ``old_logps`` None: this pass's own log-probs, detached (the first pass)."""
-    base = policy.model
-    device = policy.device
-    batch = rollout_batch(rollouts, padding_id(policy.tokenizer), device)
-    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-    response_mask = batch["response_mask"]  # (B, T): completion tokens
-    # (B, T): position i predicts a completion token
-    completion_mask = torch.nn.functional.pad(response_mask[:, 1:], (0, 1))
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=var.trains_module)
-    logps = token_logps(out.logits, input_ids, cfg.temperature)  # (B, T)
+    prepared it (what the forward runs through); ``base``: the plain model, whose embedding, norm and head the
+    module shares; ``module``: the MTP module as prepared (None for variants that do not train it); ``batch``:
+    :func:`rollout_batch`. ``old_logps`` None: this pass's own log-probs, detached (the first pass).
+    ``totals``: the global batch's counts when ``batch`` is one process's share (the loss and its numbers are
+    then that share); default: this batch's own."""
+    input_ids, response_mask = batch["input_ids"], batch["response_mask"]  # (B, T); response: completion tokens
+    out, logps, first = completion_logps(model, batch, cfg.temperature, output_hidden_states=var.trains_module)
     old = logps.detach() if old_logps is None else old_logps
-    advantages = advantages.to(device)
-    loss, stats = grpo_loss(logps, old, advantages, completion_mask, cfg.epsilon_low, cfg.epsilon_high, ref_logps,
-                            cfg.kl_beta)
+    advantages = advantages.to(input_ids.device)
+    loss, stats = grpo_loss(logps, old, advantages, predicts_completion(response_mask), cfg.epsilon_low,
+                            cfg.epsilon_high, ref_logps, cfg.kl_beta, totals.completion_tokens if totals else None)
     if not var.trains_module:
         backward(loss)
         return logps.detach(), stats
@@ -184,12 +240,13 @@ def mtp_rl_step_loss(model, policy: Policy, module: MTPModule | None, rollouts: 
         hidden, main_logits = hidden.detach(), main_logits.detach()
     with contextlib.nullcontext() if var.backprop_into_policy else frozen(base):
         states = module(base, input_ids, hidden)
-        ce, ce_per_depth = mtp_cross_entropy(base, states, input_ids, response_mask, weights)
+        ce, ce_per_depth = mtp_cross_entropy(base, states, input_ids, response_mask, weights,
+                                             totals.depth_targets if totals else None)
         mtp_loss = var.ce_weight * ce
         kl_per_depth = [float("nan")] * len(states)
         if var.kl:
-            kl, kl_per_depth = advantage_aware_kl(base, states, main_logits, response_mask,
-                                                  advantage_mask(advantages), weights)
+            kl, kl_per_depth = advantage_aware_kl(base, states, main_logits, response_mask, advantage_mask(advantages),
+                                                  weights, first, totals.samples if totals else None)
             mtp_loss = mtp_loss + kl
     backward(loss + mtp_loss if var.backprop_into_policy else mtp_loss)
     stats |= {"mtp_loss": mtp_loss.item(), **{f"mtp_ce_{k}": v for k, v in enumerate(ce_per_depth, start=1)},
@@ -198,23 +255,53 @@ def mtp_rl_step_loss(model, policy: Policy, module: MTPModule | None, rollouts: 
 
 
 @torch.no_grad()
-def reference_logps(reference, rollouts: Rollouts, policy: Policy, temperature: float) -> torch.Tensor:
-    """The reference policy's token log-probs of the rollouts (for the k3 KL)."""
-    batch = rollout_batch(rollouts, padding_id(policy.tokenizer), policy.device)
-    out = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    return token_logps(out.logits, batch["input_ids"], temperature)
+def reference_logps(reference, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """The reference policy's token log-probs of the rollouts (for the k3 KL): ``reference`` is the LoRA policy,
+    run with its adapters off, or a frozen copy of the starting policy."""
+    with adapters_disabled(reference):
+        return completion_logps(reference, batch, temperature)[1]
+
+
+def process_share(prompts_per_step: int, accelerator: Accelerator) -> slice:
+    """This process's equal share of a step's prompts (each process rolls out its own)."""
+    processes = accelerator.num_processes
+    if prompts_per_step % processes:
+        raise ValueError(f"mtp_rl.prompts_per_step ({prompts_per_step}) must be a multiple of the number of "
+                         f"processes ({processes}): each process rolls out an equal share of a step's prompts")
+    share = prompts_per_step // processes
+    return slice(accelerator.process_index * share, (accelerator.process_index + 1) * share)
+
+
+def step_record(step: int, rollouts: Rollouts, advantages: torch.Tensor, stats: dict[str, float], drafts: bool,
+                update_seconds: float, accelerator: Accelerator) -> dict:
+    """The step's numbers over every process: rollout counts summed, the rollout phase's wall time the slowest
+    process's, the loss terms (each process's share) summed."""
+    counters = rollouts.stats
+    local = torch.tensor([rollouts.rewards.sum().item(), len(rollouts.rewards),
+                          sum(len(c) for c in rollouts.completion_ids), advantage_mask(advantages).sum().item(),
+                          len(counters.accepted_lengths), sum(counters.accepted_lengths), counters.drafted_tokens,
+                          counters.accepted_drafts, *stats.values()], dtype=torch.float64, device=accelerator.device)
+    (reward, count, tokens, positive, cycles, cycle_tokens, drafted, accepted, *terms) = \
+        accelerator.reduce(local, "sum").tolist()
+    seconds = accelerator.gather(torch.tensor([rollouts.seconds], device=accelerator.device)).max().item()
+    nan = float("nan")
+    return {"step": step, "rollout_seconds": seconds, "update_seconds": update_seconds, "rollout_tokens": int(tokens),
+            "rollout_tokens_per_s": tokens / seconds, "reward": reward / count, "accuracy": reward / count,
+            "positive_advantage_share": positive / count, "cycles": int(cycles) if drafts else int(tokens),
+            "tau": (cycle_tokens / cycles if cycles else nan) if drafts else 1.0,
+            "acceptance_rate": (accepted / drafted if drafted else nan) if drafts else 0.0,
+            **dict(zip(stats, terms, strict=True))}
 
 
 def train_variant(policy: Policy, module: MTPModule | None, var: Variant, prompts: Sequence[torch.Tensor],
                   answers: Sequence[str], cfg: MTPRLTraining, weights: Sequence[float], eos_token_ids: set[int],
-                  accelerator=None,
-                  reference=None, on_step: Callable[[int, dict], None] | None = None,
+                  accelerator: Accelerator | None = None, on_step: Callable[[int, dict], None] | None = None,
                   on_rollout: Callable[[], None] | None = None) -> list[dict]:
-    """``cfg.steps`` RL steps of one variant on ``prompts`` (``cfg.prompts_per_step`` per step, in order).
-    ``weights``: λ_1 … λ_K of the module's CE and KL. The policy (and the module, when the variant trains it) are
-    updated in place. Returns one dict per step."""
+    """``cfg.steps`` RL steps of one variant on ``prompts`` (``cfg.prompts_per_step`` per step, in order; each
+    process rolls out its share). ``weights``: λ_1 … λ_K of the module's CE and KL. The policy (and the module,
+    when the variant trains it) are updated in place, back in their own dtypes at the end (with ``lora_rank`` > 0
+    the adapters are merged into the policy). Returns one dict per step, over every process."""
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
 
     needed = cfg.steps * cfg.prompts_per_step
     if len(prompts) < needed:
@@ -223,50 +310,75 @@ def train_variant(policy: Policy, module: MTPModule | None, var: Variant, prompt
     if var.drafts and module is None:
         raise ValueError(f"variant {var.name!r} drafts with the MTP module: pass one")
     accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu")
-    set_seed(cfg.seed)
-    model = policy.model.requires_grad_(True)
-    groups = [{"params": list(model.parameters()), "lr": cfg.learning_rate}]
-    if var.trains_module:
-        module.requires_grad_(True)
-        groups.append({"params": list(module.parameters()), "lr": cfg.mtp_learning_rate})
-    elif module is not None:
-        module.requires_grad_(False)
-    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.99), weight_decay=0.0)
-    # the module is not prepared: it is called with the policy as an argument, and prepare would wrap it for DDP
-    model, optimizer = accelerator.prepare(model, optimizer)
-    policy.model = accelerator.unwrap_model(model)  # rollouts and the module use the plain model
-    history = []
-    for step in range(cfg.steps):
-        step_prompts = prompts[step * cfg.prompts_per_step : (step + 1) * cfg.prompts_per_step]
-        step_answers = answers[step * cfg.prompts_per_step : (step + 1) * cfg.prompts_per_step]
-        rollouts = collect_rollouts(policy, module if var.drafts else None, step_prompts, step_answers, cfg, step,
-                                    eos_token_ids, on_rollout)
-        advantages = group_advantages(rollouts.rewards, cfg.group_size, cfg.advantage_epsilon)
-        ref_logps = reference_logps(reference, rollouts, policy, cfg.temperature) if cfg.kl_beta > 0 else None
-        update_started = time.perf_counter()
-        model.train()
-        old_logps = None  # π_old: the log-probs of the first pass, before any update of this step
-        for _ in range(cfg.iterations):
-            with accelerator.autocast():
-                logps, stats = mtp_rl_step_loss(model, policy, module, rollouts, advantages, old_logps, ref_logps,
-                                                var, cfg, weights, accelerator.backward)
-            old_logps = logps if old_logps is None else old_logps
-            optimizer.step()
-            optimizer.zero_grad()
-        model.eval()
-        completion_tokens = sum(len(c) for c in rollouts.completion_ids)
-        record = {"step": step + 1, "rollout_seconds": rollouts.seconds,
-                  "update_seconds": time.perf_counter() - update_started,
-                  "rollout_tokens": completion_tokens, "rollout_tokens_per_s": completion_tokens / rollouts.seconds,
-                  "reward": rollouts.rewards.mean().item(), "accuracy": rollouts.rewards.mean().item(),
-                  "positive_advantage_share": advantage_mask(advantages).mean().item(),
-                  "cycles": len(rollouts.stats.accepted_lengths) if var.drafts else completion_tokens,
-                  "tau": rollouts.stats.tokens_per_cycle if var.drafts else 1.0,
-                  "acceptance_rate": rollouts.stats.acceptance_rate if var.drafts else 0.0, **stats}
-        history.append(record)
-        if on_step is not None:
-            on_step(step + 1, record)
-    policy.model = accelerator.unwrap_model(model).requires_grad_(False).eval()
+    share = process_share(cfg.prompts_per_step, accelerator)
+    with memory_saving(policy.model, cfg.lora_rank, cfg.gradient_checkpointing) as trained:
+        history = _train(trained, policy.tokenizer, module, var, prompts, answers, cfg, weights, eos_token_ids,
+                         accelerator, share, on_step, on_rollout)
+    policy.model = merged(trained).requires_grad_(False).eval()
     if module is not None:
         module.requires_grad_(False).eval()
+    return history
+
+
+def _train(trained, tokenizer, module: MTPModule | None, var: Variant, prompts: Sequence[torch.Tensor],
+           answers: Sequence[str], cfg: MTPRLTraining, weights: Sequence[float], eos_token_ids: set[int],
+           accelerator: Accelerator, share: slice, on_step: Callable[[int, dict], None] | None,
+           on_rollout: Callable[[], None] | None) -> list[dict]:
+    """:func:`train_variant`'s loop on the model to train (the policy, or its LoRA wrapper)."""
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.seed)
+    if not is_lora(trained):  # LoRA trains its adapters only (PEFT froze the rest)
+        trained.requires_grad_(True)
+    # The KL's reference: the LoRA policy with its adapters off, or (full fine-tuning) a frozen starting copy
+    reference = (copy.deepcopy(trained).requires_grad_(False).eval() if cfg.kl_beta > 0 and not is_lora(trained)
+                 else trained)
+    half = next((p.dtype for p in trained.parameters() if p.dtype in HALF_DTYPES), None)
+    policy_params = [p for p in trained.parameters() if p.requires_grad]
+    module_params = list(module.requires_grad_(True).parameters()) if var.trains_module else []
+    if module is not None and not var.trains_module:
+        module.requires_grad_(False)
+    num_depths = module.config.num_depths if var.trains_module else 0
+
+    def backward(loss: torch.Tensor) -> None:
+        # DDP averages the processes' gradients, and each process's loss is its share of the global batch's loss
+        accelerator.backward(loss * accelerator.num_processes)
+
+    history = []
+    with float32_master_weights(policy_params + module_params):
+        groups = [{"params": policy_params, "lr": cfg.learning_rate}]
+        groups += [{"params": module_params, "lr": cfg.mtp_learning_rate}] if module_params else []
+        optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.99), weight_decay=0.0)
+        # every trained model is prepared: under DDP its gradients are all-reduced (the module reads the plain
+        # policy's shared embedding and head; their gradients reach the policy's own DDP reducer)
+        model, *prepared, optimizer = accelerator.prepare(trained, *([module] if module_params else []), optimizer)
+        trained_module = prepared[0] if prepared else None
+        device = accelerator.device
+        for step in range(cfg.steps):
+            step_prompts = prompts[step * cfg.prompts_per_step : (step + 1) * cfg.prompts_per_step][share]
+            step_answers = answers[step * cfg.prompts_per_step : (step + 1) * cfg.prompts_per_step][share]
+            rollouts = collect_rollouts(trained, tokenizer, module if var.drafts else None, step_prompts,
+                                        step_answers, cfg, step, eos_token_ids, share.start, on_rollout)
+            advantages = group_advantages(rollouts.rewards, cfg.group_size, cfg.advantage_epsilon)
+            batch = rollout_batch(rollouts, padding_id(tokenizer), device)
+            totals = batch_totals(batch, num_depths, accelerator)
+            ref_logps = reference_logps(reference, batch, cfg.temperature) if cfg.kl_beta > 0 else None
+            update_started = time.perf_counter()
+            model.train()
+            old_logps = None  # π_old: the log-probs of the first pass, before any update of this step
+            for _ in range(cfg.iterations):
+                # a disabled torch.autocast would switch accelerate's off too, hence nullcontext
+                half_autocast = torch.autocast(device.type, dtype=half) if half else contextlib.nullcontext()
+                with accelerator.autocast(), half_autocast:
+                    logps, stats = mtp_rl_step_loss(model, trained, trained_module, batch, advantages, old_logps,
+                                                    ref_logps, var, cfg, weights, backward, totals)
+                old_logps = logps if old_logps is None else old_logps
+                optimizer.step()
+                optimizer.zero_grad()
+            model.eval()
+            record = step_record(step + 1, rollouts, advantages, stats, var.drafts,
+                                 time.perf_counter() - update_started, accelerator)
+            history.append(record)
+            if on_step is not None:
+                on_step(step + 1, record)
     return history

@@ -3,8 +3,10 @@ model's own responses with eq. 1's weighted cross-entropy, the main model frozen
 its chained drafts would get accepted.
 
 The main model is frozen, so its final hidden states of the data are computed once (:func:`frozen_states`)
-and reused by every epoch and by every K of the depth ablation. Training touches only the module's projection,
-norms and decoder layer (embedding, final norm and LM head are the main model's, frozen here).
+and reused by every epoch and by every K of the depth ablation. They are written to disk in the policy's dtype
+and read back one sequence at a time (:class:`HiddenStates`, memory-mapped safetensors): for an 8B policy
+(H = 4096, bf16) 100k responses of 256 tokens are ~200 GB, far more than RAM. Training touches only the module's
+projection, norms and decoder layer (embedding, final norm and LM head are the main model's, frozen here).
 
 Acceptance without decoding (:func:`chain_acceptance`). On the policy's own greedy responses, the token after
 position i is the main model's greedy choice, so under greedy verification a chain drafted at i is accepted
@@ -18,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +35,6 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-
 def depth_weights(weights: Sequence[float], num_depths: int) -> list[float]:
     """λ_1 … λ_K: the configured weights, the last one repeated for deeper depths (the K = 4 ablation)."""
     if not weights:
@@ -40,19 +42,74 @@ def depth_weights(weights: Sequence[float], num_depths: int) -> list[float]:
     return [float(weights[min(k, len(weights) - 1)]) for k in range(num_depths)]
 
 
+class HiddenStates(Sequence[torch.Tensor]):
+    """The frozen main model's final hidden states, (T_j, H) per sequence in the policy's dtype, read on demand
+    from the safetensors files :func:`frozen_states` wrote to ``folder`` (one file per batch of ``batch_size``
+    sequences; a read maps just that tensor). ``rows``: which sequences, in order (default: all ``count``)."""
+
+    def __init__(self, folder: Path, count: int, batch_size: int, rows: Sequence[int] | None = None):
+        self.folder, self.count, self.batch_size = Path(folder), count, batch_size
+        self.rows = list(range(count)) if rows is None else list(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        from safetensors import safe_open
+
+        row = self.rows[index]
+        with safe_open(self.folder / _states_file(row // self.batch_size), framework="pt") as states:
+            return states.get_tensor(str(row))
+
+    def select(self, indices: Sequence[int]) -> HiddenStates:
+        """The states of ``indices`` (positions in this selection), still on disk."""
+        return HiddenStates(self.folder, self.count, self.batch_size, [self.rows[i] for i in indices])
+
+
+def _states_file(batch: int) -> str:
+    return f"states-{batch:06d}.safetensors"
+
+
 @torch.no_grad()
-def frozen_states(policy: Policy, sequences: Sequences, batch_size: int = 8) -> list[torch.Tensor]:
-    """The main model's final hidden states of each sequence, (T_j, H) each, on the policy's device."""
-    states = []
+def frozen_states(policy: Policy, sequences: Sequences, folder: Path, batch_size: int = 8,
+                  accelerator: Accelerator | None = None) -> HiddenStates:
+    """The main model's final hidden states of each sequence, written to ``folder`` in the policy's dtype.
+
+    Under several processes each computes every P-th batch and all wait for the others (``folder`` must be one
+    they all see); the returned :class:`HiddenStates` reads any sequence."""
+    from safetensors.torch import save_file
+
     pad = padding_id(policy.tokenizer)
-    for start in range(0, len(sequences), batch_size):
+    rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for batch_index in range(rank, math.ceil(len(sequences) / batch_size), processes):
+        start = batch_index * batch_size
         chunk = sequences[start : start + batch_size]
         batch = right_pad(chunk, pad)
         out = policy.model(input_ids=batch["input_ids"].to(policy.device),
                            attention_mask=batch["attention_mask"].to(policy.device), output_hidden_states=True)
         hidden = out.hidden_states[-1]  # (B, T, H)
-        states += [hidden[row, : len(ids)] for row, (ids, _) in enumerate(chunk)]
-    return states
+        save_file({str(start + row): hidden[row, : len(ids)].contiguous().cpu() for row, (ids, _) in enumerate(chunk)},
+                  Path(folder) / _states_file(batch_index))
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    return HiddenStates(folder, len(sequences), batch_size)
+
+
+class _Rows(torch.utils.data.Dataset):
+    """(ids, response mask, hidden states) per sequence; the states read from disk when a batch needs them."""
+
+    def __init__(self, sequences: Sequences, hidden: Sequence[torch.Tensor]):
+        if len(sequences) != len(hidden):
+            raise ValueError(f"{len(sequences)} sequences but {len(hidden)} hidden states")
+        self.sequences, self.hidden = sequences, hidden
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, index: int) -> tuple[list[int], list[int], torch.Tensor]:
+        ids, mask = self.sequences[index]
+        return ids, mask, self.hidden[index]
 
 
 def _collate(rows: list[tuple[list[int], list[int], torch.Tensor]], pad: int) -> dict[str, torch.Tensor]:
@@ -62,7 +119,7 @@ def _collate(rows: list[tuple[list[int], list[int], torch.Tensor]], pad: int) ->
     return batch  # hidden: (B, T, H), zero past each sequence
 
 
-def train_mtp_module(policy: Policy, sequences: Sequences, hidden: list[torch.Tensor], num_depths: int,
+def train_mtp_module(policy: Policy, sequences: Sequences, hidden: Sequence[torch.Tensor], num_depths: int,
                      cfg: MTPTraining, accelerator: Accelerator | None = None,
                      on_step: Callable[[int, int, dict[str, float]], None] | None = None
                      ) -> tuple[MTPModule, dict[str, list[float]]]:
@@ -85,9 +142,8 @@ def train_mtp_module(policy: Policy, sequences: Sequences, hidden: list[torch.Te
         loss, per_depth = mtp_cross_entropy(base, states, batch["input_ids"], batch["response_mask"], weights)
         return loss, {"loss": loss.detach(), **{f"ce_depth_{k}": v for k, v in enumerate(per_depth, start=1)}}
 
-    rows = [(ids, mask, h.cpu()) for (ids, mask), h in zip(sequences, hidden, strict=True)]
     module, history = train(
-        module, rows, step, module.parameters(),
+        module, _Rows(sequences, hidden), step, module.parameters(),
         partial(torch.optim.AdamW, lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=0.0),
         accelerator=accelerator, epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed,
         warmup_ratio=cfg.warmup_ratio, collate_fn=partial(_collate, pad=padding_id(policy.tokenizer)),
@@ -96,7 +152,7 @@ def train_mtp_module(policy: Policy, sequences: Sequences, hidden: list[torch.Te
 
 
 @torch.no_grad()
-def chain_acceptance(policy: Policy, module: MTPModule, sequences: Sequences, hidden: list[torch.Tensor],
+def chain_acceptance(policy: Policy, module: MTPModule, sequences: Sequences, hidden: Sequence[torch.Tensor],
                      batch_size: int = 8) -> dict[str, float]:
     """Held-out top-1 accuracy per depth (teacher-forced) and the greedy chain's expected τ and α (module
     docstring) over every response position with a full chain of K targets ahead."""
@@ -104,10 +160,9 @@ def chain_acceptance(policy: Policy, module: MTPModule, sequences: Sequences, hi
     pad = padding_id(policy.tokenizer)
     hits, counts = torch.zeros(num_depths), torch.zeros(num_depths)
     run_lengths = []
-    for start in range(0, len(sequences), batch_size):
-        chunk = [(ids, mask, h) for (ids, mask), h in
-                 zip(sequences[start : start + batch_size], hidden[start : start + batch_size], strict=True)]
-        batch = _collate(chunk, pad)
+    rows = _Rows(sequences, hidden)
+    for start in range(0, len(rows), batch_size):
+        batch = _collate([rows[i] for i in range(start, min(start + batch_size, len(rows)))], pad)
         input_ids = batch["input_ids"].to(policy.device)
         states = module(base, input_ids, batch["hidden"].to(device=policy.device, dtype=base.dtype))
         correct, valid = [], []

@@ -6,7 +6,8 @@ minimising
 
     L_DPO = −log σ( β·log π_θ(y_w|x)/π_ref(y_w|x) − β·log π_θ(y_l|x)/π_ref(y_l|x) )
 
-where π_ref is a frozen copy of the initial policy and β·log π_θ/π_ref is the *implicit reward*.
+where π_ref is the frozen initial policy (a copy, or with LoRA the same model with its adapters off) and
+β·log π_θ/π_ref is the *implicit reward*.
 The SLA paper (Zhang, Hong & Yu, "Streaming Looking Ahead with Token-level Self-reward";
 docs/sla.md) uses DPO as an orthogonal way to improve the policy and
 shows that SLA decoding still adds on top of a DPO-tuned policy; the pipeline reproduces that by
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from models.common.files import atomic_path
+from models.common.lora import is_lora, merged, with_lora
 from models.engine.policy import Policy
 from models.sla.config import DPOTraining
 
@@ -72,21 +74,33 @@ def preference_dataset(pairs: pd.DataFrame, eos_token: str) -> Dataset:
 
 
 def build_trainer(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, output_dir: Path) -> DPOTrainer:
-    """A TRL ``DPOTrainer`` over a float32 copy of the policy; the reference is a second, frozen copy.
+    """A TRL ``DPOTrainer`` over a copy of the policy, under ``cfg``'s memory knobs.
 
+    - Full fine-tuning (``lora_rank`` 0): a float32 copy trains, and the reference is a second, frozen copy.
+      float32 master weights: at DPO learning rates (~5e-6) bfloat16 weights (3 significant digits) would
+      round most updates away. The reference is copied from the policy object rather than reloaded by TRL
+      from ``config._name_or_path``, so it is exactly the initial policy (also for remote-code models, and
+      with no second read from disk).
+    - LoRA (``lora_rank`` > 0, models/common/lora.py): the copy keeps the policy's dtype and its weights are
+      frozen; only rank-r adapters train, in float32 (PEFT's default for half-precision bases). The reference
+      is the same model with the adapters' contribution switched off (TRL keeps a frozen copy of the freshly
+      initialised adapters, whose B = 0 adds exactly nothing), so no second copy of the policy is held: at 8B
+      in bf16 the weights cost 16 GB once instead of 32 GB twice, and AdamW's states shrink to the adapters'.
+    - ``gradient_checkpointing``: TRL's activation checkpointing (recomputed in the backward pass; off in
+      the reference's no-grad forward). Off by default: recomputation costs ~20 %.
     - Copies, so the caller's policy object stays the untouched initial model (TRL patches the forward,
-      disables dropout and moves the models it is given). The reference is copied from the policy object
-      rather than reloaded by TRL from ``config._name_or_path``, so it is exactly the initial policy
-      (also for remote-code models, and with no second read from disk).
-    - float32 master weights: at DPO learning rates (~5e-6) bfloat16 weights (3 significant digits)
-      would round most updates away. On a GPU with bfloat16 support the forward runs under bf16 autocast.
-    - No gradient checkpointing (TRL's default): a ~135M policy fits easily and recomputation costs ~20 %.
-    - Device follows the policy: a policy configured on CPU trains on CPU even when CUDA is visible.
+      disables dropout and moves the models it is given). The copy trains all its weights even when the
+      caller's are frozen (a :class:`~models.sla.reward_transformer.RewardTransformer` freezes its policy).
+    - On a GPU with bfloat16 support the forward runs under bf16 autocast. Device follows the policy: a
+      policy configured on CPU trains on CPU even when CUDA is visible.
     """
     from trl import DPOConfig, DPOTrainer
 
-    model = copy.deepcopy(policy.model).float()
-    reference = copy.deepcopy(policy.model).float().eval().requires_grad_(False)
+    if cfg.lora_rank > 0:
+        model, reference = with_lora(copy.deepcopy(policy.model), cfg.lora_rank), None
+    else:
+        model = copy.deepcopy(policy.model).float().requires_grad_(True)  # whatever froze the caller's weights
+        reference = copy.deepcopy(policy.model).float().eval().requires_grad_(False)
     on_cuda = policy.device.type == "cuda"
     args = DPOConfig(
         output_dir=str(output_dir),
@@ -103,12 +117,29 @@ def build_trainer(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, o
         report_to="none",
         use_cpu=not on_cuda,
         bf16=on_cuda and torch.cuda.is_bf16_supported(),
-        activation_checkpointing=False,  # TRL turns it on by default
+        activation_checkpointing=cfg.gradient_checkpointing,  # always explicit: TRL's default is on
         dataloader_num_workers=0,
     )
     return DPOTrainer(model=model, ref_model=reference, args=args,
                       train_dataset=preference_dataset(train_pairs, policy.tokenizer.eos_token),
                       processing_class=policy.tokenizer)
+
+
+def trained_policy(trainer: DPOTrainer, initial: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The trained policy as a plain Hugging Face model in the ``initial`` policy's dtype, and its state dict.
+
+    LoRA adapters are merged into the weights, so later stages load an ordinary model folder; full
+    fine-tuning's float32 master weights are cast back, so the saved folder (weights and the ``dtype`` its
+    config records) is the policy's size and precision. The Trainer switches ``use_cache`` off in the
+    config of the model it trains; the initial policy's setting is put back, so the saved model decodes
+    with its KV cache. Under FSDP / DeepSpeed the state dict is gathered collectively: every process calls this.
+    """
+    accelerator = trainer.accelerator
+    unwrapped = accelerator.unwrap_model(trainer.model)
+    lora = is_lora(unwrapped)
+    model = merged(unwrapped).to(initial.dtype)  # cast in place: tied weights stay one tensor
+    model.config.use_cache = initial.config.use_cache
+    return model, model.state_dict() if lora else accelerator.get_state_dict(trainer.model)
 
 
 def _first_last(history: list[dict], key: str, name: str) -> dict[str, float]:
@@ -119,10 +150,12 @@ def _first_last(history: list[dict], key: str, name: str) -> dict[str, float]:
 def train_dpo(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, out_dir: Path) -> dict:
     """Fine-tune a copy of ``policy`` with DPO on ``train_pairs``; save it with its tokenizer to ``out_dir``.
 
-    The folder appears whole or not at all (written to a temporary sibling and renamed). Under several
-    processes the state dict is gathered collectively and only the main process writes. Returns metrics
-    from the trainer's per-step logs: DPO loss, ``rewards/accuracies`` (share of pairs with a positive
-    implicit-reward margin) and ``rewards/margins``, first and last step, plus wall time and counts.
+    The folder is a plain Hugging Face model in the policy's dtype (LoRA adapters merged) and appears whole
+    or not at all (written to a temporary sibling and renamed). Under several processes (``accelerate
+    launch``: TRL's accelerator splits the batches and all-reduces the gradients) the state dict is gathered
+    collectively and only the main process writes. Returns metrics from the trainer's per-step logs: DPO
+    loss, ``rewards/accuracies`` (share of pairs with a positive implicit-reward margin) and
+    ``rewards/margins``, first and last step, plus wall time and counts.
     """
     if len(train_pairs) < MIN_TRAIN_PAIRS:
         raise ValueError(f"DPO needs at least {MIN_TRAIN_PAIRS} training pairs, got {len(train_pairs)}: "
@@ -137,12 +170,12 @@ def train_dpo(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, out_d
         train_seconds = time.perf_counter() - started
 
     accelerator = trainer.accelerator
-    state_dict = accelerator.get_state_dict(trainer.model)  # collective under FSDP / DeepSpeed
+    model, state_dict = trained_policy(trainer, policy.model)
     if accelerator.is_main_process:
         with atomic_path(Path(out_dir)) as tmp:
-            accelerator.unwrap_model(trainer.model).save_pretrained(tmp, state_dict=state_dict)
+            model.save_pretrained(tmp, state_dict=state_dict)
             policy.tokenizer.save_pretrained(tmp)
-    accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()  # no process returns before the folder is whole
 
     history = trainer.state.log_history
     return {

@@ -109,7 +109,10 @@ def train_reward_heads(policy: Policy, train_pairs: pd.DataFrame, cfg: RewardTra
     initialisation order, data order and schedule) at a fraction of the policy forwards.
 
     ``accelerator``: an ``accelerate.Accelerator``; by default one on the policy's device. Under
-    ``accelerate launch`` every process runs this function and batches are split between them.
+    ``accelerate launch`` every process runs this function, batches are split between them and the
+    heads' gradients are all-reduced; the policy and the heads live on ``accelerator.device``. A
+    half-precision policy trains float32 master weights of the heads under autocast (the shared loop),
+    and the heads come back in the policy's dtype.
     ``on_step(step, num_steps, losses)`` is called after each optimizer step on the main process.
 
     Returns one model (the policy + that trained head) per name, and per name its history: ``loss`` and
@@ -123,7 +126,8 @@ def train_reward_heads(policy: Policy, train_pairs: pd.DataFrame, cfg: RewardTra
     accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu")
     set_seed(cfg.seed)  # head initialisation, in the order of head_configs
     heads = StackedHeads({name: build_reward_head(c, policy.model.config) for name, c in head_configs.items()})
-    model = RewardTransformer(policy.model, head=heads)  # the heads in the policy's dtype
+    # the heads in the policy's dtype, beside the policy on this process's device
+    model = RewardTransformer(policy.model, head=heads).to(accelerator.device)
     # The frozen policy stays in eval mode (no dropout: it must compute the states it will have at decoding
     # time), and the heads have no train-only behaviour, so the whole model stays in eval mode.
     model.eval()
@@ -133,7 +137,8 @@ def train_reward_heads(policy: Policy, train_pairs: pd.DataFrame, cfg: RewardTra
     accuracies: dict[str, list[float]] = {name: [] for name in names}
 
     def step(model: RewardTransformer, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).rewards
+        # logits of one position only: the loss needs the hidden states, not the (2B, T, V) logits
+        rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1).rewards
         chosen_rewards, rejected_rewards = rewards.float().chunk(2)  # (B, T, H) each
         chosen_mask, rejected_mask = batch["response_mask"].chunk(2)  # (B, T) each
         losses = torch.stack([bradley_terry_loss(chosen_rewards[..., h], chosen_mask,
@@ -185,8 +190,8 @@ def score_pairs(model: RewardTransformer, tokenizer, pairs: pd.DataFrame, max_le
     device = next(model.head.parameters()).device
     scored = PairRewards(chosen=[], rejected=[])
     for batch in loader:
-        rewards = model(input_ids=batch["input_ids"].to(device),
-                        attention_mask=batch["attention_mask"].to(device)).rewards.float().cpu()  # (2B, T)
+        rewards = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                        logits_to_keep=1).rewards.float().cpu()  # (2B, T)
         per_response = [row[mask.bool()] for row, mask in zip(rewards, batch["response_mask"], strict=True)]
         half = len(per_response) // 2
         scored.chosen += per_response[:half]

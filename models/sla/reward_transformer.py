@@ -45,7 +45,7 @@ CONFIG = "reward_head.json"
 class RewardOutput:
     """Policy logits and per-prefix rewards of one forward."""
 
-    logits: torch.Tensor  # (B, T, V): next-token logits at each position
+    logits: torch.Tensor  # (B, T', V): next-token logits at the last T' positions (all T by default)
     rewards: torch.Tensor  # (B, T): R'(x_{≤t}), the predicted final reward of each prefix
     past_key_values: object | None = None  # the policy's KV cache (the reward channel needs none)
 
@@ -131,12 +131,20 @@ class RewardTransformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values=None, position_ids: torch.Tensor | None = None,
-                use_cache: bool = False) -> RewardOutput:
+                use_cache: bool = False, logits_to_keep: int = 0) -> RewardOutput:
         """Logits and rewards for the given tokens; with ``past_key_values`` only the new tokens are
-        processed and scored (the channel is position-wise, so their rewards equal a full forward's)."""
+        processed and scored (the channel is position-wise, so their rewards equal a full forward's).
+
+        ``logits_to_keep``: logits of the last that many positions only (0 = all, Hugging Face's convention).
+        Rewards need the hidden states alone, and the (B, T, V) logits of a 128k vocabulary are the largest
+        tensor of the forward (8 × 512 × 128k in bf16 = 1 GB per training batch at 8B): training, scoring
+        and SLA ask for 1. Rewards come out in the head's compute dtype (the policy's, also under training's
+        autocast over float32 master weights); callers cast them to float32 before reducing them.
+        """
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_policy):
             out = self.policy(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
-                              position_ids=position_ids, use_cache=use_cache, output_hidden_states=True)
+                              position_ids=position_ids, use_cache=use_cache, output_hidden_states=True,
+                              logits_to_keep=logits_to_keep)
         rewards = self.head(out.hidden_states)
         return RewardOutput(logits=out.logits, rewards=rewards, past_key_values=out.past_key_values)
 

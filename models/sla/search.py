@@ -86,9 +86,18 @@ class Level:
 # model calls
 
 
+def _device(model: RewardTransformer) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _forward(model: RewardTransformer, input_ids: torch.Tensor, cache, stats: SLAStats):
-    """One cached forward over ``input_ids`` (B, T): last-position logits (B, V), rewards (B, T), cache."""
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    """One cached forward over ``input_ids`` (B, T): last-position logits (B, V), rewards (B, T), cache.
+
+    Only the last position's logits are computed (a prompt's (T, V) logits would be thrown away). The ids
+    move to the model's device (a prompt tokenized on the CPU decodes on the GPU); rewards stay in the
+    model's dtype: they are read as Python floats, so a bf16 policy is scored at its own precision.
+    """
+    out = model(input_ids=input_ids.to(_device(model)), past_key_values=cache, use_cache=True, logits_to_keep=1)
     stats.forward_calls += 1
     stats.tokens_processed += input_ids.numel()
     return out.logits[:, -1, :], out.rewards, out.past_key_values
@@ -113,7 +122,7 @@ def decode_segments(model: RewardTransformer, cache, first_tokens: list[int], st
     Returns, per row, (tokens, their rewards, top-``width`` next tokens — empty when finished);
     ``cache`` is extended in place.
     """
-    device = next(model.parameters()).device
+    device = _device(model)
     tokens = [[t] for t in first_tokens]
     rewards: list[list[float]] = [[] for _ in first_tokens]
     next_tokens: list[list[int]] = [[] for _ in first_tokens]
@@ -154,7 +163,8 @@ def expand(model: RewardTransformer, level: Level, width: int, step: int, eos_to
     parents = [node for node in level.nodes if not node.finished]
     if not parents:
         return Level(None, [])
-    rows = torch.tensor([p.row for p in parents for _ in range(width)])  # (B,) parent row of each child
+    # (B,) parent row of each child, on the cache's device (else every layer copies it there)
+    rows = torch.tensor([p.row for p in parents for _ in range(width)], device=_device(model))
     cache = level.cache
     cache.reorder_cache(rows)  # (B, H, L, D) per layer: each parent's row repeated k times, others dropped
     first = [t for p in parents for t in p.next_tokens]  # (B,) forked tokens, top-1 first

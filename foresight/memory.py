@@ -1,0 +1,536 @@
+"""``foresight plan``: each stage's estimated peak GPU memory, from the models' configs alone (no weights loaded).
+
+The policy's config (the prepared weights' folder, a local folder, the HF cache or the embedded GGUF) is built
+on the meta device (``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``) to count parameters:
+total, the embedding, the LM head (0 when tied) and, for LoRA, Σ (in + out) over the decoder's linear layers
+(PEFT's ``all-linear``: r · (in + out) parameters per layer). Per stage, per GPU (assumptions, printed too):
+
+- weights in the policy's dtype (``auto`` = bf16: the plan is for CUDA);
+- trained parameters add fp32 master weights (4 B, none when the weights are fp32 already), fp32 gradients
+  (4 B) and AdamW's two moments (8 B);
+- full fine-tuning with a frozen reference adds a second copy of the weights (DPO without LoRA, GRPO with
+  ``kl_beta`` > 0 without LoRA); with LoRA the reference is the base with its adapters disabled;
+- activations ≈ sequences × tokens × hidden × layers × 34 B in 16-bit without checkpointing, 2 B with it
+  (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4.1: 34·sbh per
+  layer, the 5·as²b attention-score term dropped since SDPA / flash attention never stores the scores;
+  with full recomputation only each layer's 2·sbh input stays); twice that in fp32;
+- full-vocabulary logits sequences × tokens × V × 4 B where a stage materialises them (training losses over
+  the vocabulary; generation keeps the last position only);
+- the KV cache of generation: rows × tokens × layers × 2 × kv_heads × head_dim × dtype bytes, prompts assumed
+  ``PROMPT_TOKENS`` long;
+- a forward without gradients holds one layer's working set: sequences × tokens × (2 hidden + 2 intermediate)
+  × dtype bytes;
+- the labeler (``label.model``) counted from its config when it is on disk, else assumed the policy's size;
+- under ``launch.num_processes`` N data-parallel processes each process holds a full replica and its own
+  ``batch_size`` (accelerate's default ``split_batches=False``): more processes add no memory per GPU unless
+  they outnumber the GPUs, and save none either. Inference stages run in one process on one GPU.
+
+Small modules (reward channels, Medusa heads, MTP module) are counted from their configured shapes. An
+estimate, not a measurement: CUDA context, allocator fragmentation and temporary buffers add a few GiB, so a
+stage is flagged from ``HEADROOM`` of the GPU's memory up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GIB = 2**30
+PROMPT_TOKENS = 256
+"""Assumed prompt length (chat template included) of the generation stages."""
+HEADROOM = 0.9
+"""Share of a GPU's memory a stage's estimate may take (the rest: CUDA context, fragmentation)."""
+FULL_ACTIVATION_BYTES, CHECKPOINTED_ACTIVATION_BYTES = 34, 2
+"""Bytes per token per hidden unit per layer in 16-bit, without and with activation checkpointing."""
+TRAINED_BYTES = {"fp32 grads": 4, "AdamW moments": 8}
+"""Bytes per trained parameter besides its weight and fp32 master copy."""
+LORA_RANK = 16
+"""The rank ``plan`` proposes when full fine-tuning does not fit."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimates read of a causal LM: parameter counts and the sizes of its caches and activations."""
+
+    parameters: int
+    embedding: int
+    lm_head: int  # 0 when tied to the embedding
+    lora_in_out: int  # Σ (in + out) over the decoder's linear layers: LoRA rank r trains r × this
+    layer_parameters: int  # one decoder layer
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    kv_heads: int
+    head_dim: int
+    note: str = ""  # where the shape came from, when not from the model's own config
+
+
+def model_shape(config, note: str = "") -> ModelShape:
+    """Count ``config``'s parameters on the meta device (no memory, no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    text = config.get_text_config(decoder=True)
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    decoder_layers = model.get_decoder().layers
+    lora_in_out = sum(m.in_features + m.out_features for m in decoder_layers.modules()
+                      if isinstance(m, torch.nn.Linear))
+    heads = text.num_attention_heads
+    return ModelShape(
+        parameters=sum(p.numel() for p in model.parameters()),  # a tied head is one parameter, counted once
+        embedding=embedding.numel(),
+        lm_head=0 if head is embedding else head.numel(),
+        lora_in_out=lora_in_out,
+        layer_parameters=sum(p.numel() for p in decoder_layers[-1].parameters()),
+        hidden=text.hidden_size, intermediate=text.intermediate_size, layers=text.num_hidden_layers,
+        vocab=text.vocab_size, kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, note=note)
+
+
+def policy_config(cfg):
+    """The policy's ``transformers`` config: the prepared weights' (manifest), a local folder's, the HF cache's
+    (offline is fine once downloaded) or the embedded GGUF's."""
+    from transformers import AutoConfig
+
+    from models.engine.policy import EMBEDDED_MODELS, MANIFEST, embedded_gguf, policy_path
+
+    spec = cfg.policy
+    prepared = cfg.path(cfg.paths.policy_dir)
+    manifest = prepared / MANIFEST
+    if manifest.is_file() and json.loads(manifest.read_text()).get("model") == spec.model:  # not a stale one
+        return AutoConfig.from_pretrained(policy_path(prepared), trust_remote_code=spec.trust_remote_code)
+    if spec.model in EMBEDDED_MODELS:
+        gguf = embedded_gguf(spec.model)
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoConfig.from_pretrained(str(Path(spec.model).expanduser()) if Path(spec.model).expanduser().is_dir()
+                                      else spec.model, revision=spec.revision,
+                                      trust_remote_code=spec.trust_remote_code)
+
+
+def labeler_shape(cfg, policy: ModelShape) -> ModelShape | None:
+    """The labeler's shape: none for the verifiable labeler; from ``label.model``'s config when it is on disk;
+    else the policy's, said so."""
+    label = cfg.label
+    if label.labeler == "verifiable" or not label.model:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return model_shape(AutoConfig.from_pretrained(label.model, trust_remote_code=label.trust_remote_code))
+    except (OSError, ValueError, KeyError) as err:  # not downloaded, or no causal-LM class for its config
+        assumed = f"label.model {label.model} not countable here ({type(err).__name__}): assumed the policy's size"
+        return ModelShape(**{**policy.__dict__, "note": assumed})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the pieces of an estimate (bytes)
+
+
+@dataclass
+class Estimate:
+    """One stage's peak: bytes by part, and the knobs that lower it, most effective first."""
+
+    stage: str
+    parts: dict[str, float] = field(default_factory=dict)
+    knobs: tuple[Callable[[object], dict | None], ...] = ()  # cfg → dotted-key overrides to try, None: not useful
+    note: str = ""
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per weight of ``policy.dtype``; ``auto`` is bf16 on CUDA."""
+    return {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[name]
+
+
+def weights(parameters: float, nbytes: int) -> float:
+    return parameters * nbytes
+
+
+def optimizer_state(trained: float, nbytes: int) -> float:
+    """fp32 master weights (unless the weights are fp32 already), fp32 gradients and AdamW's moments."""
+    return trained * ((4 if nbytes < 4 else 0) + sum(TRAINED_BYTES.values()))
+
+
+def activations(shape: ModelShape, sequences: int, tokens: int, nbytes: int, checkpointing: bool,
+                layers: int | None = None) -> float:
+    """Korthikanti et al. 2022 §4.1: 34 B per token per hidden unit per layer in 16-bit; 2 B when checkpointed."""
+    per_unit = CHECKPOINTED_ACTIVATION_BYTES if checkpointing else FULL_ACTIVATION_BYTES
+    return sequences * tokens * shape.hidden * (shape.layers if layers is None else layers) * per_unit * nbytes / 2
+
+
+def logits(shape: ModelShape, rows: int, tokens: int) -> float:
+    """Full-vocabulary fp32 logits."""
+    return rows * tokens * shape.vocab * 4
+
+
+def kv_cache(shape: ModelShape, rows: int, tokens: int, nbytes: int) -> float:
+    return rows * tokens * shape.layers * 2 * shape.kv_heads * shape.head_dim * nbytes
+
+
+def forward_working_set(shape: ModelShape, sequences: int, tokens: int, nbytes: int) -> float:
+    """One layer's transient tensors in a forward without gradients."""
+    return sequences * tokens * (2 * shape.hidden + 2 * shape.intermediate) * nbytes
+
+
+# ---------------------------------------------------------------------------------------------------------
+# knobs: each proposes overrides from the current config (None where it cannot help any more)
+
+
+def half_precision(cfg) -> dict | None:
+    """fp32 policy weights → bf16 (``auto``), the standard on CUDA."""
+    return {"policy.dtype": "auto"} if cfg.policy.dtype == "float32" else None
+
+
+def lora(section: str) -> Callable:
+    return lambda cfg: None if getattr(cfg, section).lora_rank else {f"{section}.lora_rank": LORA_RANK}
+
+
+def checkpointing(section: str) -> Callable:
+    return lambda cfg: (None if getattr(cfg, section).gradient_checkpointing
+                        else {f"{section}.gradient_checkpointing": True})
+
+
+def halve(key: str) -> Callable:
+    """``section.key`` halved (down to 1)."""
+    section, name = key.split(".")
+
+    def propose(cfg):
+        value = getattr(getattr(cfg, section), name)
+        return {key: value // 2} if value > 1 else None
+    return propose
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the stages
+
+
+@dataclass(frozen=True)
+class Shapes:
+    policy: ModelShape
+    labeler: ModelShape | None
+
+
+def _policy_training(cfg, shape: ModelShape, nbytes: int, section: str, sequences: int, tokens: int,
+                     reference: bool, vocab_rows: int) -> dict[str, float]:
+    """A policy trained in full or through LoRA (``section.lora_rank``), with or without a frozen reference."""
+    knobs = getattr(cfg, section)
+    trained = shape.lora_in_out * knobs.lora_rank if knobs.lora_rank else shape.parameters
+    parts = {"weights": weights(shape.parameters, nbytes),
+             ("LoRA" if knobs.lora_rank else "full") + " optimizer state": optimizer_state(trained, nbytes)}
+    if reference and not knobs.lora_rank:
+        parts["reference copy"] = weights(shape.parameters, nbytes)
+    parts["activations" + (" (checkpointed)" if knobs.gradient_checkpointing else "")] = activations(
+        shape, sequences, tokens, nbytes, knobs.gradient_checkpointing)
+    parts["logits"] = logits(shape, vocab_rows, tokens)
+    return parts
+
+
+def _labeler_parts(cfg, shapes: Shapes) -> dict[str, float]:
+    if shapes.labeler is None:
+        return {}
+    nbytes = dtype_bytes(cfg.label.dtype)
+    return {"labeler weights": weights(shapes.labeler.parameters, nbytes),
+            "labeler forward": forward_working_set(shapes.labeler, cfg.label.batch_size, cfg.label.max_length, nbytes)}
+
+
+def _no_gpu(stage: str, cfg, shapes: Shapes, nbytes: int) -> Estimate:
+    return Estimate(stage, note="no GPU")
+
+
+def _generate(stage, cfg, shapes, nbytes):
+    g, shape = cfg.generate, shapes.policy
+    rows = g.batch_size * g.num_samples
+    return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
+                            "KV cache": kv_cache(shape, rows, PROMPT_TOKENS + g.max_new_tokens, nbytes),
+                            "prefill": forward_working_set(shape, g.batch_size, PROMPT_TOKENS, nbytes)},
+                    (halve("generate.batch_size"),))
+
+
+def _label(stage, cfg, shapes, nbytes):
+    if shapes.labeler is None:
+        return Estimate(stage, note="verifiable labeler: no model")
+    return Estimate(stage, _labeler_parts(cfg, shapes), (halve("label.batch_size"), halve("label.max_length")),
+                    shapes.labeler.note)
+
+
+def _train_reward(stage, cfg, shapes, nbytes):
+    """The frozen policy's per-layer hidden states of both responses of each pair feed a small trained channel."""
+    r, shape = cfg.reward, shapes.policy
+    sequences = 2 * r.batch_size
+    width = shape.hidden + r.hidden_size
+    channel = shape.hidden * r.hidden_size + shape.layers * width * r.hidden_size + width
+    return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
+                            "forward": forward_working_set(shape, sequences, r.max_length, nbytes),
+                            "hidden states": sequences * r.max_length * shape.hidden * (shape.layers + 1) * nbytes,
+                            "channel + optimizer": channel * 16},
+                    (halve("reward.batch_size"), halve("reward.max_length")))
+
+
+def _dpo(stage, cfg, shapes, nbytes):
+    d = cfg.dpo
+    parts = _policy_training(cfg, shapes.policy, nbytes, "dpo", 2 * d.batch_size, d.max_length, reference=True,
+                             vocab_rows=2 * d.batch_size)
+    # models.sla.dpo trains a copy and leaves the loaded policy untouched (the task evaluates both); in full
+    # fine-tuning that copy is the float32 master weights the optimizer state counts, with LoRA a copy in the
+    # policy's dtype
+    if d.lora_rank:
+        parts["training copy"] = weights(shapes.policy.parameters, nbytes)
+    return Estimate(stage, parts, (lora("dpo"), checkpointing("dpo"), halve("dpo.batch_size")))
+
+
+def _benchmark_sla(stage, cfg, shapes, nbytes):
+    s, b, shape = cfg.sla, cfg.sla_benchmark, shapes.policy
+    rows = max(b.num_beams, s.width ** max(s.depth, 1))
+    return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
+                            "KV cache": kv_cache(shape, rows, PROMPT_TOKENS + b.max_new_tokens + s.step, nbytes),
+                            **_labeler_parts(cfg, shapes)},
+                    (halve("sla.width"), halve("label.batch_size")), shapes.labeler.note if shapes.labeler else "")
+
+
+def _train_medusa(stage, cfg, shapes, nbytes):
+    """Max of the self-distillation pass (greedy generation) and the heads' training on the frozen policy."""
+    m, shape = cfg.medusa, shapes.policy
+    heads = m.num_heads * (m.num_layers * (shape.hidden ** 2 + shape.hidden) + (shape.lm_head or shape.embedding)
+                           * m.untie)
+    distill = kv_cache(shape, m.distill_batch_size, m.max_length, nbytes) + forward_working_set(
+        shape, m.distill_batch_size, m.max_length, nbytes)
+    training = heads * 16 + logits(shape, m.batch_size * m.num_heads, 1)  # fp32 heads, grads, AdamW
+    return Estimate(stage, {"weights": weights(shape.parameters, nbytes), "distillation or heads": max(
+        distill, training)}, (halve("medusa.distill_batch_size"), halve("medusa.batch_size")))
+
+
+def _train_rlmedusa(stage, cfg, shapes, nbytes):
+    shape, r = shapes.policy, cfg.rlmedusa
+    head = shape.hidden ** 2 + shape.hidden
+    return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
+                            "head + optimizer": head * (2 + 16),
+                            "logits": logits(shape, r.batch_size * r.num_actions, 1)}, (halve("rlmedusa.batch_size"),))
+
+
+def _benchmark_medusa(stage, cfg, shapes, nbytes):
+    b, m, shape = cfg.medusa_benchmark, cfg.medusa, shapes.policy
+    heads = m.num_heads * m.num_layers * (shape.hidden ** 2 + shape.hidden)
+    nodes = b.tree_size + 1 if b.tree == "auto" else len(b.tree) + 1
+    return Estimate(stage, {"weights": weights(shape.parameters, nbytes), "heads": heads * nbytes,
+                            "KV cache": kv_cache(shape, 1, PROMPT_TOKENS + b.max_new_tokens + nodes, nbytes),
+                            "tree logits": logits(shape, nodes, 1)}, (halve("medusa_benchmark.tree_size"),))
+
+
+def _coral_offsets(c) -> int:
+    return c.backward_window + 1 + c.forward_window
+
+
+CORAL_LOGIT_ROWS = 1024
+"""Rows of vocabulary logits COrAL's training holds at once (``LOGIT_ROWS_PER_CHUNK`` of models/coral/target_aware.py;
+not imported: this module runs in every stage's process, which must not load other stages' code)."""
+
+
+def _train_coral(stage, cfg, shapes, nbytes):
+    """Stage 2 (the trunk, in full or LoRA) holds the trunk's activations and the last layer's per-offset
+    activations and logits; the optimizer state is the larger of stage 2's and stage 1's (the last layer)."""
+    c, shape = cfg.coral, shapes.policy
+    offsets = _coral_offsets(c)
+    parts = _policy_training(cfg, shape, nbytes, "coral", c.batch_size, c.max_length, reference=False,
+                             vocab_rows=0)
+    # the per-offset losses take logits CORAL_LOGIT_ROWS rows at a time, recomputed in the backward pass
+    # (models.coral.target_aware.row_cross_entropy): the chunk's logits and their gradient
+    del parts["logits"]
+    parts["logits (chunked)"] = 2 * logits(shape, min(CORAL_LOGIT_ROWS, c.batch_size * offsets * c.max_length), 1)
+    parts["target-aware last layer"] = activations(shape, c.batch_size * offsets, c.max_length, nbytes, False,
+                                                   layers=1)
+    stage2 = parts.pop(next(k for k in parts if k.endswith("optimizer state")))
+    parts["optimizer state (larger stage)"] = max(stage2, optimizer_state(shape.layer_parameters, nbytes))
+    return Estimate(stage, parts, (lora("coral"), checkpointing("coral"), halve("coral.batch_size")))
+
+
+def _benchmark_coral(stage, cfg, shapes, nbytes):
+    b, c, shape = cfg.coral_benchmark, cfg.coral, shapes.policy
+    nodes = b.block_size + b.tree_size + 1
+    return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
+                            "KV cache": kv_cache(shape, 1, PROMPT_TOKENS + b.max_new_tokens + nodes, nbytes),
+                            "tree logits": logits(shape, nodes * _coral_offsets(c), 1)},
+                    (halve("coral_benchmark.block_size"),))
+
+
+def _mtp_module(shape: ModelShape) -> int:
+    """One decoder layer, the 2H → H projection and two norms."""
+    return shape.layer_parameters + 2 * shape.hidden * shape.hidden + 2 * shape.hidden
+
+
+def _train_mtp(stage, cfg, shapes, nbytes):
+    m, shape = cfg.mtp, shapes.policy
+    module = _mtp_module(shape)
+    return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
+                            "forward": forward_working_set(shape, m.batch_size, m.max_length, nbytes),
+                            "module + optimizer": module * nbytes + optimizer_state(module, nbytes),
+                            "module activations": activations(shape, m.batch_size * m.num_depths, m.max_length,
+                                                              nbytes, False, layers=1),
+                            "logits": logits(shape, m.batch_size * m.num_depths, m.max_length)},
+                    (halve("mtp.batch_size"), halve("mtp.max_length")))
+
+
+def _train_mtp_rl(stage, cfg, shapes, nbytes):
+    """GRPO's update over a step's rollouts (policy in full or LoRA; a reference only with kl_beta > 0), the MTP
+    module and its draft copy, and the rollouts' KV cache."""
+    r, shape = cfg.mtp_rl, shapes.policy
+    rows = r.prompts_per_step * r.group_size
+    tokens = PROMPT_TOKENS + r.max_new_tokens
+    parts = _policy_training(cfg, shape, nbytes, "mtp_rl", rows, tokens, reference=r.kl_beta > 0,
+                             vocab_rows=rows)
+    module = _mtp_module(shape)
+    parts["MTP module + optimizer + draft copy"] = module * (nbytes + dtype_bytes(r.draft_dtype)) + optimizer_state(
+        module, nbytes)
+    parts["rollout KV cache"] = kv_cache(shape, rows, tokens, nbytes)
+    return Estimate(stage, parts, (lora("mtp_rl"), checkpointing("mtp_rl"), halve("mtp_rl.group_size")))
+
+
+ESTIMATORS: dict[str, Callable] = {
+    "prepare_policy": _no_gpu, "prepare_prompts": _no_gpu, "generate": _generate, "label": _label,
+    "validate": _no_gpu, "train_reward": _train_reward, "dpo": _dpo, "train_reward_dpo": _train_reward,
+    "benchmark_sla": _benchmark_sla, "train_medusa": _train_medusa, "train_rlmedusa": _train_rlmedusa,
+    "benchmark_medusa": _benchmark_medusa, "train_coral": _train_coral, "benchmark_coral": _benchmark_coral,
+    "train_mtp": _train_mtp, "train_mtp_rl": _train_mtp_rl,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the plan
+
+
+@dataclass
+class StagePlan:
+    estimate: Estimate
+    per_gpu: float  # bytes on each GPU (processes sharing a GPU counted together)
+    fits: bool
+    fix: dict | None  # overrides that make it fit, when it does not
+
+
+def stage_estimate(stage, cfg, shapes: Shapes) -> Estimate:
+    if stage.name not in ESTIMATORS:
+        raise KeyError(f"foresight plan has no memory model for stage {stage.name!r} (foresight/memory.py)")
+    return ESTIMATORS[stage.name](stage.name, cfg, shapes, dtype_bytes(cfg.policy.dtype))
+
+
+def _per_gpu(stage, cfg, estimate: Estimate, gpus: int) -> float:
+    """Data-parallel processes beyond the GPUs share them."""
+    sharing = math.ceil(cfg.launch.num_processes / gpus) if stage.distributed else 1
+    return estimate.total * sharing
+
+
+def _with(cfg, overrides: dict):
+    from foresight.config import apply_overrides, parse_config
+
+    data = apply_overrides(cfg.model_dump(mode="json", by_alias=True), overrides)
+    return parse_config(data, root=cfg.root)
+
+
+def _fix(stage, cfg, shapes: Shapes, capacity: float, gpus: int) -> dict | None:
+    """Overrides that make the stage fit: the knobs in order, each kept once tried (bf16 weights, LoRA, then
+    checkpointing, then smaller batches), and ``launch.num_processes`` down to the GPUs."""
+    overrides: dict = {}
+    if stage.distributed and cfg.launch.num_processes > gpus:
+        overrides["launch.num_processes"] = gpus
+    trial = _with(cfg, overrides)
+    for _ in range(32):
+        estimate = stage_estimate(stage, trial, shapes)
+        if _per_gpu(stage, trial, estimate, gpus) <= capacity:
+            return overrides
+        proposal = next((p for p in (knob(trial) for knob in (half_precision, *estimate.knobs)) if p), None)
+        if proposal is None:
+            return None
+        overrides.update(proposal)
+        trial = _with(cfg, overrides)
+    return None
+
+
+def plan(cfg, capacity_gib: float, gpus: int, stages: Iterable | None = None,
+         shapes: Shapes | None = None) -> list[StagePlan]:
+    """Every stage's estimate against ``capacity_gib`` per GPU (×``HEADROOM``) on ``gpus`` GPUs."""
+    from foresight.stages import STAGES
+
+    if shapes is None:
+        policy = model_shape(policy_config(cfg))
+        shapes = Shapes(policy, labeler_shape(cfg, policy))
+    capacity = capacity_gib * GIB * HEADROOM
+    plans = []
+    for stage in STAGES if stages is None else stages:
+        estimate = stage_estimate(stage, cfg, shapes)
+        per_gpu = _per_gpu(stage, cfg, estimate, gpus)
+        fits = per_gpu <= capacity
+        plans.append(StagePlan(estimate, per_gpu, fits, None if fits else _fix(stage, cfg, shapes, capacity, gpus)))
+    return plans
+
+
+def _value(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def render(plans: list[StagePlan], shape: ModelShape, cfg, capacity_gib: float, gpus: int, source: str) -> str:
+    """The plan as a text table, its assumptions after it."""
+    lines = [f"policy {cfg.policy.model}: {shape.parameters / 1e9:.2f} B parameters (embedding "
+             f"{shape.embedding / 1e9:.2f} B, LM head {shape.lm_head / 1e9:.2f} B), {shape.layers} layers, hidden "
+             f"{shape.hidden}, vocab {shape.vocab}; dtype {cfg.policy.dtype} ({dtype_bytes(cfg.policy.dtype)} B)",
+             f"GPUs: {gpus} × {capacity_gib:.1f} GiB ({source}); a stage fits under {HEADROOM:.0%} of one; "
+             f"launch.num_processes {cfg.launch.num_processes}", ""]
+    header = f"{'stage':<18} {'GiB':>7}  {'fits':<4}  breakdown (GiB) / knob"
+    lines += [header, "-" * len(header)]
+    for p in plans:
+        e = p.estimate
+        breakdown = ", ".join(f"{name} {size / GIB:.1f}" for name, size in e.parts.items()) or e.note
+        fits = "yes" if p.fits else "NO"
+        lines.append(f"{e.stage:<18} {p.per_gpu / GIB:>7.1f}  {fits:<4}  {breakdown}")
+        if e.note and e.parts:
+            lines.append(f"{'':<33}note: {e.note}")
+        if not p.fits:
+            knob = (", ".join(f"{k}: {_value(v)}" for k, v in p.fix.items()) if p.fix
+                    else "nothing configurable makes it fit: more GPU memory, or a smaller model")
+            lines.append(f"{'':<33}-> {knob}")
+    lines += ["", "Assumptions: weights in the policy dtype; trained parameters + fp32 master (4 B) + fp32 grads (4 B) "
+              "+ AdamW (8 B); full-FT references a second copy (LoRA: adapters disabled); activations 34 B (2 B "
+              "checkpointed) per token × hidden × layer (Korthikanti et al. 2022); fp32 vocabulary logits where "
+              f"materialised; KV cache at {PROMPT_TOKENS} prompt tokens + new tokens; per-process batch = batch_size."]
+    return "\n".join(lines)
+
+
+def visible_gpus() -> list[float]:
+    """Total memory (GiB) of each visible CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.mem_get_info(i)[1] / GIB for i in range(torch.cuda.device_count())]
+
+
+class WillNotFitError(MemoryError):
+    """A stage's estimated peak memory exceeds the GPU it would run on; the message names the knob."""
+
+
+def preflight(stage, cfg, gpu_memory_gib: list[float]) -> None:
+    """Before a stage starts: fail when its estimate does not fit the smallest of ``gpu_memory_gib`` (the visible
+    GPUs; none: nothing to check), naming the knobs that would make it fit. A policy whose config cannot be read
+    yet (``prepare_policy`` has not run) is not checked."""
+    if not gpu_memory_gib:
+        return
+    try:
+        policy = model_shape(policy_config(cfg))
+    except (OSError, ValueError):
+        return
+    (stage_plan,) = plan(cfg, min(gpu_memory_gib), len(gpu_memory_gib), [stage], Shapes(policy, labeler_shape(cfg, policy)))
+    if stage_plan.fits:
+        return
+    knob = (", ".join(f"{k}: {_value(v)}" for k, v in stage_plan.fix.items()) if stage_plan.fix
+            else "nothing configurable: more GPU memory or a smaller model")
+    raise WillNotFitError(
+        f"stage {stage.name} needs an estimated {stage_plan.per_gpu / GIB:.1f} GiB per GPU "
+        f"({', '.join(f'{k} {v / GIB:.1f}' for k, v in stage_plan.estimate.parts.items())}), more than "
+        f"{HEADROOM:.0%} of {min(gpu_memory_gib):.0f} GiB; set {knob} (`foresight plan` shows every stage)")

@@ -1,0 +1,150 @@
+"""``foresight plan`` (foresight/memory.py): parameters counted on the meta device from a config.json alone, each
+stage's peak GPU memory, the knob that makes a stage fit, and the CLI's table and exit code.
+
+References: Llama-3-8B-Instruct's published config and size (8.03 B parameters), SmolLM2-135M's (~135 M).
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from foresight.cli import main
+from foresight.config import parse_config
+from foresight.memory import GIB, Shapes, labeler_shape, model_shape, plan, policy_config
+from foresight.stages import STAGES
+
+LORA_EVERYWHERE = {section: {"lora_rank": 16} for section in ("dpo", "coral", "mtp_rl")}
+
+
+def _config_folder(folder, **values):
+    from transformers import LlamaConfig
+
+    LlamaConfig(**values).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama3_8b(tmp_path_factory):
+    """Meta-Llama-3-8B-Instruct's config.json (no weights)."""
+    return _config_folder(tmp_path_factory.mktemp("llama3-8b"), vocab_size=128256, hidden_size=4096,
+                          intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                          rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def smollm_135m(tmp_path_factory):
+    """SmolLM2-135M-Instruct's config.json (the default policy's shape)."""
+    return _config_folder(tmp_path_factory.mktemp("smollm2-135m"), vocab_size=49152, hidden_size=576,
+                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+def _cfg(tmp_path, model, **sections):
+    return parse_config({"policy": {"model": str(model), "dtype": "auto"}, **sections}, root=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def llama3_shapes(llama3_8b, tmp_path_factory):
+    cfg = _cfg(tmp_path_factory.mktemp("root"), llama3_8b)
+    return Shapes(model_shape(policy_config(cfg)), None)
+
+
+def _by_stage(plans):
+    return {p.estimate.stage: p for p in plans}
+
+
+def test_llama3_8b_is_counted_from_its_config_alone(llama3_shapes):
+    shape = llama3_shapes.policy
+    assert shape.parameters == pytest.approx(8.03e9, rel=0.01)
+    assert shape.embedding == shape.lm_head == 128256 * 4096  # untied
+    assert (shape.layers, shape.hidden, shape.kv_heads, shape.head_dim) == (32, 4096, 8, 128)
+    # LoRA on every linear of a layer: q, o 4096→4096; k, v 4096→1024; gate, up 4096→14336; down 14336→4096
+    assert shape.lora_in_out == 32 * (2 * 8192 + 2 * 5120 + 3 * 18432)
+
+
+def test_full_fine_tuning_dpo_does_not_fit_one_80_gb_gpu_and_lora_is_named(tmp_path, llama3_8b, llama3_shapes):
+    plans = _by_stage(plan(_cfg(tmp_path, llama3_8b), 80, 1, shapes=llama3_shapes))
+    assert [p.estimate.stage for p in plans.values()] == [s.name for s in STAGES]
+    dpo = plans["dpo"]
+    assert not dpo.fits and dpo.fix == {"dpo.lora_rank": 16}
+    assert dpo.estimate.parts["reference copy"] == dpo.estimate.parts["weights"] == 2 * llama3_shapes.policy.parameters
+    assert not plans["train_coral"].fits and not plans["train_mtp_rl"].fits
+    assert plans["generate"].fits and plans["benchmark_medusa"].fits
+
+
+def test_lora_makes_every_stage_fit_one_80_gb_gpu(tmp_path, llama3_8b, llama3_shapes):
+    plans = plan(_cfg(tmp_path, llama3_8b, **LORA_EVERYWHERE), 80, 1, shapes=llama3_shapes)
+    assert all(p.fits for p in plans), [(p.estimate.stage, p.per_gpu / GIB) for p in plans if not p.fits]
+    dpo = _by_stage(plans)["dpo"]
+    assert "reference copy" not in dpo.estimate.parts  # the reference is the base with adapters disabled
+    # two bf16 copies (the loaded policy and the one trained) + adapters' state + activations: 15 + 15 + 0.6 + 17 + 2
+    assert dpo.estimate.parts["training copy"] == dpo.estimate.parts["weights"]
+    assert 45 * GIB < dpo.per_gpu < 55 * GIB
+
+
+def test_long_sequences_need_checkpointing_too(tmp_path, llama3_8b, llama3_shapes):
+    """2 × 8 sequences of 1024 tokens: ~68 GiB of activations alone, so LoRA is not enough."""
+    cfg = _cfg(tmp_path, llama3_8b, dpo={"batch_size": 8, "max_length": 1024})
+    dpo = _by_stage(plan(cfg, 80, 1, shapes=llama3_shapes))["dpo"]
+    assert dpo.fix == {"dpo.lora_rank": 16, "dpo.gradient_checkpointing": True}
+
+
+def test_more_processes_than_gpus_share_them(tmp_path, llama3_8b, llama3_shapes):
+    cfg = _cfg(tmp_path, llama3_8b, launch={"num_processes": 3}, **LORA_EVERYWHERE)
+    plans = _by_stage(plan(cfg, 80, 1, shapes=llama3_shapes))
+    assert plans["dpo"].per_gpu == 3 * plans["dpo"].estimate.total and not plans["dpo"].fits
+    assert plans["dpo"].fix == {"launch.num_processes": 1}
+    assert plans["generate"].fits  # inference stages run in one process
+    on_three = _by_stage(plan(cfg, 80, 3, shapes=llama3_shapes))
+    assert on_three["dpo"].fits and on_three["dpo"].per_gpu == plans["dpo"].estimate.total
+
+
+def test_a_local_labeler_is_counted_and_an_absent_one_assumed_the_policys_size(tmp_path, llama3_8b, smollm_135m,
+                                                                                 llama3_shapes):
+    local = _cfg(tmp_path, llama3_8b, label={"labeler": "hf-classifier", "model": str(smollm_135m)})
+    labeler = labeler_shape(local, llama3_shapes.policy)
+    assert labeler.parameters == pytest.approx(1.35e8, rel=0.02) and not labeler.note
+    absent = _cfg(tmp_path, llama3_8b, label={"labeler": "armorm", "model": "nobody/not-downloaded-rm"})
+    assumed = labeler_shape(absent, llama3_shapes.policy)
+    assert assumed.parameters == llama3_shapes.policy.parameters and "assumed the policy's size" in assumed.note
+    label = _by_stage(plan(absent, 80, 1, shapes=Shapes(llama3_shapes.policy, assumed)))["label"]
+    assert label.fits and label.estimate.parts["labeler weights"] == 2 * llama3_shapes.policy.parameters
+
+
+def _params(tmp_path, model, **sections) -> str:
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"policy": {"model": str(model), "dtype": "auto"}, **sections}))
+    return str(path)
+
+
+def test_the_cli_prints_the_table_and_exits_1_when_a_stage_does_not_fit(tmp_path, llama3_8b, capsys):
+    assert main(["--params", _params(tmp_path, llama3_8b), "plan", "--gpu-memory", "80", "--gpus", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "8.03 B parameters" in out and "1 × 80.0 GiB" in out
+    dpo_row = next(line for line in out.splitlines() if line.startswith("dpo "))
+    assert " NO " in dpo_row and "reference copy 15.0" in dpo_row
+    assert "-> dpo.lora_rank: 16" in out and "Korthikanti" in out
+    assert all(any(line.startswith(stage.name + " ") for line in out.splitlines()) for stage in STAGES)
+
+
+def test_the_cli_exits_0_when_every_stage_fits(tmp_path, smollm_135m, capsys):
+    """The default params (full fine-tuning, fp32 weights) with a 135M policy fit a 24 GiB GPU."""
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"policy": {"model": str(smollm_135m)}}))
+    assert main(["--params", str(path), "plan", "--gpu-memory", "24", "--gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "0.13 B parameters" in out and " NO " not in out
+
+
+def test_a_stage_that_will_not_fit_fails_before_it_starts(tmp_path, llama3_8b):
+    """``run_stage`` calls ``preflight`` with the visible GPUs: full-FT DPO at 8B on an 80 GB GPU fails naming the
+    knob; with LoRA, or with no GPU visible (a CPU run), it goes ahead."""
+    from foresight.memory import WillNotFitError, preflight
+
+    dpo = next(stage for stage in STAGES if stage.name == "dpo")
+    cfg = _cfg(tmp_path, llama3_8b)
+    with pytest.raises(WillNotFitError, match=r"stage dpo needs an estimated \d+\.\d GiB.*dpo\.lora_rank: 16"):
+        preflight(dpo, cfg, [80.0])
+    preflight(dpo, cfg, [])
+    preflight(dpo, _cfg(tmp_path, llama3_8b, **LORA_EVERYWHERE), [80.0])
