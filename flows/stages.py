@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -152,6 +153,9 @@ def run_worker(stage_name: str, params_path: str, overrides: dict, result_path: 
     from tasks.data import PENDING_ARTIFACTS
 
     stage = next(s for s in STAGES if s.name == stage_name)
+    # the task's log (tasks.data.stage_logger) goes to the launch's output, which the flow streams to Prefect
+    logging.basicConfig(level=logging.INFO if PartialState().is_main_process else logging.WARNING,
+                        format=f"%(asctime)s | rank {PartialState().process_index} | %(message)s")
     cfg = load_config(params_path, overrides)
     recording = RecordingConfig(cfg)
     result = _task(stage).fn(recording, **_task_kwargs(stage, recording))
