@@ -153,9 +153,12 @@ def run_worker(stage_name: str, params_path: str, overrides: dict, result_path: 
     from tasks.data import PENDING_ARTIFACTS
 
     stage = next(s for s in STAGES if s.name == stage_name)
-    # the task's log (tasks.data.stage_logger) goes to the launch's output, which the flow streams to Prefect
-    logging.basicConfig(level=logging.INFO if PartialState().is_main_process else logging.WARNING,
-                        format=f"%(asctime)s | rank {PartialState().process_index} | %(message)s")
+    # The task's log (tasks.data.stage_logger) goes to the launch's output, which the flow streams to Prefect. The
+    # rank comes from the launcher's environment: accelerate's state must first be made by the task's own
+    # Accelerator (on the policy's device), or it would settle on defaults that ignore the other processes.
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s | rank {rank} | %(message)s")
     cfg = load_config(params_path, overrides)
     recording = RecordingConfig(cfg)
     result = _task(stage).fn(recording, **_task_kwargs(stage, recording))
