@@ -50,6 +50,21 @@ def float32_master_weights(params: Sequence[nn.Parameter]) -> Iterator[None]:
             p.data = p.data.to(dtype)
 
 
+def half_dtype(model: nn.Module) -> torch.dtype | None:
+    """The half-precision dtype of the model's weights (the autocast dtype of its training step), or None."""
+    return next((p.dtype for p in model.parameters() if p.dtype in HALF_DTYPES), None)
+
+
+@contextmanager
+def step_precision(accelerator: Accelerator, half: torch.dtype | None) -> Iterator[None]:
+    """The context a training step runs in: accelerate's mixed precision, and autocast to ``half`` when the model
+    holds half-precision weights (its float32 master weights then meet half-precision activations)."""
+    # a disabled torch.autocast would switch accelerate's off too, hence nullcontext
+    half_autocast = torch.autocast(accelerator.device.type, dtype=half) if half else nullcontext()
+    with accelerator.autocast(), half_autocast:
+        yield
+
+
 Step = Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, float | torch.Tensor]]]
 """``(prepared model, batch) -> (loss to minimise, stats to log)``; stats are scalars (floats or 1-element tensors)."""
 
@@ -75,7 +90,7 @@ def train(model: nn.Module, data, step: Step, params: Iterable[nn.Parameter] | I
 
     params = list(params)
     trained = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
-    half = next((p.dtype for p in model.parameters() if p.dtype in HALF_DTYPES), None)
+    half = half_dtype(model)
     with float32_master_weights(trained):
         loader = DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn,
                             generator=torch.Generator().manual_seed(seed))
@@ -96,9 +111,7 @@ def train(model: nn.Module, data, step: Step, params: Iterable[nn.Parameter] | I
         bar = tqdm(total=local_steps, desc=desc, unit="step", disable=not accelerator.is_local_main_process)
         for epoch in range(epochs):
             for batch in loader:
-                # a disabled torch.autocast would switch accelerate's off too, hence nullcontext
-                half_autocast = torch.autocast(accelerator.device.type, dtype=half) if half else nullcontext()
-                with accelerator.autocast(), half_autocast:
+                with step_precision(accelerator, half):
                     loss, stats = step(prepared, batch)
                 accelerator.backward(loss)
                 rate = schedule[0].get_last_lr()[0] if schedule else optimizer.param_groups[0]["lr"]

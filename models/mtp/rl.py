@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,7 +35,7 @@ import torch
 
 from models.common.lora import adapters_disabled, is_lora, memory_saving, merged
 from models.common.sequences import padding_id, right_pad
-from models.common.training import HALF_DTYPES, float32_master_weights
+from models.common.training import float32_master_weights, half_dtype, step_precision
 from models.engine.policy import Policy
 from models.engine.speculative import SpeculativeStats
 from models.labeling.labelers import is_correct
@@ -333,7 +333,7 @@ def _train(trained, tokenizer, module: MTPModule | None, var: Variant, prompts: 
     # The KL's reference: the LoRA policy with its adapters off, or (full fine-tuning) a frozen starting copy
     reference = (copy.deepcopy(trained).requires_grad_(False).eval() if cfg.kl_beta > 0 and not is_lora(trained)
                  else trained)
-    half = next((p.dtype for p in trained.parameters() if p.dtype in HALF_DTYPES), None)
+    half = half_dtype(trained)
     policy_params = [p for p in trained.parameters() if p.requires_grad]
     module_params = list(module.requires_grad_(True).parameters()) if var.trains_module else []
     if module is not None and not var.trains_module:
@@ -367,9 +367,7 @@ def _train(trained, tokenizer, module: MTPModule | None, var: Variant, prompts: 
             model.train()
             old_logps = None  # π_old: the log-probs of the first pass, before any update of this step
             for _ in range(cfg.iterations):
-                # a disabled torch.autocast would switch accelerate's off too, hence nullcontext
-                half_autocast = torch.autocast(device.type, dtype=half) if half else contextlib.nullcontext()
-                with accelerator.autocast(), half_autocast:
+                with step_precision(accelerator, half):
                     logps, stats = mtp_rl_step_loss(model, trained, trained_module, batch, advantages, old_logps,
                                                     ref_logps, var, cfg, weights, backward, totals)
                 old_logps = logps if old_logps is None else old_logps
