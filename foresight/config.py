@@ -165,8 +165,10 @@ class PromptsConfig(_Section):
     """Held-out prompts for benchmarks; never sampled from in training stages."""
     seed: int = 0
     """Seed for problem generation and for the deterministic train/eval split."""
-    instruction: str = "End your answer with 'The answer is N.'"
-    """Appended to every arithmetic problem so the verifiable labeler can read the answer. Empty = none."""
+    instruction: str | None = "End your answer with 'The answer is N.'"
+    """Appended to every prompt that has a reference answer (all arithmetic problems; the rows of a dataset or file
+    with an ``answer_column`` value), so the verifiable labeler can read the response's answer. ``null`` or empty:
+    none. Prompts without a reference (UltraFeedback) never get it."""
     system_prompt: str | None = None
     """Optional system message placed before the user turn in the chat template."""
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
@@ -206,12 +208,12 @@ class LabelConfig(_Section):
     """Reward labeling (stage ``label``)."""
 
     labeler: LabelerName = LabelerSpec.labeler
-    """``verifiable`` (final answer vs known answer), ``armorm`` (ArmoRM, ``output.score``) or
-    ``hf-classifier`` (any sequence-classification reward model, first logit)."""
+    """``verifiable`` (final answer vs reference answer: 1 or 0), ``armorm`` (ArmoRM's gated score, loaded natively
+    by :mod:`models.labeling.armorm`) or ``hf-classifier`` (any sequence-classification reward model, first logit)."""
     model: str | None = LabelerSpec.model
     """Reward model path or hub id for ``armorm``/``hf-classifier`` (e.g. ``RLHFlow/ArmoRM-Llama3-8B-v0.1``)."""
     trust_remote_code: bool = LabelerSpec.trust_remote_code
-    """Run the reward model's own code. ArmoRM needs it; it is never enabled implicitly."""
+    """Run an ``hf-classifier`` model's own code (``auto_map``). Never enabled implicitly; ``armorm`` never needs it."""
     batch_size: int = Field(LabelerSpec.batch_size, ge=1)
     """Responses scored per forward pass."""
     max_length: int = Field(LabelerSpec.max_length, ge=16)
@@ -220,11 +222,20 @@ class LabelConfig(_Section):
     """Reward model dtype (``auto`` = bfloat16 on CUDA, float32 on CPU)."""
     device: DeviceName = LabelerSpec.device
     """Where the reward model runs."""
+    score_min: float = LabelerSpec.score_min
+    """Lowest plausible score of a reward model (validation fails below it). The verifiable labeler gives 0 or 1."""
+    score_max: float = LabelerSpec.score_max
+    """Highest plausible score of a reward model (validation fails above it)."""
 
     @model_validator(mode="after")
     def _model_given_for_model_labelers(self) -> LabelConfig:
         if self.labeler != "verifiable" and not self.model:
             raise ValueError(f"labeler '{self.labeler}' needs 'model' (a path or hub id of the reward model)")
+        if self.labeler == "armorm" and self.trust_remote_code:
+            raise ValueError("labeler 'armorm' is loaded natively and runs no remote code: drop trust_remote_code "
+                             "(ArmoRM's own code is reachable as labeler 'hf-classifier' with trust_remote_code: true)")
+        if self.score_min >= self.score_max:
+            raise ValueError(f"score_min ({self.score_min}) must be below score_max ({self.score_max})")
         return self
 
 
@@ -237,10 +248,6 @@ class ValidateConfig(_Section):
     """Responses shorter than this (after stripping) fail validation."""
     max_response_chars: int = Field(20_000, ge=1)
     """Responses longer than this fail validation."""
-    score_min: float = -1e6
-    """Lowest plausible reward score."""
-    score_max: float = 1e6
-    """Highest plausible reward score."""
     min_pairs: int = Field(1, ge=1)
     """Fewer pairs than this fails the pairs suite (nothing to train on)."""
 

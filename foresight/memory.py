@@ -20,7 +20,8 @@ total, the embedding, the LM head (0 when tied) and, for LoRA, Σ (in + out) ove
   ``PROMPT_TOKENS`` long;
 - a forward without gradients holds one layer's working set: sequences × tokens × (2 hidden + 2 intermediate)
   × dtype bytes;
-- the labeler (``label.model``) counted from its config when it is on disk, else assumed the policy's size;
+- the labeler (``label.model``) counted from its config when it is on disk, else assumed the policy's size, where
+  a stage runs it: ``label``, ``benchmark_sla``, and ``train_mtp_rl`` (its reward, beside the policy);
 - under ``launch.num_processes`` N data-parallel processes each process holds a full replica and its own
   ``batch_size`` (accelerate's default ``split_batches=False``): more processes add no memory per GPU unless
   they outnumber the GPUs, and save none either. Inference stages run in one process on one GPU.
@@ -236,11 +237,16 @@ def _policy_training(cfg, shape: ModelShape, nbytes: int, section: str, sequence
 
 
 def _labeler_parts(cfg, shapes: Shapes) -> dict[str, float]:
+    """A reward model's weights and one forward's working set (none for the verifiable labeler)."""
     if shapes.labeler is None:
         return {}
     nbytes = dtype_bytes(cfg.label.dtype)
     return {"labeler weights": weights(shapes.labeler.parameters, nbytes),
             "labeler forward": forward_working_set(shapes.labeler, cfg.label.batch_size, cfg.label.max_length, nbytes)}
+
+
+def _labeler_note(shapes: Shapes) -> str:
+    return shapes.labeler.note if shapes.labeler else ""
 
 
 def _no_gpu(stage: str, cfg, shapes: Shapes, nbytes: int) -> Estimate:
@@ -294,7 +300,7 @@ def _benchmark_sla(stage, cfg, shapes, nbytes):
     return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
                             "KV cache": kv_cache(shape, rows, PROMPT_TOKENS + b.max_new_tokens + s.step, nbytes),
                             **_labeler_parts(cfg, shapes)},
-                    (halve("sla.width"), halve("label.batch_size")), shapes.labeler.note if shapes.labeler else "")
+                    (halve("sla.width"), halve("label.batch_size")), _labeler_note(shapes))
 
 
 def _train_medusa(stage, cfg, shapes, nbytes):
@@ -381,7 +387,8 @@ def _train_mtp(stage, cfg, shapes, nbytes):
 
 def _train_mtp_rl(stage, cfg, shapes, nbytes):
     """GRPO's update over a step's rollouts (policy in full or LoRA; a reference only with kl_beta > 0), the MTP
-    module and its draft copy, and the rollouts' KV cache."""
+    module and its draft copy, the rollouts' KV cache, and the labeler scoring them when it is a reward model (held
+    beside the policy for the whole stage)."""
     r, shape = cfg.mtp_rl, shapes.policy
     rows = r.prompts_per_step * r.group_size
     tokens = PROMPT_TOKENS + r.max_new_tokens
@@ -391,7 +398,10 @@ def _train_mtp_rl(stage, cfg, shapes, nbytes):
     parts["MTP module + optimizer + draft copy"] = module * (nbytes + dtype_bytes(r.draft_dtype)) + optimizer_state(
         module, nbytes)
     parts["rollout KV cache"] = kv_cache(shape, rows, tokens, nbytes)
-    return Estimate(stage, parts, (lora("mtp_rl"), checkpointing("mtp_rl"), halve("mtp_rl.group_size")))
+    parts |= _labeler_parts(cfg, shapes)
+    knobs = (lora("mtp_rl"), checkpointing("mtp_rl"), halve("mtp_rl.group_size"))
+    return Estimate(stage, parts, knobs + ((halve("label.batch_size"),) if shapes.labeler else ()),
+                    _labeler_note(shapes))
 
 
 ESTIMATORS: dict[str, Callable] = {
@@ -525,7 +535,8 @@ def preflight(stage, cfg, gpu_memory_gib: list[float]) -> None:
         policy = model_shape(policy_config(cfg))
     except (OSError, ValueError):
         return
-    (stage_plan,) = plan(cfg, min(gpu_memory_gib), len(gpu_memory_gib), [stage], Shapes(policy, labeler_shape(cfg, policy)))
+    (stage_plan,) = plan(cfg, min(gpu_memory_gib), len(gpu_memory_gib), [stage],
+                         Shapes(policy, labeler_shape(cfg, policy)))
     if stage_plan.fits:
         return
     knob = (", ".join(f"{k}: {_value(v)}" for k, v in stage_plan.fix.items()) if stage_plan.fix

@@ -150,6 +150,15 @@ def dataset_prompts(cfg: DatasetSourceConfig) -> pd.DataFrame:
     return _table_from_dataset(ds, cfg.text_column, cfg.answer_column, f"dataset {cfg.name!r}")
 
 
+def unparseable_references(prompts: pd.DataFrame) -> pd.Series:
+    """The reference answers given but unreadable by the verifiable labeler (:func:`models.labeling.answers.
+    parse_reference`): with that labeler such prompts fail the label stage; reported as early as the split."""
+    from models.labeling.answers import parse_reference
+
+    given = prompts["answer"].dropna()
+    return given[[parse_reference(a) is None for a in given]]
+
+
 def _stable_id(source: str, text: str) -> str:
     return f"{source}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
@@ -159,12 +168,13 @@ def load_prompts(cfg: PromptsConfig, root: Path) -> tuple[pd.DataFrame, pd.DataF
     wanted = cfg.num_train + cfg.num_eval
     if cfg.source == "arithmetic":
         df = arithmetic_prompts(cfg.arithmetic, wanted, cfg.seed)
-        if cfg.instruction:
-            df["question"] = df["question"] + " " + cfg.instruction
     elif cfg.source == "dataset":
         df = dataset_prompts(cfg.dataset)
     else:
         df = file_prompts(cfg.file, root)
+    if cfg.instruction:  # only where a reference answer will be compared with the response's
+        with_answer = df["answer"].notna()
+        df.loc[with_answer, "question"] = df.loc[with_answer, "question"] + " " + cfg.instruction
     df = df.drop_duplicates("question").reset_index(drop=True)
     df["source"] = cfg.source
     df["prompt_id"] = [_stable_id(cfg.source, q) for q in df["question"]]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from foresight.config import ValidateConfig
 from foresight.pairs import PAIR_COLUMNS, SAMPLE_COLUMNS, SCORE_COLUMNS
 from foresight.storage import atomic_path
+from models.labeling.config import LabelerSpec
 
 if TYPE_CHECKING:
     import great_expectations as gx
@@ -105,14 +106,24 @@ def samples_suite(cfg: ValidateConfig, max_new_tokens: int) -> gx.ExpectationSui
     ])
 
 
-def scores_suite(cfg: ValidateConfig) -> gx.ExpectationSuite:
-    """Suite ``scores``: every sample has a finite score within ``[score_min, score_max]``."""
+def scores_suite(cfg: ValidateConfig, labeler: LabelerSpec) -> gx.ExpectationSuite:
+    """Suite ``scores``: every sample has a score the labeler can give: 0 or 1 from the verifiable labeler, within
+    the plausible ``[label.score_min, label.score_max]`` from a reward model (:attr:`LabelerSpec.score_range`)."""
     import great_expectations.expectations as gxe
 
+    low, high = labeler.score_range
+    values = labeler.score_values
+    range_check = (gxe.ExpectColumnValuesToBeInSet(column="score", value_set=list(values),
+                                                   description=f"scores of the {labeler.labeler} labeler")
+                   if values else gxe.ExpectColumnValuesToBeBetween(
+                       column="score", min_value=low, max_value=high,
+                       description=f"plausible {labeler.labeler} scores: {low} to {high} (label.score_min / label.score_max)"))
     return _suite("scores", [
         *_table_checks(SCORE_COLUMNS, min_rows=1),
         gxe.ExpectColumnValuesToNotBeNull(column="score"),
-        gxe.ExpectColumnValuesToBeBetween(column="score", min_value=cfg.score_min, max_value=cfg.score_max),
+        range_check,
+        gxe.ExpectColumnValuesToBeInSet(column="labeler", value_set=[labeler.labeler],
+                                        description="scored by the configured labeler"),
         gxe.ExpectColumnValuesToBeUnique(column="sample_id"),
         *_text_checks("response", cfg.min_response_chars, cfg.max_response_chars),
     ])

@@ -122,7 +122,7 @@ def benchmark_coral_task(cfg: Config) -> StageResult:
     from models.coral.decoding import CoralStats, coral_generate
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
-    from models.labeling.labelers import is_correct
+    from models.labeling.answers import is_correct
 
     logger = stage_logger()
     started = time.perf_counter()

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import timedelta
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import pandas as pd
@@ -224,20 +224,27 @@ def prepare_policy_task(cfg: Config) -> StageResult:
 @task(name="prepare-prompts", cache_policy=NO_CACHE)
 def prepare_prompts_task(cfg: Config) -> StageResult:
     """Read the prompt source and write the deterministic train / eval splits."""
-    from foresight.prompts import load_prompts
+    from foresight.prompts import load_prompts, unparseable_references
 
     started = time.perf_counter()
     train, held_out = load_prompts(cfg.prompts, cfg.root)
     paths = {split: _prompt_split_path(cfg, split) for split in ("train", "eval")}
     write_table(train, paths["train"])
     write_table(held_out, paths["eval"])
+    unreadable = pd.concat([unparseable_references(train), unparseable_references(held_out)])
     metrics = {
         "num_train": len(train),
         "num_eval": len(held_out),
         "with_answer": float(train["answer"].notna().mean()),
+        "unparseable_references": len(unreadable),
         "wall_seconds": time.perf_counter() - started,
     }
-    get_run_logger().info("prompts: %d train, %d eval from source '%s'", len(train), len(held_out), cfg.prompts.source)
+    logger = get_run_logger()
+    logger.info("prompts: %d train, %d eval from source '%s'", len(train), len(held_out), cfg.prompts.source)
+    if len(unreadable):
+        logger.warning("%d reference answer(s) have no answer the verifiable labeler can read (a number, '#### X', "
+                       "'\\boxed{X}', 'The answer is N'), e.g. %s; with label.labeler: verifiable the label stage "
+                       "will fail on them", len(unreadable), [str(a)[:60] for a in unreadable.head(3)])
     return StageResult(metrics=metrics, tables=paths)
 
 
@@ -292,26 +299,51 @@ def generate_task(cfg: Config) -> StageResult:
 
 @gpu_task("label-samples")
 def label_task(cfg: Config) -> StageResult:
-    """Score every sample with the configured labeler; record correctness wherever the answer is known."""
+    """Score every sample with the configured labeler (batched, with a progress bar and artifact); record
+    correctness wherever a reference answer is known, and count the references no answer can be read from."""
+    from models.labeling.answers import extract_answer, is_correct, parse_reference
     from models.labeling.config import LabelerSpec
-    from models.labeling.labelers import build_labeler, extract_answer, is_correct
+    from models.labeling.labelers import ArmoRMLabeler, build_labeler
 
     logger = get_run_logger()
     started = time.perf_counter()
     samples = read_table(cfg.path(cfg.paths.samples), "samples")
     if samples.empty:
         raise ValueError(f"{cfg.path(cfg.paths.samples)} has no rows: nothing to label")
-    labeler = build_labeler(component(LabelerSpec, cfg.label))
-    logger.info("labeling %d samples with '%s'", len(samples), labeler.name)
     answers = [None if pd.isna(a) else a for a in samples["answer"]]
-    scores = labeler.score(samples["question"].tolist(), samples["response"].tolist(), answers)
+    references = samples.drop_duplicates("prompt_id")["answer"].dropna()
+    unreadable = int(sum(parse_reference(a) is None for a in references))
+    if unreadable:
+        logger.warning("%d of %d reference answers cannot be read (no number, '#### X', '\\boxed{X}' or 'The "
+                       "answer is N'): their samples get no correctness", unreadable, len(references))
+    labeler = build_labeler(component(LabelerSpec, cfg.label))
+    logger.info("labeling %d samples with '%s' (batches of %d)", len(samples), labeler.name, cfg.label.batch_size)
+
+    progress = progress_artifact(key="label-progress", description="Samples scored")
+    bar = tqdm(total=len(samples), desc="label", unit="sample")
+
+    def on_batch(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+        progress(100.0 * done / total)
+
+    questions, responses = samples["question"].tolist(), samples["response"].tolist()
     labeled = samples.copy()
-    labeled["score"] = scores
+    scoring_started = time.perf_counter()
+    if isinstance(labeler, ArmoRMLabeler):  # keep the objective rewards behind ArmoRM's score for reports
+        labeled["score"], objectives = labeler.score_objectives(questions, responses, on_batch)
+    else:
+        labeled["score"], objectives = labeler.score(questions, responses, answers, on_batch), None
+    scoring_seconds = time.perf_counter() - scoring_started
+    bar.close()
     labeled["correct"] = pd.array([is_correct(r, a) for r, a in zip(labeled["response"], answers)], dtype="boolean")
     labeled["extracted_answer"] = [extract_answer(r) for r in labeled["response"]]
     labeled["labeler"] = labeler.name
-    out = write_table(labeled[SCORE_COLUMNS], cfg.path(cfg.paths.scores))
+    table = labeled[SCORE_COLUMNS].copy()
+    if objectives is not None:
+        table["objective_rewards"] = objectives
+    out = write_table(table, cfg.path(cfg.paths.scores))
     metrics = {"num_scored": len(labeled), "mean_reward": float(labeled["score"].mean()),
+               "unparseable_references": unreadable, "seconds_per_1k_samples": 1000 * scoring_seconds / len(labeled),
                "wall_seconds": time.perf_counter() - started}
     known = labeled["correct"].dropna()
     if len(known):
@@ -326,6 +358,7 @@ def validate_task(cfg: Config) -> StageResult:
     A failed suite raises before the pairs file is replaced, so downstream stages never see bad data.
     """
     from foresight.validation import pairs_suite, samples_suite, scores_suite, validate_tables
+    from models.labeling.config import LabelerSpec
 
     logger = get_run_logger()
     started = time.perf_counter()
@@ -336,7 +369,7 @@ def validate_task(cfg: Config) -> StageResult:
     summary = validate_tables(
         {
             "samples": (samples, samples_suite(cfg.validate_, cfg.generate.max_new_tokens)),
-            "scores": (scores, scores_suite(cfg.validate_)),
+            "scores": (scores, scores_suite(cfg.validate_, component(LabelerSpec, cfg.label))),
             "pairs": (pairs, pairs_suite(cfg.validate_)),
         },
         docs_dir,

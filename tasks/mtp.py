@@ -7,8 +7,11 @@ Thin wrappers around :mod:`models.mtp.training` and :mod:`models.mtp.rl`:
   weighted CE; held-out per-depth accuracy and expected acceptance length; the same for every K of the
   depth ablation (Table 2).
 * ``train_mtp_rl`` — each configured variant (vanilla GRPO, MTP-RL, frozen MTP, CE only, no backprop) from
-  the same policy and module, on the same prompts and sampling seeds: per step τ, acceptance rate, rollout
-  time, reward and accuracy; held-out greedy accuracy before and after; rollout speedup over vanilla.
+  the same policy and module, on the same prompts and sampling seeds, rewarded by the configured labeler
+  (``label``: the verifiable answer check on prompts with answers, or a reward model such as ArmoRM on any
+  prompts): per step τ, acceptance rate, rollout time and mean reward; the labeler's mean score of the held-out
+  greedy responses before and after (and their accuracy where every held-out prompt has an answer); rollout
+  speedup over vanilla.
 """
 
 from __future__ import annotations
@@ -140,38 +143,65 @@ def _write_mtp(out: Path, module, evaluations: dict, histories: dict, ablation: 
                   tmp / "ablation.png", reference=(1.0, "no drafts"))
 
 
-SUMMARY_COLUMNS = ["variant", "steps", "tau_first", "tau_last", "tau_mean", "acceptance_rate",
+ROLLOUT_COLUMNS = ["variant", "steps", "tau_first", "tau_last", "tau_mean", "acceptance_rate",
                    "total_rollout_seconds", "rollout_speedup", "rollout_tokens_per_s", "ms_per_cycle", "break_even_tau",
-                   "reward_mean", "accuracy_before", "accuracy_after"]
+                   "reward_mean"]
+HELD_OUT_COLUMNS = ["reward_before", "reward_after", "accuracy_before", "accuracy_after"]
+SUMMARY_COLUMNS = ROLLOUT_COLUMNS + HELD_OUT_COLUMNS
 
 
-def _greedy_accuracy(policy, prompt_ids: list[list[int]], answers: list[str], max_new_tokens: int) -> float:
-    """Share of held-out prompts whose greedy answer is right (batched HF greedy)."""
+def _held_out(policy, labeler, prompt_ids: list[list[int]], questions: list[str], answers: list[str | None],
+              max_new_tokens: int) -> dict[str, float]:
+    """The policy's greedy responses to the held-out prompts (batched HF greedy), judged: ``reward``, the labeler's
+    mean score; ``accuracy``, the share of right final answers, only when every prompt has a reference answer
+    (for the verifiable labeler the two are equal)."""
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import end_token_ids
-    from models.labeling.labelers import is_correct
+    from models.labeling.answers import is_correct
 
     outputs = hf_decode(policy, prompt_ids, GREEDY, max_new_tokens, end_token_ids(policy), batch_size=16)
-    decoded = [policy.tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
-    return sum(bool(is_correct(text, answer)) for text, answer in zip(decoded, answers, strict=True)) / len(answers)
+    responses = [policy.tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
+    scores = labeler.score(questions, responses, answers)
+    judged = {"reward": sum(scores) / len(scores)}
+    correct = [is_correct(response, answer) for response, answer in zip(responses, answers, strict=True)]
+    if all(c is not None for c in correct):
+        judged["accuracy"] = sum(correct) / len(correct)
+    return judged
 
 
-def _prompts_with_answers(cfg: Config, split: str) -> pd.DataFrame:
+def _rl_prompts(cfg: Config, split: str) -> pd.DataFrame:
+    """The split's prompts the configured labeler can reward: with ``verifiable`` those with a known answer (an
+    error when none has one), with a reward model every prompt."""
     table = read_prompts(cfg, split)
+    if cfg.label.labeler != "verifiable":
+        return table
     table = table[table["answer"].notna()].reset_index(drop=True)
     if table.empty:
-        raise ValueError(f"no {split} prompt has a known answer: GRPO's verifiable reward needs them "
-                         "(prompts.source: arithmetic, or a source with an answer column)")
+        raise ValueError(f"no {split} prompt has a known answer: GRPO's verifiable reward (label.labeler: "
+                         "verifiable) needs them (prompts.source: arithmetic, or a source with an answer column); "
+                         "a reward model (label.labeler: armorm or hf-classifier) scores prompts without answers")
     return table
+
+
+def _answers(table: pd.DataFrame) -> list[str | None]:
+    return [None if pd.isna(answer) else answer for answer in table["answer"]]
+
+
+def _scorer(label) -> str:
+    """Which labeler scored, in words."""
+    return "the verifiable answer check" if label.labeler == "verifiable" else f"{label.labeler} `{label.model}`"
 
 
 @gpu_task("train-mtp-rl")
 def train_mtp_rl_task(cfg: Config) -> StageResult:
-    """GRPO per variant with (or without) MTP-drafted rollouts; τ, rollout time, reward, accuracy. Runs in every
-    process of ``accelerate launch`` (each rolls out its share of a step's prompts); the main process writes."""
+    """GRPO per variant with (or without) MTP-drafted rollouts, rewarded by the configured labeler; τ, rollout
+    time, reward, held-out reward (and accuracy). Runs in every process of ``accelerate launch`` (each rolls out and
+    scores its share of a step's prompts); the main process writes."""
     import torch
 
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
+    from models.labeling.config import LabelerSpec
+    from models.labeling.labelers import build_labeler
     from models.mtp.config import MTPRLTraining
     from models.mtp.module import MTPModule, MTPModuleConfig
     from models.mtp.rl import train_variant, variant
@@ -184,19 +214,23 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     module_dir = cfg.path(cfg.paths.mtp_dir) / "module"
     # K is the saved module's (the one source of truth); reading it fails early, naming the missing stage
     num_depths = MTPModuleConfig.read(module_dir).num_depths
-    train_prompts = _prompts_with_answers(cfg, "train").sample(frac=1.0, random_state=r.seed).reset_index(drop=True)
+    train_prompts = _rl_prompts(cfg, "train").sample(frac=1.0, random_state=r.seed).reset_index(drop=True)
     train_prompts = train_prompts.head(r.steps * r.prompts_per_step)
-    eval_prompts = _prompts_with_answers(cfg, "eval").head(r.eval_prompts)
+    eval_prompts = _rl_prompts(cfg, "eval").head(r.eval_prompts)
     policy = load_stage_policy(cfg, "base")
     accelerator = stage_accelerator(policy, r.mixed_precision)
+    # loaded once for every variant, beside the policy on its device (under a launch, each process's own GPU)
+    labeler = build_labeler(component(LabelerSpec, cfg.label, device=cfg.policy.device))
     eos = end_token_ids(policy)
     system = cfg.prompts.system_prompt
     rl_ids = [encode_prompt(policy, p)
               for p in chat_prompts(policy.tokenizer, train_prompts["question"].tolist(), system)]
     eval_ids = [encode_prompt(policy, p)[0].tolist()
                 for p in chat_prompts(policy.tokenizer, eval_prompts["question"].tolist(), system)]
-    accuracy_before = _greedy_accuracy(policy, eval_ids, eval_prompts["answer"].tolist(), r.max_new_tokens)
-    logger.info("held-out greedy accuracy before RL: %.3f on %d prompts", accuracy_before, len(eval_ids))
+    eval_set = (eval_ids, eval_prompts["question"].tolist(), _answers(eval_prompts), r.max_new_tokens)
+    before = _held_out(policy, labeler, *eval_set)
+    logger.info("held-out greedy responses before RL, scored by %s: %s on %d prompts", _scorer(cfg.label),
+                json.dumps(before), len(eval_ids))
     weights = depth_weights(cfg.mtp.ce_weights, num_depths)
 
     # this process's rollouts (each rolls out its share of every step's prompts)
@@ -210,7 +244,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
         if progress is not None:
             progress(100.0 * bar.n / total_rollouts)
 
-    histories, accuracy_after = {}, {}
+    histories, after = {}, {}
     for name in r.variants:
         var = variant(name, training)
         policy = load_stage_policy(cfg, "base")
@@ -220,43 +254,55 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
             logger.info("%s step %d/%d: rollouts %.1f s, τ %.2f, α %.2f, reward %.2f", name, step, r.steps,
                         record["rollout_seconds"], record["tau"], record["acceptance_rate"], record["reward"])
 
-        histories[name] = train_variant(policy, module, var, rl_ids, train_prompts["answer"].tolist(), training,
-                                        weights, eos, accelerator, on_step, on_rollout)
-        accuracy_after[name] = _greedy_accuracy(policy, eval_ids, eval_prompts["answer"].tolist(), r.max_new_tokens)
-        logger.info("%s: held-out greedy accuracy after RL %.3f", name, accuracy_after[name])
+        histories[name] = train_variant(policy, module, var, rl_ids, train_prompts["question"].tolist(),
+                                        _answers(train_prompts), labeler.score, training, weights, eos, accelerator,
+                                        on_step, on_rollout)
+        after[name] = _held_out(policy, labeler, *eval_set)
+        logger.info("%s: held-out greedy responses after RL: %s", name, json.dumps(after[name]))
         accelerator.free_memory()
         del policy, module
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     bar.close()
+    del labeler  # the reward model's memory back before the outputs are written
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
-    rows = _summary(histories, accuracy_before, accuracy_after)
+    rows = _summary(histories, before, after)
     logger.info("\n%s", markdown_table(rows, SUMMARY_COLUMNS))
     out = cfg.path(cfg.paths.mtp_rl_dir)
     report = _report(rows, cfg, len(eval_ids), num_depths)
     if main:  # every process holds the same histories (gathered per step); one writes them
         with atomic_path(out) as tmp:
             tmp.mkdir(parents=True)
-            write_json({"variants": histories, "accuracy_before": accuracy_before, "accuracy_after": accuracy_after},
+            write_json({"labeler": cfg.label.labeler, "label_model": cfg.label.model, "variants": histories,
+                        **{f"{key}_before": value for key, value in before.items()},
+                        **{f"{key}_after": {name: scores[key] for name, scores in after.items()} for key in before}},
                        tmp / "history.json")
             write_table(pd.DataFrame(rows), tmp / "table.csv")
-            _plots(histories, tmp)
+            _plots(histories, tmp, _scorer(cfg.label))
             (tmp / "report.md").write_text(report)
         table_artifact(key="mtp-rl-summary", table=[{c: row[c] for c in SUMMARY_COLUMNS} for row in rows],
-                       description="GRPO variants: acceptance length, rollout time, speedup, accuracy")
+                       description="GRPO variants: acceptance length, rollout time, speedup, reward and held-out "
+                                   f"reward by {_scorer(cfg.label)}")
         markdown_artifact(key="mtp-rl-report", markdown=report, description="MTP-RL report")
     accelerator.wait_for_everyone()  # no process returns before the folder is whole
-    metrics = {f"{row['variant']}.{key}": row[key] for row in rows for key in SUMMARY_COLUMNS[1:]
+    metrics = {f"{row['variant']}.{key}": row[key] for row in rows for key in ROLLOUT_COLUMNS[1:]
                if isinstance(row[key], (int, float))}
-    metrics |= {"accuracy_before": accuracy_before, "wall_seconds": time.perf_counter() - started}
+    # held-out accuracy only where every held-out prompt has an answer (its columns are NaN otherwise)
+    metrics |= {f"{key}_before": value for key, value in before.items()}
+    metrics |= {f"{name}.{key}_after": value for name, scores in after.items() for key, value in scores.items()}
+    metrics["wall_seconds"] = time.perf_counter() - started
     curves = {f"{name}.{key}": [record[key] for record in history] for name, history in histories.items()
-              for key in ("tau", "acceptance_rate", "rollout_seconds", "reward", "accuracy")}
+              for key in ("tau", "acceptance_rate", "rollout_seconds", "reward_seconds", "reward")}
     return StageResult(metrics=metrics, curves=curves, tables={"mtp_rl_table": out / "table.csv"},
                        artifacts={"mtp_rl": out})
 
 
-def _summary(histories: dict[str, list[dict]], accuracy_before: float, accuracy_after: dict[str, float]) -> list[dict]:
-    """One row per variant; speedup = vanilla's total rollout time / the variant's (NaN without vanilla)."""
+def _summary(histories: dict[str, list[dict]], before: dict[str, float],
+             after: dict[str, dict[str, float]]) -> list[dict]:
+    """One row per variant; speedup = vanilla's total rollout time / the variant's (NaN without vanilla); the
+    held-out accuracy NaN where it is not known."""
     vanilla = sum(h["rollout_seconds"] for h in histories["vanilla"]) if "vanilla" in histories else math.nan
     vanilla_ms_per_token = (1000 * vanilla / sum(h["rollout_tokens"] for h in histories["vanilla"])
                             if "vanilla" in histories else math.nan)
@@ -273,19 +319,30 @@ def _summary(histories: dict[str, list[dict]], accuracy_before: float, accuracy_
                      # the τ at which this variant's cycles would match vanilla's speed per token
                      "break_even_tau": ms_per_cycle / vanilla_ms_per_token,
                      "reward_mean": sum(h["reward"] for h in history) / len(history),
-                     "accuracy_before": accuracy_before, "accuracy_after": accuracy_after[name]})
+                     "reward_before": before["reward"], "reward_after": after[name]["reward"],
+                     "accuracy_before": before.get("accuracy", math.nan),
+                     "accuracy_after": after[name].get("accuracy", math.nan)})
     return rows
 
 
-def _plots(histories: dict[str, list[dict]], folder) -> None:
+def _plots(histories: dict[str, list[dict]], folder, scorer: str) -> None:
     drafting = {name: h for name, h in histories.items() if name != "vanilla"}
     for key, title, ylabel, which in (
             ("tau", "τ per RL step (tokens per draft–verify cycle, bonus included)", "τ", drafting),
             ("rollout_seconds", "Rollout wall time per RL step", "seconds", histories),
-            ("reward", "Mean rollout reward per RL step", "reward", histories)):
+            ("reward", f"Mean rollout reward per RL step ({scorer})", "reward", histories)):
         if which:
             line_plot({name: ([h["step"] for h in history], [h[key] for h in history])
                        for name, history in which.items()}, title, "RL step", ylabel, folder / f"{key}.png")
+
+
+def _reward_text(label) -> str:
+    """What the reward is, for the report."""
+    if label.labeler == "verifiable":
+        return ("Reward: the verifiable answer check (`label.labeler: verifiable`), 1 for the right final answer, "
+                "else 0, so a step's mean reward is its accuracy.")
+    return (f"Reward: the score of reward model `{label.model}` (`label.labeler: {label.labeler}`) for each "
+            "(question, response), on prompts with or without a known answer.")
 
 
 def _report(rows: list[dict], cfg: Config, num_eval: int, num_depths: int) -> str:
@@ -295,14 +352,16 @@ def _report(rows: list[dict], cfg: Config, num_eval: int, num_depths: int) -> st
         f"\n{r.steps} RL steps per variant; each step {r.prompts_per_step} prompt(s) × G = {r.group_size} rollouts at "
         f"temperature {r.temperature}, max {r.max_new_tokens} new tokens, batch 1. Rollouts of the drafting variants "
         f"use K = {num_depths} chained MTP drafts and speculative sampling (the same distribution as plain "
-        "sampling); vanilla samples with HF `generate`. Reward = 1 for the right answer, else 0 (so the step's mean "
-        "reward is its accuracy). τ = tokens per draft–verify cycle, the bonus token included; α = accepted share of "
+        f"sampling); vanilla samples with HF `generate`. {_reward_text(cfg.label)} Rollout time is the sampling's, "
+        "the scoring's apart (`reward_seconds` in `history.json`). "
+        "τ = tokens per draft–verify cycle, the bonus token included; α = accepted share of "
         "draft tokens; speedup = vanilla's total rollout time / the variant's. `ms_per_cycle` = rollout time per "
         "draft–verify cycle (per token for vanilla); `break_even_tau` = the τ at which a variant's cycles would "
         "produce tokens as fast as vanilla sampling (its ms per cycle / vanilla's ms per token): drafting pays only "
         "where τ exceeds it. Every variant starts from the same "
-        f"policy and MTP module and draws from the same seeded streams. Held-out accuracy: greedy, {num_eval} "
-        "prompts.\n",
+        f"policy and MTP module and draws from the same seeded streams. Held-out: the greedy responses to {num_eval} "
+        f"prompts, `reward_*` their mean score by {_scorer(cfg.label)}, `accuracy_*` their share of right answers "
+        "(NaN unless every held-out prompt has a known answer).\n",
         markdown_table(rows, SUMMARY_COLUMNS),
         "\nPlots: `tau.png`, `rollout_seconds.png`, `reward.png`; per-step numbers in `history.json`.",
     ]) + "\n"

@@ -354,8 +354,9 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
 
 def _scored(outputs: pd.DataFrame, held_out: pd.DataFrame, cfg: Config) -> pd.DataFrame:
     """The decoded outputs with their question, known answer, the labeler's score and correctness."""
+    from models.labeling.answers import is_correct
     from models.labeling.config import LabelerSpec
-    from models.labeling.labelers import build_labeler, is_correct
+    from models.labeling.labelers import build_labeler
 
     answers = [None if pd.isna(a) else a for a in held_out["answer"]]
     outputs["question"] = [held_out["question"].iloc[i] for i in outputs["prompt_index"]]

@@ -16,7 +16,12 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.tiny import build_tiny_armorm, build_tiny_classifier, build_tiny_llama  # noqa: E402
+from tests.tiny import (  # noqa: E402
+    build_remote_code_classifier,
+    build_tiny_armorm,
+    build_tiny_classifier,
+    build_tiny_llama,
+)
 
 # Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine two threads contend
 # badly (forwards measured 10-40x slower); subprocesses the tests start keep torch's default.
@@ -46,6 +51,11 @@ def tiny_classifier(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_armorm(tmp_path_factory) -> Path:
     return build_tiny_armorm(tmp_path_factory.mktemp("tiny-armorm"))
+
+
+@pytest.fixture(scope="session")
+def remote_code_classifier(tmp_path_factory) -> Path:
+    return build_remote_code_classifier(tmp_path_factory.mktemp("remote-code-classifier"))
 
 
 def tiny_params(root: Path, model: Path, **sections) -> dict:

@@ -1,5 +1,6 @@
 """GRPO (models/mtp/grpo.py) on hand-worked numbers, the advantage-aware MTP loss, and the MTP-RL step
-(models/mtp/rl.py): which parameters each variant moves, and a short run of every variant."""
+(models/mtp/rl.py): which parameters each variant moves, a short run of every variant, and rewards from the reward
+function given (hand-worked advantages; the verifiable labeler; a real reward model on prompts without answers)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 
 from models.common.sequences import padding_id
 from models.engine.speculative import SpeculativeStats
+from models.labeling.config import LabelerSpec
+from models.labeling.labelers import LabelerError, build_labeler
 from models.mtp.config import MTPRLTraining
 from models.mtp.grpo import clipped_policy_loss, group_advantages, grpo_loss, k3_kl, token_logps, token_mean
 from models.mtp.module import MTPModule, MTPModuleConfig, advantage_aware_kl, advantage_mask
@@ -23,11 +26,14 @@ from models.mtp.rl import (
     completion_logps,
     mtp_rl_step_loss,
     rollout_batch,
+    rollout_rewards,
     train_variant,
     variant,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = ("What is 2 + 3?", "Ben has 4 apples. How many apples?")
+VERIFIABLE = build_labeler(LabelerSpec()).score  # the verifiable answer check: 1.0 right, 0.0 wrong
 
 
 def test_group_advantages_by_hand():
@@ -183,14 +189,15 @@ def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
     from models.engine.policy import load_pretrained
 
     cfg = MTPRLTraining(steps=2, prompts_per_step=1, group_size=2, max_new_tokens=6, learning_rate=1e-3)
-    prompts = [policy.tokenizer(q, return_tensors="pt").input_ids for q in ("What is 2 + 3?", "What is 4 * 2?")]
+    questions = ["What is 2 + 3?", "What is 4 * 2?"]
+    prompts = _prompts(policy.tokenizer, questions)
     answers = ["5", "8"]
     eos = end_token_ids(policy)
     for name in ("vanilla", "mtp_rl", "frozen_mtp", "ce_only", "no_backprop"):
         fresh = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu"))
         var = variant(name, cfg)
         module = MTPModule(fresh.model, MTPModuleConfig(2)) if var.drafts else None
-        history = train_variant(fresh, module, var, prompts, answers, cfg, [0.6, 0.4], eos)
+        history = train_variant(fresh, module, var, prompts, questions, answers, VERIFIABLE, cfg, [0.6, 0.4], eos)
         assert [h["step"] for h in history] == [1, 2]
         for h in history:
             assert h["rollout_seconds"] > 0 and 0 <= h["reward"] <= 1
@@ -202,8 +209,11 @@ def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
                 assert not math.isnan(h["mtp_ce_1"])
         assert not fresh.model.training and not any(p.requires_grad for p in fresh.model.parameters())
     with pytest.raises(ValueError, match="need 6 training prompts"):
-        train_variant(policy, None, variant("vanilla", cfg), prompts, answers,
+        train_variant(policy, None, variant("vanilla", cfg), prompts, questions, answers, VERIFIABLE,
                       MTPRLTraining(steps=3, prompts_per_step=2), [1.0], eos)
+    with pytest.raises(ValueError, match="2 prompts, 1 questions and 2 answers"):
+        train_variant(policy, None, variant("vanilla", cfg), prompts, questions[:1], answers, VERIFIABLE, cfg, [1.0],
+                      eos)
     with pytest.raises(ValueError, match="unknown MTP-RL variant"):
         variant("nope", cfg)
 
@@ -224,8 +234,8 @@ def test_every_pass_of_a_step_uses_the_first_pass_log_probs_as_pi_old(policy, mo
 
     monkeypatch.setattr(mtp_rl, "mtp_rl_step_loss", recording)
     cfg = MTPRLTraining(steps=1, group_size=2, max_new_tokens=4, iterations=3, learning_rate=1e-2)
-    prompts = [policy.tokenizer("What is 2 + 3?", return_tensors="pt").input_ids]
-    train_variant(policy, None, variant("vanilla", cfg), prompts, ["5"], cfg, [1.0], end_token_ids(policy))
+    train_variant(policy, None, variant("vanilla", cfg), _prompts(policy.tokenizer)[:1], QUESTIONS[:1], ["5"],
+                  VERIFIABLE, cfg, [1.0], end_token_ids(policy))
     assert len(seen) == 3 and seen[0][0] is None
     assert seen[1][0] is seen[0][1] and seen[2][0] is seen[0][1]
 
@@ -237,22 +247,15 @@ def _load(tiny_llama, **spec):
     return load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), **{"device": "cpu", **spec}))
 
 
-def _answers_splitting_each_group(model, tokenizer, module, prompts, cfg: MTPRLTraining) -> list[str]:
-    """Per prompt, a reference answer that the first step's first rollout matches and its second does not (the
-    exact final line: the verifiable check's text rule), so GRPO's advantages are not all zero. The rollouts are
-    seeded, so the training run draws these very ones (``model``: as the run will sample from it)."""
-    from models.labeling.labelers import is_correct
+def first_of_each_pair(questions, responses, answers) -> list[float]:
+    """A reward function for groups of G = 2: 1 for each prompt's first rollout, 0 for its second (advantages
+    ±1/(√2 + ε), never all zero)."""
+    return [1.0 - i % 2 for i in range(len(responses))]
 
-    rollouts = collect_rollouts(model, tokenizer, module, prompts, ["?"] * len(prompts), cfg, 0,
-                                end_token_ids_of(model, tokenizer))
-    answers = []
-    for p in range(len(prompts)):
-        first, second = (tokenizer.decode(rollouts.completion_ids[p * cfg.group_size + g], skip_special_tokens=True)
-                         for g in (0, 1))
-        answer = first.strip().splitlines()[-1].strip() if first.strip() else ""
-        assert is_correct(first, answer) and not is_correct(second, answer), (first, second)
-        answers.append(answer)
-    return answers
+
+def response_length(questions, responses, answers) -> list[float]:
+    """A reward function: the response's length in characters."""
+    return [float(len(response)) for response in responses]
 
 
 def end_token_ids_of(model, tokenizer) -> set[int]:
@@ -262,7 +265,7 @@ def end_token_ids_of(model, tokenizer) -> set[int]:
     return end_token_ids(Policy(model, tokenizer, model.device, "tiny"))
 
 
-def _prompts(tokenizer, questions=("What is 2 + 3?", "Ben has 4 apples. How many apples?")) -> list[torch.Tensor]:
+def _prompts(tokenizer, questions=QUESTIONS) -> list[torch.Tensor]:
     return [tokenizer(q, return_tensors="pt").input_ids for q in questions]
 
 
@@ -272,15 +275,10 @@ def test_bfloat16_policy_moves_at_learning_rate_1e6(tiny_llama):
     (each rounds away): the float32 master weights' updates reach the policy, which comes back in bf16."""
     policy = _load(tiny_llama, dtype="bfloat16")
     cfg = MTPRLTraining(steps=1, group_size=2, max_new_tokens=6, learning_rate=1e-6, iterations=3)
-    prompts = _prompts(policy.tokenizer)[:1]
-    masters = copy.deepcopy(policy.model)  # what the run samples from: the bf16 weights held in float32
-    for p in masters.parameters():
-        p.data = p.data.float()
-    answers = _answers_splitting_each_group(masters, policy.tokenizer, None, prompts, cfg)
     before = [p.detach().clone() for p in policy.model.parameters()]
-    history = train_variant(policy, None, variant("vanilla", cfg), prompts, answers, cfg, [1.0],
-                            end_token_ids_of(policy.model, policy.tokenizer))
-    assert history[0]["reward"] == 0.5  # the rollouts the answers were read from
+    history = train_variant(policy, None, variant("vanilla", cfg), _prompts(policy.tokenizer)[:1], QUESTIONS[:1],
+                            [None], first_of_each_pair, cfg, [1.0], end_token_ids_of(policy.model, policy.tokenizer))
+    assert history[0]["reward"] == 0.5 and history[0]["positive_advantage_share"] == 0.5
     after = list(policy.model.parameters())
     assert all(p.dtype == torch.bfloat16 for p in after)
     band = [(b.abs() >= 2**-11) & (b.abs() < 2**-10) for b in before]
@@ -297,8 +295,8 @@ def test_mtp_rl_in_bfloat16_drafts_rollouts_and_trains_both(tiny_llama):
     module = MTPModule(policy.model, MTPModuleConfig(2))
     policy_before = [p.detach().clone() for p in policy.model.parameters()]
     module_before = [p.detach().clone() for p in module.parameters()]
-    history = train_variant(policy, module, variant("mtp_rl", cfg), _prompts(policy.tokenizer)[:1], ["5"], cfg,
-                            [0.6, 0.4], end_token_ids_of(policy.model, policy.tokenizer))
+    history = train_variant(policy, module, variant("mtp_rl", cfg), _prompts(policy.tokenizer)[:1], QUESTIONS[:1],
+                            ["5"], VERIFIABLE, cfg, [0.6, 0.4], end_token_ids_of(policy.model, policy.tokenizer))
     assert history[0]["tau"] >= 1 and history[0]["cycles"] > 0 and math.isfinite(history[0]["mtp_ce_1"])
     assert all(p.dtype == torch.bfloat16 for p in [*policy.model.parameters(), *module.parameters()])
     assert any(not torch.equal(a, b) for a, b in zip(module_before, module.parameters()))
@@ -325,8 +323,8 @@ def test_lora_grpo_keeps_the_starting_policy_as_its_kl_reference(tiny_llama, mon
     cfg = MTPRLTraining(steps=2, group_size=2, max_new_tokens=6, learning_rate=1e-2, mtp_learning_rate=1e-3,
                         lora_rank=4, kl_beta=0.5, gradient_checkpointing=True)
     module = MTPModule(policy.model, MTPModuleConfig(2))
-    history = train_variant(policy, module, variant("mtp_rl", cfg), _prompts(policy.tokenizer), ["5", "4"], cfg,
-                            [0.6, 0.4], end_token_ids_of(policy.model, policy.tokenizer))
+    history = train_variant(policy, module, variant("mtp_rl", cfg), _prompts(policy.tokenizer), QUESTIONS,
+                            ["5", "4"], VERIFIABLE, cfg, [0.6, 0.4], end_token_ids_of(policy.model, policy.tokenizer))
     assert history[0]["kl"] == pytest.approx(0.0, abs=1e-7)  # adapters start as the identity (B = 0)
     assert history[1]["kl"] > 0  # the adapters moved, the reference did not
     assert len(seen) == 2
@@ -339,7 +337,7 @@ def test_lora_grpo_keeps_the_starting_policy_as_its_kl_reference(tiny_llama, mon
     assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), policy.model.parameters()))
 
 
-def _two_process_runs(tiny_llama: str, answers: list[str], folder: str, batch_size: int) -> dict:
+def _two_process_runs(tiny_llama: str, folder: str, batch_size: int) -> dict:
     """The MTP equip training and one MTP-RL step, on this process's share of one global batch (the frozen states
     go to ``folder``); returns the trained parameters and the losses. Under several processes, also checks that
     every rank holds the same parameters, and the main process saves the result in ``folder``."""
@@ -358,12 +356,13 @@ def _two_process_runs(tiny_llama: str, answers: list[str], folder: str, batch_si
     states = frozen_states(policy, sequences, Path(folder), batch_size=2, accelerator=accelerator)
     module, equip = train_mtp_module(policy, sequences, states, 2,
                                      MTPTraining(epochs=1, batch_size=batch_size, learning_rate=1e-3), accelerator)
-    # MTP-RL: a step of 2 prompts, split between the processes
+    # MTP-RL: a step of 2 prompts, split between the processes, each scoring its own rollouts
     cfg = MTPRLTraining(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=5, learning_rate=1e-3,
                         mtp_learning_rate=1e-3)
     rl_module = MTPModule(policy.model, MTPModuleConfig(2))
-    history = train_variant(policy, rl_module, variant("mtp_rl", cfg), _prompts(policy.tokenizer), answers, cfg,
-                            [0.6, 0.4], end_token_ids_of(policy.model, policy.tokenizer), accelerator)
+    history = train_variant(policy, rl_module, variant("mtp_rl", cfg), _prompts(policy.tokenizer), QUESTIONS,
+                            [None, None], first_of_each_pair, cfg, [0.6, 0.4],
+                            end_token_ids_of(policy.model, policy.tokenizer), accelerator)
     result = {"equip_module": torch.cat([p.flatten() for p in module.parameters()]), "equip_loss": equip["loss"],
               "policy": torch.cat([p.detach().flatten() for p in policy.model.parameters()]),
               "rl_module": torch.cat([p.detach().flatten() for p in rl_module.parameters()]),
@@ -377,37 +376,136 @@ def _two_process_runs(tiny_llama: str, answers: list[str], folder: str, batch_si
     return result
 
 
-def _on_two_ranks(tiny_llama: str, answers: list[str], folder: str) -> None:
+def _on_two_ranks(tiny_llama: str, folder: str) -> None:
     """Run by each of 2 processes: :func:`_two_process_runs` with half the global batch each."""
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)  # the forked process inherits the parent's single-process state
     torch.set_num_threads(1)  # two ranks on a loaded 2-core machine: intra-op threads only contend
-    _two_process_runs(tiny_llama, answers, folder, batch_size=2)
+    _two_process_runs(tiny_llama, folder, batch_size=2)
 
 
 def test_two_processes_train_like_one_on_the_same_global_batch(tiny_llama, tmp_path):
     """Under 2 processes (each half of every batch: the equip stage's sequences, MTP-RL's prompts) every trained
     model is prepared, so both ranks end identical — the MTP module included — and the losses and parameters
     equal one process's on the same global batch (the MTP-RL losses are normalised by global counts)."""
-    policy = _load(tiny_llama)
-    cfg = MTPRLTraining(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=5)
-    answers = _answers_splitting_each_group(policy.model, policy.tokenizer, MTPModule(policy.model, MTPModuleConfig(2)),
-                                            _prompts(policy.tokenizer), cfg)
     launch = ("from accelerate import debug_launcher; from tests.test_grpo import _on_two_ranks; "
-              f"debug_launcher(_on_two_ranks, args=({str(tiny_llama)!r}, {answers!r}, {str(tmp_path / 'two')!r}), "
+              f"debug_launcher(_on_two_ranks, args=({str(tiny_llama)!r}, {str(tmp_path / 'two')!r}), "
               "num_processes=2)")
     result = subprocess.run([sys.executable, "-c", launch], cwd=ROOT, capture_output=True, text=True, timeout=300,
                             check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     two = torch.load(tmp_path / "two" / "result.pt")
-    one = _two_process_runs(str(tiny_llama), answers, str(tmp_path / "one"), batch_size=4)
-    assert one["record"]["reward"] == two["record"]["reward"] == 0.5  # the same rollouts, advantages not zero
+    one = _two_process_runs(str(tiny_llama), str(tmp_path / "one"), batch_size=4)
+    # the same rollouts, each process's share scored by it: advantages ±1/(√2 + ε) in both groups
+    assert one["record"]["rollout_tokens"] == two["record"]["rollout_tokens"]
+    assert one["record"]["reward"] == two["record"]["reward"] == 0.5
+    assert one["record"]["positive_advantage_share"] == two["record"]["positive_advantage_share"] == 0.5
     assert two["equip_loss"] == pytest.approx(one["equip_loss"], abs=1e-6)
     for key in ("policy_loss", "mtp_loss", "mtp_ce_1", "mtp_kl_1"):
         assert two["record"][key] == pytest.approx(one["record"][key], abs=1e-6), key
     for key in ("equip_module", "policy", "rl_module"):
         torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0)
+
+
+def test_rollouts_are_scored_by_the_reward_function_given_in_one_call(policy):
+    """A step's rollouts go to the reward function at once (a reward model scores in batches), each with its
+    prompt's question and answer (None where it has none); the rollouts' rewards are what it returns (here each
+    response's length)."""
+    from models.engine.generation import end_token_ids
+
+    calls = []
+
+    def recording(questions, responses, answers):
+        calls.append((questions, responses, answers))
+        return response_length(questions, responses, answers)
+
+    cfg = MTPRLTraining(group_size=3, max_new_tokens=6)
+    rollouts = collect_rollouts(policy.model, policy.tokenizer, None, _prompts(policy.tokenizer), QUESTIONS,
+                                [None, "4"], recording, cfg, 0, end_token_ids(policy))
+    assert len(calls) == 1
+    questions, responses, answers = calls[0]
+    assert questions == [QUESTIONS[0]] * 3 + [QUESTIONS[1]] * 3 and answers == [None] * 3 + ["4"] * 3
+    assert responses == [policy.tokenizer.decode(c, skip_special_tokens=True) for c in rollouts.completion_ids]
+    assert rollouts.rewards.tolist() == [float(len(r)) for r in responses]
+    assert len(set(rollouts.rewards.tolist())) > 1  # the rollouts differ: the rewards have a spread
+
+
+def test_advantages_follow_the_reward_function_by_hand(policy, monkeypatch):
+    """Rewards [1, 3] for the first prompt's pair and [5, 5] for the second's: the loss gets advantages
+    ∓1/(√2 + ε) (mean 2, unbiased std √2) and 0, 0 (no spread); the step's reward is the mean, 3.5, and 3 of the 4
+    advantages are ≥ 0 (eq. 2's w)."""
+    import models.mtp.rl as mtp_rl
+    from models.engine.generation import end_token_ids
+
+    seen = []
+    real = mtp_rl.mtp_rl_step_loss
+
+    def recording(*args):
+        seen.append(args[4])  # the advantages
+        return real(*args)
+
+    def by_prompt_and_position(questions, responses, answers):
+        first, step = {QUESTIONS[0]: (1.0, 2.0), QUESTIONS[1]: (5.0, 0.0)}, 2  # per prompt: first reward, spread
+        return [first[q][0] + first[q][1] * (i % step) for i, q in enumerate(questions)]
+
+    monkeypatch.setattr(mtp_rl, "mtp_rl_step_loss", recording)
+    cfg = MTPRLTraining(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=4, learning_rate=1e-3)
+    history = train_variant(policy, None, variant("vanilla", cfg), _prompts(policy.tokenizer), QUESTIONS,
+                            [None, None], by_prompt_and_position, cfg, [1.0], end_token_ids(policy))
+    a = 1 / (math.sqrt(2) + 1e-4)
+    assert cfg.advantage_epsilon == 1e-4 and len(seen) == 1
+    assert seen[0].tolist() == pytest.approx([-a, a, 0.0, 0.0], abs=1e-6)
+    assert history[0]["reward"] == 3.5 and history[0]["positive_advantage_share"] == 0.75
+
+
+def test_a_reward_that_is_not_a_finite_number_is_an_error(policy):
+    from models.engine.generation import end_token_ids
+
+    def rewards(*values):
+        return rollout_rewards(lambda questions, responses, answers: list(values), QUESTIONS[:1], [None], ["a", "b"],
+                               group_size=2)
+
+    assert rewards(0.5, -2.0).tolist() == [0.5, -2.0]
+    with pytest.raises(ValueError, match=r"non-finite rewards \[nan\] for rollouts \[1\] of 2"):
+        rewards(0.5, math.nan)
+    with pytest.raises(ValueError, match=r"non-finite rewards \[inf, -inf\] for rollouts \[0, 1\] of 2"):
+        rewards(math.inf, -math.inf)
+    with pytest.raises(ValueError, match="returned 1 rewards for 2 rollouts"):
+        rewards(0.5)
+    cfg = MTPRLTraining(steps=1, group_size=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="non-finite rewards"):  # a training step stops before its update
+        train_variant(policy, None, variant("vanilla", cfg), _prompts(policy.tokenizer)[:1], QUESTIONS[:1], [None],
+                      lambda questions, responses, answers: [math.nan] * len(responses), cfg, [1.0],
+                      end_token_ids(policy))
+
+
+def test_a_reward_model_rewards_prompts_without_answers(policy, tiny_classifier):
+    """One MTP-RL step end to end with a real sequence-classification reward model as the reward, on prompts with
+    no known answer: the step's mean reward is the model's mean score of the very rollouts the step drew (drawn
+    again apart from the same seeded streams), real-valued rather than 0/1, and policy and module move. The
+    verifiable labeler on the same prompts fails, naming the missing answers."""
+    from models.engine.generation import end_token_ids
+
+    labeler = build_labeler(LabelerSpec(labeler="hf-classifier", model=str(tiny_classifier), device="cpu"))
+    cfg = MTPRLTraining(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=6, learning_rate=1e-2,
+                        mtp_learning_rate=1e-2)
+    module = MTPModule(policy.model, MTPModuleConfig(2))
+    prompts, eos = _prompts(policy.tokenizer), end_token_ids(policy)
+    reference = collect_rollouts(policy.model, policy.tokenizer, module, prompts, QUESTIONS, [None, None],
+                                 labeler.score, cfg, 0, eos)
+    assert not set(reference.rewards.tolist()) <= {0.0, 1.0}
+    policy_before = [p.detach().clone() for p in policy.model.parameters()]
+    module_before = [p.detach().clone() for p in module.parameters()]
+    history = train_variant(policy, module, variant("mtp_rl", cfg), prompts, QUESTIONS, [None, None], labeler.score,
+                            cfg, [0.6, 0.4], eos)
+    assert history[0]["reward"] == pytest.approx(reference.rewards.mean().item(), abs=1e-6)
+    assert history[0]["rollout_tokens"] == sum(map(len, reference.completion_ids))
+    assert any(not torch.equal(a, b) for a, b in zip(policy_before, policy.model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(module_before, module.parameters()))
+    with pytest.raises(LabelerError, match="verifiable labeler"):
+        collect_rollouts(policy.model, policy.tokenizer, None, prompts, QUESTIONS, [None, None], VERIFIABLE, cfg, 0,
+                         eos)
 
 
 @pytest.mark.cuda
@@ -421,7 +519,7 @@ def test_every_variant_rolls_out_and_updates_on_cuda_in_bfloat16(tiny_llama, nam
     module = MTPModule(policy.model, MTPModuleConfig(2)) if var.drafts else None
     module_before = [p.detach().clone() for p in module.parameters()] if module is not None else []
     prompts = [ids.cuda() for ids in _prompts(policy.tokenizer)[:1]]
-    history = train_variant(policy, module, var, prompts, ["5"], cfg, [0.6, 0.4],
+    history = train_variant(policy, module, var, prompts, QUESTIONS[:1], ["5"], VERIFIABLE, cfg, [0.6, 0.4],
                             end_token_ids_of(policy.model, policy.tokenizer))
     assert history[0]["rollout_tokens"] > 0 and (history[0]["tau"] >= 1 if var.drafts else True)
     params = list(policy.model.parameters()) + (list(module.parameters()) if module is not None else [])

@@ -1,87 +1,114 @@
-"""Reward labelers: verifiable answers, ArmoRM through its real remote-code loading path, HF classifiers."""
+"""Reward labelers: the verifiable labeler's errors, native ArmoRM behind the labeler interface (batching, order,
+objectives), HF sequence classifiers, remote code only by explicit opt-in, and reward models that fail.
+
+The answer reading itself is tested in tests/test_answers.py, ArmoRM's forward against the published one in
+tests/test_armorm.py."""
 
 from dataclasses import replace
 
 import pytest
+import torch
 
+from foresight.config import parse_config
 from models.labeling.config import LabelerSpec
-from models.labeling.labelers import LabelerError, build_labeler, extract_answer, is_correct
+from models.labeling.labelers import LabelerError, build_labeler
+
+QUESTIONS = ["Ben has 4 apples. How many?", "What is 2 + 3?", "Ivy has 3 cookies and gives 1 of them to Omar.",
+             "Sum 1 and 1"]
+RESPONSES = ["The answer is 4.", "5", "Ivy has 3 cookies, she gives 1 away, so 3 - 1 = 2. The answer is 2.", "2"]
 
 
-@pytest.mark.parametrize(
-    "response, expected",
-    [
-        ("4 + 2 = 6. The answer is 6.", "6"),
-        ("The answer is N.\n\nBen has 4 + 2 = 6 apples.", "6"),  # no number after "answer is": last number
-        ("So the answer is: $1,200.", "1200"),
-        ("**The answer is -3**", "-3"),
-        ("The answer is 7. Wait, the answer is 8.", "8"),
-        ("I think 3 and then 5", "5"),
-        ("The answer is 2.5.", "2.5"),
-        ("The answer is 6.0", "6"),
-        ("no numbers at all", None),
-    ],
-)
-def test_extract_answer(response, expected):
-    assert extract_answer(response) == expected
-
-
-def test_is_correct():
-    assert is_correct("The answer is 12.", "12") is True
-    assert is_correct("The answer is 12.", "13") is False
-    assert is_correct("The answer is 12.", None) is None
-    assert is_correct("", "3") is False
-
-
-def test_verifiable_labeler_scores_and_requires_answers():
+def test_verifiable_labeler_reads_worked_solutions():
     labeler = build_labeler(LabelerSpec())
-    assert labeler.score(["q"] * 3, ["The answer is 4.", "It is 5", "none"], ["4", "4", "4"]) == [1.0, 0.0, 0.0]
-    with pytest.raises(LabelerError, match="needs known answers.*1 of 2"):
-        labeler.score(["q", "q"], ["1", "2"], ["1", None])
+    references = ["Ben has 4.\n#### 4", "\\boxed{5}", "3 - 1 = 2\n#### 2", "2"]
+    assert labeler.score(QUESTIONS, RESPONSES, references) == [1.0, 1.0, 1.0, 1.0]
+    wrong = ["#### 5", "\\boxed{6}", "#### 3", "3"]
+    assert labeler.score(QUESTIONS, RESPONSES, wrong) == [0.0, 0.0, 0.0, 0.0]
 
 
-QUESTIONS = ["Ben has 4 apples. How many?", "What is 2 + 3?", "Ivy has 3 cookies.", "Sum 1 and 1"]
-RESPONSES = ["The answer is 4.", "5", "Ivy has 3 cookies, the answer is 3.", "2"]
+def test_verifiable_labeler_refuses_missing_and_unreadable_references():
+    labeler = build_labeler(LabelerSpec())
+    with pytest.raises(LabelerError, match=r"of 3 rows, 1 have none and 0 have one"):
+        labeler.score(["q"] * 3, ["1", "2", "3"], ["1", None, "3"])
+    with pytest.raises(LabelerError, match=r"of 3 rows, 0 have none and 2 have one without a number.*'Paris'"):
+        labeler.score(["q"] * 3, ["1", "2", "Paris"], ["1", "Paris", "see the solution"])
 
 
-def test_armorm_path_reads_output_score_from_remote_code_model(tiny_armorm):
-    cfg = LabelerSpec(labeler="armorm", model=str(tiny_armorm), trust_remote_code=True, batch_size=3, device="cpu")
+def test_labeler_reports_progress_per_batch(tiny_armorm):
+    seen = []
+    labeler = build_labeler(LabelerSpec(labeler="armorm", model=str(tiny_armorm), batch_size=3, device="cpu"))
+    labeler.score(QUESTIONS, RESPONSES, [None] * 4, on_batch=lambda done, total: seen.append((done, total)))
+    assert seen == [(3, 4), (4, 4)]
+    seen.clear()
+    build_labeler(LabelerSpec()).score(["q"], ["1"], ["1"], on_batch=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 1)]
+
+
+def test_armorm_labeler_scores_are_the_native_models_in_the_rows_order(tiny_armorm):
+    """Rows are batched by length and put back: each score is that row's own, as scored alone by the model."""
+    from models.labeling.armorm import encode_conversations
+
+    cfg = LabelerSpec(labeler="armorm", model=str(tiny_armorm), batch_size=3, device="cpu")
     labeler = build_labeler(cfg)
-    assert type(labeler.model).__name__ == "TinyArmoRM"  # the model's own code was loaded
-    scores = labeler.score(QUESTIONS, RESPONSES, [None] * 4)
-    assert len(scores) == 4 and len(set(scores)) == 4
-    # batching and right padding do not change a score: each row scored alone gives the same value
-    alone = [build_labeler(replace(cfg, batch_size=1)).score([q], [r], [None])[0]
-             for q, r in zip(QUESTIONS, RESPONSES)]
-    assert scores == pytest.approx(alone, abs=1e-5)
+    assert type(labeler.model).__module__ == "models.labeling.armorm"  # native, no remote code
+    scores, objectives = labeler.score_objectives(QUESTIONS, RESPONSES)
+    assert labeler.score(QUESTIONS, RESPONSES, [None] * 4) == scores
+    for question, response, score, rewards in zip(QUESTIONS, RESPONSES, scores, objectives):
+        enc = encode_conversations(labeler.tokenizer, [question], [response], cfg.max_length, labeler.pattern)
+        with torch.no_grad():
+            alone = labeler.model(**enc)
+        assert score == pytest.approx(alone.score.item(), abs=1e-5)
+        assert rewards == pytest.approx(alone.rewards[0].tolist(), abs=1e-5)
+    assert len(set(scores)) == 4 and len(objectives[0]) == labeler.model.regression_layer.out_features
+    # a batch of one gives the same scores
+    assert build_labeler(replace(cfg, batch_size=1)).score(QUESTIONS, RESPONSES, [None] * 4) == pytest.approx(
+        scores, abs=1e-5)
 
 
-def test_armorm_needs_explicit_trust_remote_code(tiny_armorm):
-    with pytest.raises(LabelerError, match="label.trust_remote_code: true"):
-        build_labeler(LabelerSpec(labeler="armorm", model=str(tiny_armorm), device="cpu"))
+def test_armorm_labeler_refuses_a_plain_classifier_folder(tiny_classifier):
+    with pytest.raises(LabelerError, match="not an ArmoRM-layout checkpoint.*hf-classifier"):
+        build_labeler(LabelerSpec(labeler="armorm", model=str(tiny_classifier), device="cpu"))
 
 
-def test_armorm_labeler_rejects_a_model_without_score(tiny_classifier):
-    labeler = build_labeler(LabelerSpec(labeler="armorm", model=str(tiny_classifier), device="cpu"))
-    with pytest.raises(LabelerError, match="no 'score' field.*hf-classifier"):
-        labeler.score(QUESTIONS[:1], RESPONSES[:1], [None])
+def test_armorm_labeler_names_truncated_rows(tiny_armorm):
+    labeler = build_labeler(LabelerSpec(labeler="armorm", model=str(tiny_armorm), max_length=16, device="cpu"))
+    with pytest.raises(LabelerError, match=r"failed on rows .*label.max_length"):
+        labeler.score([QUESTIONS[2] * 3], ["ok"], [None])
+
+
+def test_armorm_config_takes_no_remote_code_and_a_sane_range():
+    with pytest.raises(ValueError, match="loaded natively.*hf-classifier"):
+        parse_config({"label": {"labeler": "armorm", "model": "m", "trust_remote_code": True}})
+    with pytest.raises(ValueError, match=r"score_min \(1.0\) must be below score_max \(0.0\)"):
+        parse_config({"label": {"labeler": "armorm", "model": "m", "score_min": 1.0, "score_max": 0.0}})
 
 
 def test_hf_classifier_uses_first_logit(tiny_classifier):
-    import torch
-
     cfg = LabelerSpec(labeler="hf-classifier", model=str(tiny_classifier), batch_size=2, device="cpu")
     labeler = build_labeler(cfg)
     scores = labeler.score(QUESTIONS, RESPONSES, [None] * 4)
-    enc = labeler._encode(QUESTIONS[:1], RESPONSES[:1])
-    with torch.no_grad():
-        direct = labeler.model(**enc).logits[0, 0].item()
-    assert scores[0] == pytest.approx(direct, abs=1e-5) and len(set(scores)) == 4
+    for i in range(4):
+        enc = labeler.encode(QUESTIONS[i : i + 1], RESPONSES[i : i + 1])
+        with torch.no_grad():
+            assert scores[i] == pytest.approx(labeler.model(**enc).logits[0, 0].item(), abs=1e-5)
+    assert len(set(scores)) == 4
+
+
+def test_remote_code_runs_only_when_allowed(remote_code_classifier):
+    with pytest.raises(LabelerError, match="label.trust_remote_code: true"):
+        build_labeler(LabelerSpec(labeler="hf-classifier", model=str(remote_code_classifier), device="cpu"))
+    labeler = build_labeler(LabelerSpec(labeler="hf-classifier", model=str(remote_code_classifier),
+                                        trust_remote_code=True, batch_size=2, device="cpu"))
+    assert type(labeler.model).__module__.startswith("transformers_modules")  # the folder's own code ran
+    scores = labeler.score(QUESTIONS, RESPONSES, [None] * 4)
+    assert len(set(scores)) == 4
 
 
 def test_missing_reward_model_is_a_clear_error(tmp_path):
     with pytest.raises(LabelerError, match="could not be loaded"):
         build_labeler(LabelerSpec(labeler="hf-classifier", model=str(tmp_path / "absent"), device="cpu"))
+    with pytest.raises(LabelerError, match="no such folder"):
+        build_labeler(LabelerSpec(labeler="armorm", model=str(tmp_path / "absent"), device="cpu"))
 
 
 def test_failing_reward_model_names_the_rows(tiny_classifier, monkeypatch):
@@ -91,17 +118,32 @@ def test_failing_reward_model_names_the_rows(tiny_classifier, monkeypatch):
         raise RuntimeError("CUDA out of memory")
 
     monkeypatch.setattr(labeler, "model", broken)
-    with pytest.raises(LabelerError, match=r"failed on rows 0\.\.1: CUDA out of memory"):
+    # the longest rows go first: rows 0 and 2 (by length) form the first batch
+    with pytest.raises(LabelerError, match=r"failed on rows \[0, 2\]: CUDA out of memory"):
         labeler.score(QUESTIONS, RESPONSES, [None] * 4)
 
 
-def test_remote_code_written_for_older_transformers_is_named(tiny_armorm, tmp_path):
+def test_non_finite_scores_are_refused(tiny_classifier, monkeypatch):
+    labeler = build_labeler(LabelerSpec(labeler="hf-classifier", model=str(tiny_classifier), batch_size=4, device="cpu"))
+    real = labeler.model
+
+    def half_nan(**enc):
+        output = real(**enc)
+        output.logits[1, 0] = float("nan")
+        return output
+
+    monkeypatch.setattr(labeler, "model", half_nan)
+    with pytest.raises(LabelerError, match=r"non-finite scores for rows \[\d\]"):
+        labeler.score(QUESTIONS, RESPONSES, [None] * 4)
+
+
+def test_remote_code_written_for_older_transformers_is_named(remote_code_classifier, tmp_path):
     """ArmoRM's published code imports LLAMA_INPUTS_DOCSTRING, which transformers 5 removed: say so."""
     import shutil
 
-    folder = tmp_path / "old-armo"
-    shutil.copytree(tiny_armorm, folder)
-    code = folder / "modeling_tiny_armo.py"
+    folder = tmp_path / "old-code"
+    shutil.copytree(remote_code_classifier, folder)
+    (code,) = folder.glob("modeling_*.py")
     code.write_text("from transformers.models.llama.modeling_llama import LLAMA_INPUTS_DOCSTRING\n" + code.read_text())
     with pytest.raises(LabelerError, match=r"does not import under transformers 5\..*LLAMA_INPUTS_DOCSTRING"):
-        build_labeler(LabelerSpec(labeler="armorm", model=str(folder), trust_remote_code=True, device="cpu"))
+        build_labeler(LabelerSpec(labeler="hf-classifier", model=str(folder), trust_remote_code=True, device="cpu"))

@@ -112,6 +112,25 @@ def test_a_local_labeler_is_counted_and_an_absent_one_assumed_the_policys_size(t
     assert label.fits and label.estimate.parts["labeler weights"] == 2 * llama3_shapes.policy.parameters
 
 
+def test_a_reward_model_as_the_grpo_reward_is_counted_beside_the_policy(tmp_path, llama3_8b, smollm_135m,
+                                                                        llama3_shapes):
+    """train_mtp_rl with a model labeler holds its weights and one forward's working set, as the label stage
+    counts them; with the verifiable labeler it holds no labeler."""
+    label = {"labeler": "hf-classifier", "model": str(smollm_135m), "batch_size": 4, "max_length": 512}
+    cfg = _cfg(tmp_path, llama3_8b, label=label, **LORA_EVERYWHERE)
+    labeler = labeler_shape(cfg, llama3_shapes.policy)
+    with_model = _by_stage(plan(cfg, 80, 1, shapes=Shapes(llama3_shapes.policy, labeler)))
+    rl = with_model["train_mtp_rl"].estimate.parts
+    # bf16 (label.dtype auto); one layer's transient tensors: 4 rows × 512 tokens × (2 · 576 + 2 · 1536) × 2 B
+    assert rl["labeler weights"] == 2 * labeler.parameters
+    assert rl["labeler forward"] == 4 * 512 * (2 * 576 + 2 * 1536) * 2
+    assert {key: rl[key] for key in ("labeler weights", "labeler forward")} == with_model["label"].estimate.parts
+    alone = _by_stage(plan(_cfg(tmp_path, llama3_8b, **LORA_EVERYWHERE), 80, 1, shapes=llama3_shapes))["train_mtp_rl"]
+    assert not [key for key in alone.estimate.parts if key.startswith("labeler")]
+    assert with_model["train_mtp_rl"].estimate.total == pytest.approx(
+        alone.estimate.total + rl["labeler weights"] + rl["labeler forward"], rel=1e-12)
+
+
 def _params(tmp_path, model, **sections) -> str:
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump({"policy": {"model": str(model), "dtype": "auto"}, **sections}))

@@ -242,7 +242,8 @@ def _distilled_sequences(tokenizer, count: int = 8):
 
     from models.common.sequences import sft_sequences
 
-    responses = pd.DataFrame({"prompt": ["<|im_start|>user\nBen has 4 apples.<|im_end|>\n<|im_start|>assistant\n"] * count,
+    prompt = "<|im_start|>user\nBen has 4 apples.<|im_end|>\n<|im_start|>assistant\n"
+    responses = pd.DataFrame({"prompt": [prompt] * count,
                               "response": ["The answer is 6. Ben has 4 apples and 2 more."] * count})
     return sft_sequences(tokenizer, responses, 128)
 
@@ -337,6 +338,126 @@ def test_module_round_trips_through_save_and_load(tiny, tmp_path):
         assert torch.equal(a, b), name
     with pytest.raises(FileNotFoundError, match="train_mtp"):
         MTPModule.load(tmp_path / "nothing", model)
+
+
+def _rl_stage(root, tiny_llama, train: dict[str, str | None], held_out: dict[str, str | None], **sections):
+    """A config for the ``train_mtp_rl`` task with what it reads in place: the prepared policy, an (untrained) MTP
+    module, and the prompt splits (question → answer, None: none)."""
+    import pandas as pd
+
+    from foresight.config import component, parse_config
+    from foresight.prompts import PROMPT_COLUMNS
+    from foresight.storage import write_table
+    from models.engine.config import PolicySpec
+    from models.engine.policy import load_pretrained, prepare_policy
+    from tests.conftest import tiny_params
+
+    cfg = parse_config(tiny_params(root, tiny_llama, **sections), root=root)
+    spec = component(PolicySpec, cfg.policy)
+    prepare_policy(spec, cfg.path(cfg.paths.policy_dir))
+    MTPModule(load_pretrained(tiny_llama, spec).model, MTPModuleConfig(2)).save(cfg.path(cfg.paths.mtp_dir) / "module")
+    for split, prompts in (("train", train), ("eval", held_out)):
+        table = pd.DataFrame({"prompt_id": [f"{split}{i}" for i in range(len(prompts))], "question": list(prompts),
+                              "answer": list(prompts.values()), "source": "file"})
+        write_table(table[PROMPT_COLUMNS], cfg.path(cfg.paths.prompts_dir) / f"{split}.jsonl")
+    return cfg
+
+
+def _run_rl_stage(cfg):
+    from prefect.logging import disable_run_logger
+
+    from tasks.mtp import train_mtp_rl_task
+
+    with disable_run_logger():
+        return train_mtp_rl_task.fn(cfg)
+
+
+OPEN_PROMPTS = {"Write a haiku about autumn.": None, "Describe a quiet harbour at dawn.": None}
+
+
+@pytest.fixture
+def scored(monkeypatch) -> list[tuple]:
+    """Every call of the score method of the labelers the stage builds: (questions, responses, answers, scores)."""
+    from models.labeling import labelers
+
+    calls, build = [], labelers.build_labeler
+
+    def building(spec):
+        labeler = build(spec)
+        score = labeler.score
+
+        def recording(questions, responses, answers, **kwargs):
+            scores = score(questions, responses, answers, **kwargs)
+            calls.append((list(questions), list(responses), list(answers), scores))
+            return scores
+
+        labeler.score = recording
+        return labeler
+
+    monkeypatch.setattr(labelers, "build_labeler", building)
+    return calls
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values)
+
+
+def test_rl_stage_rewarded_by_a_reward_model_uses_prompts_without_answers(tiny_llama, tiny_classifier, tmp_path,
+                                                                          scored):
+    """label.labeler hf-classifier: GRPO on open prompts (no answers) rewarded by the reward model, whose scores
+    also make the held-out reward before / after (the means of its calls on the held-out greedy responses); held-out
+    accuracy left out (one held-out prompt has no answer): absent from the metrics and history, NaN in the table.
+    The report names the reward model. The verifiable labeler on the same prompts fails, naming the missing
+    answers."""
+    import json
+
+    import pandas as pd
+
+    label = {"labeler": "hf-classifier", "model": str(tiny_classifier), "device": "cpu"}
+    held_out = {"What is 2 + 3?": "5", **OPEN_PROMPTS}
+    cfg = _rl_stage(tmp_path / "rm", tiny_llama, OPEN_PROMPTS, held_out, label=label,
+                    mtp_rl={"variants": ["vanilla", "mtp_rl"]})
+    result = _run_rl_stage(cfg)
+    out = cfg.path(cfg.paths.mtp_rl_dir)
+    history = json.loads((out / "history.json").read_text())
+    m = result.metrics
+    # held out before; per variant its GRPO step (G = 2 rollouts of one prompt) and held out after
+    assert len(scored) == 5
+    for call in scored[0::2]:
+        assert call[0] == list(held_out)[:2] and call[2] == ["5", None]  # eval_prompts: 2
+    for call in scored[1::2]:
+        assert call[0] in ([question] * 2 for question in OPEN_PROMPTS) and call[2] == [None, None]
+    assert m["reward_before"] == _mean(scored[0][3]) == history["reward_before"]
+    assert m["vanilla.reward_after"] == _mean(scored[2][3]) and m["mtp_rl.reward_after"] == _mean(scored[4][3])
+    assert history["variants"]["vanilla"][0]["reward"] == pytest.approx(_mean(scored[1][3]), abs=1e-6)
+    assert result.curves["mtp_rl.reward"] == [pytest.approx(_mean(scored[3][3]), abs=1e-6)]
+    assert not set(scored[3][3]) <= {0.0, 1.0}  # real-valued scores
+    assert not [key for key in m if "accuracy" in key]
+    assert (history["labeler"], history["label_model"]) == ("hf-classifier", str(tiny_classifier))
+    assert history["reward_after"] == {"vanilla": m["vanilla.reward_after"], "mtp_rl": m["mtp_rl.reward_after"]}
+    assert "accuracy_before" not in history and "accuracy_after" not in history
+    table = pd.read_csv(out / "table.csv").set_index("variant")
+    assert table["accuracy_before"].isna().all() and table["accuracy_after"].isna().all()
+    assert table.loc["mtp_rl", "reward_after"] == pytest.approx(m["mtp_rl.reward_after"], abs=1e-12)
+    assert f"hf-classifier `{tiny_classifier}`" in (out / "report.md").read_text()
+
+    verifiable = _rl_stage(tmp_path / "verifiable", tiny_llama, OPEN_PROMPTS, OPEN_PROMPTS)
+    with pytest.raises(ValueError, match="no train prompt has a known answer"):
+        _run_rl_stage(verifiable)
+
+
+def test_rl_stage_with_the_verifiable_labeler_leaves_out_prompts_without_answers(tiny_llama, tmp_path, scored):
+    """label.labeler verifiable: prompts without an answer are left out of training and the held-out set, and the
+    held-out reward is the accuracy."""
+    cfg = _rl_stage(tmp_path, tiny_llama, {"Write a haiku about autumn.": None, "What is 2 + 3?": "5"},
+                    {"What is 4 * 2?": "8", "Describe a quiet harbour at dawn.": None, "What is 9 - 7?": "2"},
+                    mtp_rl={"variants": ["vanilla"]})
+    m = _run_rl_stage(cfg).metrics
+    assert [(call[0], call[2]) for call in scored] == [
+        (["What is 4 * 2?", "What is 9 - 7?"], ["8", "2"]), (["What is 2 + 3?"] * 2, ["5"] * 2),
+        (["What is 4 * 2?", "What is 9 - 7?"], ["8", "2"])]
+    assert m["reward_before"] == _mean(scored[0][3]) == m["accuracy_before"]
+    assert m["vanilla.reward_after"] == _mean(scored[2][3]) == m["vanilla.accuracy_after"]
 
 
 @pytest.mark.cuda

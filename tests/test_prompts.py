@@ -7,7 +7,9 @@ import pandas as pd
 import pytest
 
 from foresight.config import ArithmeticConfig, parse_config
-from foresight.prompts import PromptSourceError, arithmetic_prompts, load_prompts
+from foresight.prompts import PromptSourceError, arithmetic_prompts, load_prompts, unparseable_references
+
+INSTRUCTION = "End your answer with 'The answer is N.'"
 
 
 def _prompts_cfg(**prompts):
@@ -75,9 +77,34 @@ def test_file_source(tmp_path, fmt):
     train, held_out = load_prompts(cfg, tmp_path)
     assert (len(train), len(held_out)) == (5, 2)
     both = pd.concat([train, held_out])
-    assert set(both["question"]) <= set(df["text"])
+    assert set(both["question"]) <= {f"{text} {INSTRUCTION}" for text in df["text"]}  # rows with an answer get it
     for q, a in zip(both["question"], both["answer"]):
         assert str(2 * int(q.split()[2])) == a
+
+
+def test_instruction_goes_to_prompts_with_a_reference_only_and_null_means_none(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"prompt": f"Question {i}?", "answer": f"Worked out.\n#### {i}" if i % 2 else None} for i in range(8)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    source = {"path": str(path), "answer_column": "answer"}
+    train, held_out = load_prompts(_prompts_cfg(source="file", num_train=6, num_eval=2, file=source), tmp_path)
+    both = pd.concat([train, held_out])
+    with_answer = both["answer"].notna()
+    assert with_answer.any() and (~with_answer).any()
+    assert both.loc[with_answer, "question"].str.endswith(f"? {INSTRUCTION}").all()
+    assert both.loc[~with_answer, "question"].str.endswith("?").all()  # open prompts (UltraFeedback) stay as written
+
+    cfg = parse_config({"prompts": {"source": "file", "num_train": 6, "num_eval": 2, "instruction": None,
+                                    "file": source}}).prompts
+    assert cfg.instruction is None
+    train, held_out = load_prompts(cfg, tmp_path)
+    assert sorted(pd.concat([train, held_out])["question"]) == sorted(r["prompt"] for r in rows)
+
+
+def test_unparseable_references_are_counted_early(tmp_path):
+    prompts = pd.DataFrame({"answer": ["Natalia sold 24 clips.\n#### 72", "\\boxed{\\frac{1}{2}}", "150", None,
+                                       "Paris", "see the worked solution"]})
+    assert unparseable_references(prompts).tolist() == ["Paris", "see the worked solution"]
 
 
 def test_list_valued_column_uses_first_turn(tmp_path):

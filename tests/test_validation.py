@@ -11,9 +11,11 @@ import pytest
 from foresight.config import ValidateConfig
 from foresight.pairs import PAIR_COLUMNS, SAMPLE_COLUMNS, SCORE_COLUMNS, make_pairs
 from foresight.validation import ValidationFailed, pairs_suite, samples_suite, scores_suite, validate_tables
+from models.labeling.config import LabelerSpec
 
 MAX_NEW_TOKENS = 32
 CFG = ValidateConfig()
+VERIFIABLE = LabelerSpec()
 
 
 def make_samples(num_prompts: int = 3, per_prompt: int = 3) -> pd.DataFrame:
@@ -70,7 +72,7 @@ def test_good_tables_pass_and_write_data_docs(tmp_path):
     docs = tmp_path / "reports" / "data_docs"
     summary = validate_tables({
         "samples": (make_samples(), samples_suite(CFG, MAX_NEW_TOKENS)),
-        "scores": (scores, scores_suite(CFG)),
+        "scores": (scores, scores_suite(CFG, VERIFIABLE)),
         "pairs": (make_pairs_table(scores), pairs_suite(CFG)),
     }, docs)
 
@@ -96,7 +98,7 @@ def test_nullable_and_string_dtypes_pass(tmp_path):
     scores = make_scores().convert_dtypes()
     summary = validate_tables({
         "samples": (samples, samples_suite(CFG, MAX_NEW_TOKENS)),
-        "scores": (scores, scores_suite(CFG)),
+        "scores": (scores, scores_suite(CFG, VERIFIABLE)),
         "pairs": (make_pairs_table(scores).convert_dtypes(), pairs_suite(CFG)),
     }, tmp_path / "docs")
     assert summary["success"] is True
@@ -209,31 +211,44 @@ def test_extra_columns_are_allowed(tmp_path):
 def test_duplicate_sample_id_fails(tmp_path):
     scores = make_scores()
     scores.loc[1, "sample_id"] = scores.loc[0, "sample_id"]
-    err = expect_failure({"scores": (scores, scores_suite(CFG))}, tmp_path / "docs")
+    err = expect_failure({"scores": (scores, scores_suite(CFG, VERIFIABLE))}, tmp_path / "docs")
     assert failed(err, "scores") == [("expect_column_values_to_be_unique", "sample_id")]
     assert "'p0-s0'" in str(err)
 
 
-def test_score_out_of_range_and_missing_fail(tmp_path):
-    cfg = ValidateConfig(score_min=-1.0, score_max=1.0)
+def test_verifiable_scores_must_be_zero_or_one_and_present(tmp_path):
     scores = make_scores()
-    scores.loc[0, "score"] = 1.5
+    scores.loc[0, "score"] = 0.5  # within [0, 1] but no verifiable score
     scores.loc[1, "score"] = float("nan")
-    err = expect_failure({"scores": (scores, scores_suite(cfg))}, tmp_path / "docs")
+    err = expect_failure({"scores": (scores, scores_suite(CFG, VERIFIABLE))}, tmp_path / "docs")
     assert failed(err, "scores") == [
         ("expect_column_values_to_not_be_null", "score"),
-        ("expect_column_values_to_be_between", "score"),
+        ("expect_column_values_to_be_in_set", "score"),
     ]
-    assert "e.g. [1.5] (expected min_value=-1.0, max_value=1.0)" in str(err)
+    assert "e.g. [0.5]" in str(err)
+
+
+def test_reward_model_scores_must_lie_in_the_configured_plausible_range(tmp_path):
+    rm = LabelerSpec(labeler="armorm", model="rm", score_min=-1.0, score_max=1.0)
+    scores = make_scores().assign(labeler="armorm", score=0.25)  # continuous scores pass
+    validate_tables({"scores": (scores, scores_suite(CFG, rm))}, tmp_path / "ok")
+    scores.loc[0, "score"] = 1.5
+    err = expect_failure({"scores": (scores, scores_suite(CFG, rm))}, tmp_path / "docs")
+    assert failed(err, "scores") == [("expect_column_values_to_be_between", "score")]
+    assert "e.g. [1.5] (expected plausible armorm scores: -1.0 to 1.0 (label.score_min / label.score_max))" in str(err)
+    # the same table under the verifiable labeler: 0.25 is no score it gives, and the labeler column disagrees
+    err = expect_failure({"scores": (scores, scores_suite(CFG, VERIFIABLE))}, tmp_path / "docs2")
+    assert failed(err, "scores") == [("expect_column_values_to_be_in_set", "score"),
+                                     ("expect_column_values_to_be_in_set", "labeler")]
 
 
 def test_only_failing_suites_are_reported(tmp_path):
     samples = make_samples()
     scores = make_scores()
-    scores.loc[0, "score"] = 2e6
+    scores.loc[0, "score"] = 2.0
     err = expect_failure({
         "samples": (samples, samples_suite(CFG, MAX_NEW_TOKENS)),
-        "scores": (scores, scores_suite(CFG)),
+        "scores": (scores, scores_suite(CFG, VERIFIABLE)),
     }, tmp_path / "docs")
     assert err.results["suites"]["samples"]["success"] is True
     assert err.results["suites"]["scores"]["success"] is False
@@ -256,7 +271,7 @@ def test_make_pairs_output_passes_pairs_suite(tmp_path):
 def test_rerun_replaces_previous_site(tmp_path):
     docs = tmp_path / "docs"
     validate_tables({"samples": (make_samples(), samples_suite(CFG, MAX_NEW_TOKENS))}, docs)
-    validate_tables({"scores": (make_scores(), scores_suite(CFG))}, docs)
+    validate_tables({"scores": (make_scores(), scores_suite(CFG, VERIFIABLE))}, docs)
     assert not (docs / "expectations" / "samples.html").exists()
     assert (docs / "expectations" / "scores.html").is_file()
     assert len(list((docs / "validations").rglob("*.html"))) == 1

@@ -1,69 +1,37 @@
-"""Reward labelers behind one interface: ``labeler.score(questions, responses, answers) -> scores``.
+"""Reward labelers behind one interface: ``labeler.score(questions, responses, answers, on_batch) -> scores``.
 
-- ``verifiable``: reads the final answer ("The answer is N", else the last number) and compares it
-  with the known answer: 1.0 right, 0.0 wrong.
-- ``armorm``: ArmoRM-Llama3-8B-v0.1 (RLHFlow) through its real loading code,
-  ``AutoModelForSequenceClassification.from_pretrained(..., trust_remote_code=True)``; the reward is
-  ``output.score`` (the gated mixture of its 19 objectives), as the SLA paper evaluates with it.
-- ``hf-classifier``: any sequence-classification reward model; the reward is the first logit.
+- ``verifiable``: 1.0 when the response's final answer equals the reference answer, else 0.0; both are read as
+  real datasets write them (:mod:`models.labeling.answers`: GSM8K's ``#### N``, MATH's ``\\boxed{N}``, "The answer
+  is N", a bare value). A missing or unreadable reference is an error, never a silent 0.
+- ``armorm``: ArmoRM-Llama3-8B-v0.1 (RLHFlow), loaded natively from its own config and safetensors
+  (:mod:`models.labeling.armorm`, no remote code); the reward is its gated score, as the SLA paper evaluates with it
+  (§5.1); :meth:`ArmoRMLabeler.score_objectives` also returns the 19 objective rewards behind it.
+- ``hf-classifier``: any sequence-classification reward model; the reward is the first logit. A model that ships
+  its own code runs only with ``trust_remote_code`` set explicitly.
 
-Reward models see the conversation through their own chat template, right-padded, because both
-HF sequence classifiers and ArmoRM pool the last non-pad token. The label stage: docs/pipeline.md.
+Reward models see each (question, response) as a two-turn conversation through their own chat template,
+right-padded; rows are scored in batches of similar length (longest first, so an out-of-memory shows at once) and
+put back in their order. The label stage: docs/pipeline.md.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from models.engine.policy import resolve_device, resolve_dtype
+from models.labeling.answers import is_correct, parse_reference
 from models.labeling.config import LabelerSpec
 
-log = logging.getLogger(__name__)
-
+OnBatch = Callable[[int, int], None]
+"""Called after each batch with (rows scored so far, rows in all): progress bars and artifacts."""
 
 
 class LabelerError(RuntimeError):
     """A labeler could not be built or failed while scoring; the message names the model and the cause."""
-
-
-# "The answer is 12." / "the answer is: $1,200" / "**The answer is -3**"
-_ANSWER_RE = re.compile(r"answer\s+is\s*:?\s*\**\s*\$?\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)
-_NUMBER_RE = re.compile(r"-?\d[\d,]*\.?\d*|-?\.\d+")
-
-
-def extract_answer(response: str) -> str | None:
-    """The final answer of a response: the last "answer is N", else the last number; None if no number."""
-    found = _ANSWER_RE.findall(response)
-    if not found:
-        found = _NUMBER_RE.findall(response)
-    if not found:
-        return None
-    return _normalise_number(found[-1])
-
-
-def _normalise_number(text: str) -> str | None:
-    text = text.replace(",", "").rstrip(".")
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return str(int(value)) if value.is_integer() else repr(value)
-
-
-def is_correct(response: str, answer: str | None) -> bool | None:
-    """True/False when the reference answer is known, None otherwise."""
-    if answer is None or (isinstance(answer, float) and math.isnan(answer)):
-        return None
-    expected = _normalise_number(str(answer))
-    if expected is None:  # non-numeric reference: exact text match on the stripped final line
-        return response.strip().splitlines()[-1].strip().lower() == str(answer).strip().lower() if response.strip() else False
-    return extract_answer(response) == expected
 
 
 class Labeler(Protocol):
@@ -71,36 +39,115 @@ class Labeler(Protocol):
 
     name: str
 
-    def score(self, questions: Sequence[str], responses: Sequence[str], answers: Sequence[str | None]) -> list[float]:
+    def score(self, questions: Sequence[str], responses: Sequence[str], answers: Sequence[str | None],
+              on_batch: OnBatch | None = None) -> list[float]:
         ...
 
 
+def _is_missing(answer) -> bool:
+    return answer is None or (isinstance(answer, float) and math.isnan(answer))
+
+
 class VerifiableLabeler:
-    """1.0 when the extracted final answer equals the known answer, else 0.0."""
+    """1.0 when the response's final answer equals the reference answer, else 0.0."""
 
     name = "verifiable"
 
-    def score(self, questions, responses, answers):
-        missing = sum(a is None for a in answers)
-        if missing:
+    def score(self, questions, responses, answers, on_batch=None):
+        missing = sum(_is_missing(a) for a in answers)
+        unreadable = [a for a in answers if not _is_missing(a) and parse_reference(a) is None]
+        if missing or unreadable:
+            examples = list(dict.fromkeys(str(a)[:60] for a in unreadable))[:3]
             raise LabelerError(
-                f"the verifiable labeler needs known answers, but {missing} of {len(answers)} prompts have none "
-                "(set prompts.*.answer_column, or use labeler armorm / hf-classifier)"
+                f"the verifiable labeler needs a reference answer it can read for every row: of {len(answers)} rows, "
+                f"{missing} have none and {len(unreadable)} have one without a number, '#### X', '\\boxed{{X}}' "
+                f"or 'The answer is N'{f' (e.g. {examples})' if examples else ''}. Set the prompt source's "
+                "answer_column, write text answers as '#### X', or use labeler armorm / hf-classifier"
             )
-        return [1.0 if is_correct(r, a) else 0.0 for r, a in zip(responses, answers)]
+        scores = [1.0 if is_correct(r, a) else 0.0 for r, a in zip(responses, answers, strict=True)]
+        if on_batch is not None:
+            on_batch(len(scores), len(scores))
+        return scores
 
 
-class SequenceClassifierLabeler:
-    """A Hugging Face reward model scoring (question, response) conversations in batches.
+def score_in_batches(lengths: Sequence[int], batch_size: int, score_batch: Callable[[list[int]], torch.Tensor],
+                     model_name: str, on_batch: OnBatch | None = None) -> torch.Tensor:
+    """Run ``score_batch(rows) -> (b, C)`` over all rows in batches of similar ``lengths`` (longest first: an
+    out-of-memory shows in the first batch, and short rows are not padded to long ones) and return (N, C) in the
+    rows' own order. Failures and non-finite scores are errors naming the rows."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out: torch.Tensor | None = None
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        try:
+            batch = score_batch(rows).float().cpu()  # (b, C)
+        except Exception as err:
+            raise LabelerError(f"reward model {model_name!r} failed on rows {_span(rows)}: {err}") from err
+        bad = [row for row, ok in zip(rows, torch.isfinite(batch).all(dim=1).tolist()) if not ok]
+        if bad:
+            raise LabelerError(f"reward model {model_name!r} returned non-finite scores for rows {sorted(bad)[:10]}")
+        if out is None:
+            out = torch.empty(len(lengths), batch.shape[1])
+        out[rows] = batch
+        if on_batch is not None:
+            on_batch(min(start + batch_size, len(order)), len(order))
+    return out if out is not None else torch.empty(0, 1)
 
-    ``score_field`` picks the output: ``"score"`` for ArmoRM's custom output, ``"logits"`` (first
-    column) for ordinary sequence classifiers.
-    """
 
-    def __init__(self, cfg: LabelerSpec, score_field: str):
+def _span(rows: list[int]) -> str:
+    rows = sorted(rows)
+    return f"{rows[0]}..{rows[-1]}" if rows == list(range(rows[0], rows[-1] + 1)) else str(rows[:10])
+
+
+def _conversation_lengths(questions: Sequence[str], responses: Sequence[str]) -> list[int]:
+    """Characters per (question, response): a free proxy of token length for grouping rows into batches."""
+    return [len(q) + len(r) for q, r in zip(questions, responses, strict=True)]
+
+
+class ArmoRMLabeler:
+    """ArmoRM's gated preference score (``output.score`` of the published model), computed natively."""
+
+    name = "armorm"
+
+    def __init__(self, cfg: LabelerSpec):
+        from models.labeling.armorm import ArmoRMError, gating_pattern, load_armorm
+
+        self.cfg = cfg
+        device = resolve_device(cfg.device)
+        try:
+            self.model, self.tokenizer = load_armorm(cfg.model, resolve_dtype(cfg.dtype, device), device)
+            self.pattern = gating_pattern(self.tokenizer)
+        except ArmoRMError as err:
+            raise LabelerError(f"reward model could not be loaded: {err}") from err
+
+    @torch.no_grad()
+    def score_objectives(self, questions, responses, on_batch=None) -> tuple[list[float], list[list[float]]]:
+        """The gated scores and, per row, the objective rewards they mix (ArmoRM's 19 rating dimensions)."""
+        from models.labeling.armorm import encode_conversations
+
+        def score_batch(rows: list[int]) -> torch.Tensor:
+            enc = encode_conversations(self.tokenizer, [questions[i] for i in rows], [responses[i] for i in rows],
+                                       self.cfg.max_length, self.pattern)
+            output = self.model(**{k: v.to(self.model.device) for k, v in enc.items()})
+            return torch.cat([output.score[:, None], output.rewards], dim=1)  # (b, 1 + objectives)
+
+        table = score_in_batches(_conversation_lengths(questions, responses), self.cfg.batch_size, score_batch,
+                                 self.cfg.model, on_batch)
+        return table[:, 0].tolist(), table[:, 1:].tolist()
+
+    def score(self, questions, responses, answers, on_batch=None):
+        return self.score_objectives(questions, responses, on_batch)[0]
+
+
+class ClassifierLabeler:
+    """A Hugging Face sequence-classification reward model; the reward is its first logit."""
+
+    name = "hf-classifier"
+
+    def __init__(self, cfg: LabelerSpec):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        self.name, self.cfg, self.score_field = cfg.labeler, cfg, score_field
+        self.cfg = cfg
         self.device = resolve_device(cfg.device)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -111,7 +158,7 @@ class SequenceClassifierLabeler:
             if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
                 raise LabelerError(
                     f"reward model {cfg.model!r} ships its own code; allow it explicitly with "
-                    "label.trust_remote_code: true in params.yaml"
+                    "label.trust_remote_code: true in params.yaml (for ArmoRM use labeler: armorm, which needs none)"
                 ) from err
             raise LabelerError(f"reward model {cfg.model!r} could not be loaded: {err}") from err
         except ImportError as err:
@@ -120,8 +167,8 @@ class SequenceClassifierLabeler:
             raise LabelerError(
                 f"reward model {cfg.model!r}: its own modeling code does not import under transformers "
                 f"{transformers.__version__}: {err}. Code written for transformers 4.x (ArmoRM's imports "
-                "LLAMA_INPUTS_DOCSTRING, removed in 5.x) needs a transformers 4.x environment for labeling, "
-                "or a patched copy of the model folder."
+                "LLAMA_INPUTS_DOCSTRING, removed in 5.x) needs a patched copy of the model folder; for ArmoRM use "
+                "labeler: armorm, which loads it without its code."
             ) from err
         except OSError as err:
             raise LabelerError(
@@ -133,49 +180,35 @@ class SequenceClassifierLabeler:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.tokenizer.padding_side = "right"
+        self.tokenizer.padding_side = "right"  # sequence classifiers pool the last non-pad token
 
-    def _encode(self, questions, responses):
-        convs = [[{"role": "user", "content": q}, {"role": "assistant", "content": r}]
-                 for q, r in zip(questions, responses)]
+    def encode(self, questions, responses):
+        """The (question, response) conversations as one right-padded batch on the model's device."""
         if getattr(self.tokenizer, "chat_template", None):
-            texts = [self.tokenizer.apply_chat_template(c, tokenize=False) for c in convs]
+            texts = [self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}, {"role": "assistant", "content": r}], tokenize=False)
+                for q, r in zip(questions, responses, strict=True)]
             add_special = False
-        else:  # classifier without a chat template: plain "question\n\nresponse"
-            texts = [f"{q}\n\n{r}" for q, r in zip(questions, responses)]
+        else:  # a classifier without a chat template: plain "question\n\nresponse"
+            texts = [f"{q}\n\n{r}" for q, r in zip(questions, responses, strict=True)]
             add_special = True
         return self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
                               max_length=self.cfg.max_length, add_special_tokens=add_special).to(self.device)
 
     @torch.no_grad()
-    def score(self, questions, responses, answers):
-        scores: list[float] = []
-        for start in range(0, len(responses), self.cfg.batch_size):
-            stop = start + self.cfg.batch_size
-            enc = self._encode(questions[start:stop], responses[start:stop])
-            try:
-                output = self.model(**enc)
-            except Exception as err:
-                raise LabelerError(f"reward model {self.cfg.model!r} failed on rows {start}..{stop - 1}: {err}") from err
-            if self.score_field == "score":
-                if getattr(output, "score", None) is None:
-                    raise LabelerError(
-                        f"reward model {self.cfg.model!r} returned no 'score' field (ArmoRM's custom output has one); "
-                        "for an ordinary sequence classifier use labeler: hf-classifier"
-                    )
-                batch = output.score.reshape(len(enc["input_ids"]), -1)[:, 0]
-            else:
-                batch = output.logits[:, 0]
-            batch = batch.float().cpu().tolist()
-            bad = [start + i for i, s in enumerate(batch) if not math.isfinite(s)]
-            if bad:
-                raise LabelerError(f"reward model {self.cfg.model!r} returned non-finite scores for rows {bad[:10]}")
-            scores += batch
-        return scores
+    def score(self, questions, responses, answers, on_batch=None):
+        def score_batch(rows: list[int]) -> torch.Tensor:
+            enc = self.encode([questions[i] for i in rows], [responses[i] for i in rows])
+            return self.model(**enc).logits[:, :1]  # (b, 1)
+
+        return score_in_batches(_conversation_lengths(questions, responses), self.cfg.batch_size, score_batch,
+                                self.cfg.model, on_batch)[:, 0].tolist()
 
 
 def build_labeler(cfg: LabelerSpec) -> Labeler:
     """The labeler named by ``cfg.labeler``."""
     if cfg.labeler == "verifiable":
         return VerifiableLabeler()
-    return SequenceClassifierLabeler(cfg, score_field="score" if cfg.labeler == "armorm" else "logits")
+    if cfg.labeler == "armorm":
+        return ArmoRMLabeler(cfg)
+    return ClassifierLabeler(cfg)

@@ -3,8 +3,10 @@ and the paper's baselines (§2.2, Table 1) in one harness.
 
 One RL step (of :func:`train_variant`): sample G rollouts per prompt at temperature T — by plain sampling (vanilla
 GRPO) or speculatively with K chained MTP drafts and speculative sampling, which leaves the rollouts'
-distribution exactly the policy's — reward each with the verifiable arithmetic check, normalise advantages
-within each group, then one update:
+distribution exactly the policy's — score them all with the reward function given (:data:`RewardFunction`: the
+configured labeler's ``score``, the verifiable answer check on prompts with known answers or a reward model
+such as ArmoRM on open prompts, :mod:`models.labeling.labelers`), normalise advantages within each group, then
+one update:
 
     L_main = L_GRPO + L_Adv          L_MTP = L_Adv          L_Adv = w·KL(π_main ‖ π_MTP) + β·CE     (eq. 4, 5)
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,7 +41,6 @@ from models.common.sequences import padding_id, right_pad
 from models.common.training import float32_master_weights, half_dtype, step_precision
 from models.engine.policy import Policy
 from models.engine.speculative import SpeculativeStats
-from models.labeling.labelers import is_correct
 from models.mtp.config import MTPRLTraining, VariantName
 from models.mtp.grpo import group_advantages, grpo_loss, token_logps
 from models.mtp.module import (
@@ -53,6 +55,11 @@ from models.mtp.module import (
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+
+RewardFunction = Callable[[Sequence[str], Sequence[str], Sequence[str | None]], list[float]]
+"""``reward_fn(questions, responses, answers) -> rewards``, one finite reward per response: a labeler's bound
+``score`` fits. ``answers``: the prompts' known answers, None where a prompt has none (a reward model needs none)."""
 
 
 @dataclass(frozen=True)
@@ -92,9 +99,10 @@ class Rollouts:
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
-    rewards: torch.Tensor  # (N·G,)
-    seconds: float  # wall time of the rollout phase
+    rewards: torch.Tensor  # (N·G,): the reward function's
+    seconds: float  # wall time of the rollout phase (sampling; scoring not included)
     stats: SpeculativeStats  # draft counters (empty for plain sampling)
+    reward_seconds: float = 0.0  # wall time of scoring the rollouts
 
 
 def rollout_generator(seed: int, step: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -119,12 +127,30 @@ def sample_plainly(model, input_ids: torch.Tensor, max_new_tokens: int, eos_toke
     return new if ended is None else new[: ended + 1]
 
 
+def rollout_rewards(reward_fn: RewardFunction, questions: Sequence[str], answers: Sequence[str | None],
+                    responses: Sequence[str], group_size: int) -> torch.Tensor:
+    """(N·G,): every rollout's reward from one call of ``reward_fn`` (a reward model scores in batches), each
+    prompt's question and answer repeated for its G consecutive rollouts. A reward that is not a finite number
+    would poison its whole group's advantages: an error."""
+    rewards = reward_fn([q for q in questions for _ in range(group_size)], list(responses),
+                        [a for a in answers for _ in range(group_size)])
+    if len(rewards) != len(responses):
+        raise ValueError(f"the reward function returned {len(rewards)} rewards for {len(responses)} rollouts")
+    bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
+    if bad:
+        raise ValueError(f"the reward function returned non-finite rewards {[rewards[i] for i in bad[:5]]} for "
+                         f"rollouts {bad[:10]} of {len(rewards)}: GRPO's group advantages need finite rewards")
+    return torch.tensor(rewards, dtype=torch.float32)
+
+
 def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequence[torch.Tensor],
-                     answers: Sequence[str], cfg: MTPRLTraining, step: int, eos_token_ids: set[int],
-                     first_prompt: int = 0, on_rollout: Callable[[], None] | None = None) -> Rollouts:
-    """G rollouts per prompt at batch 1 (plain sampling when ``module`` is None) and their 0/1 rewards.
-    ``first_prompt``: the index of ``prompts[0]`` among the step's prompts (a process's share starts there), which
-    picks each rollout's sampling stream."""
+                     questions: Sequence[str], answers: Sequence[str | None], reward_fn: RewardFunction,
+                     cfg: MTPRLTraining, step: int, eos_token_ids: set[int], first_prompt: int = 0,
+                     on_rollout: Callable[[], None] | None = None) -> Rollouts:
+    """G rollouts per prompt at batch 1 (plain sampling when ``module`` is None), then their rewards from
+    ``reward_fn`` in one call. ``questions`` / ``answers``: each prompt's question text and known answer (None:
+    none). ``first_prompt``: the index of ``prompts[0]`` among the step's prompts (a process's share starts
+    there), which picks each rollout's sampling stream."""
     model.eval()
     device = model.get_output_embeddings().weight.device
     started = time.perf_counter()
@@ -132,8 +158,8 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
     if module is not None:
         draft_dtype = getattr(torch, cfg.draft_dtype)
         draft_base, draft_module = draft_parts(model, module.eval(), draft_dtype)
-    prompt_ids, completions, rewards = [], [], []
-    for p, (ids, answer) in enumerate(zip(prompts, answers, strict=True), start=first_prompt):
+    prompt_ids, completions = [], []
+    for p, ids in enumerate(prompts, start=first_prompt):
         for g in range(cfg.group_size):
             generator = rollout_generator(cfg.seed, step, p * cfg.group_size + g, device)
             ids = ids.to(device)
@@ -144,11 +170,12 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
                                       cfg.temperature, generator, stats, cfg.draft_temperature)
             prompt_ids.append(ids[0].tolist())
             completions.append(tokens)
-            response = tokenizer.decode(tokens, skip_special_tokens=True)
-            rewards.append(1.0 if is_correct(response, answer) else 0.0)
             if on_rollout is not None:
                 on_rollout()
-    return Rollouts(prompt_ids, completions, torch.tensor(rewards), time.perf_counter() - started, stats)
+    scoring = time.perf_counter()
+    responses = [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in completions]
+    rewards = rollout_rewards(reward_fn, questions, answers, responses, cfg.group_size)
+    return Rollouts(prompt_ids, completions, rewards, scoring - started, stats, time.perf_counter() - scoring)
 
 
 def rollout_batch(rollouts: Rollouts, pad_token_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -274,8 +301,8 @@ def process_share(prompts_per_step: int, accelerator: Accelerator) -> slice:
 
 def step_record(step: int, rollouts: Rollouts, advantages: torch.Tensor, stats: dict[str, float], drafts: bool,
                 update_seconds: float, accelerator: Accelerator) -> dict:
-    """The step's numbers over every process: rollout counts summed, the rollout phase's wall time the slowest
-    process's, the loss terms (each process's share) summed."""
+    """The step's numbers over every process: rollout counts summed, the rollout and scoring phases' wall times
+    the slowest process's, the loss terms (each process's share) summed. ``reward``: the mean reward."""
     counters = rollouts.stats
     local = torch.tensor([rollouts.rewards.sum().item(), len(rollouts.rewards),
                           sum(len(c) for c in rollouts.completion_ids), advantage_mask(advantages).sum().item(),
@@ -283,26 +310,34 @@ def step_record(step: int, rollouts: Rollouts, advantages: torch.Tensor, stats: 
                           counters.accepted_drafts, *stats.values()], dtype=torch.float64, device=accelerator.device)
     (reward, count, tokens, positive, cycles, cycle_tokens, drafted, accepted, *terms) = \
         accelerator.reduce(local, "sum").tolist()
-    seconds = accelerator.gather(torch.tensor([rollouts.seconds], device=accelerator.device)).max().item()
+    seconds, reward_seconds = accelerator.gather(torch.tensor([[rollouts.seconds, rollouts.reward_seconds]],
+                                                              device=accelerator.device)).max(dim=0).values.tolist()
     nan = float("nan")
-    return {"step": step, "rollout_seconds": seconds, "update_seconds": update_seconds, "rollout_tokens": int(tokens),
-            "rollout_tokens_per_s": tokens / seconds, "reward": reward / count, "accuracy": reward / count,
-            "positive_advantage_share": positive / count, "cycles": int(cycles) if drafts else int(tokens),
+    return {"step": step, "rollout_seconds": seconds, "reward_seconds": reward_seconds,
+            "update_seconds": update_seconds, "rollout_tokens": int(tokens), "rollout_tokens_per_s": tokens / seconds,
+            "reward": reward / count, "positive_advantage_share": positive / count,
+            "cycles": int(cycles) if drafts else int(tokens),
             "tau": (cycle_tokens / cycles if cycles else nan) if drafts else 1.0,
             "acceptance_rate": (accepted / drafted if drafted else nan) if drafts else 0.0,
             **dict(zip(stats, terms, strict=True))}
 
 
 def train_variant(policy: Policy, module: MTPModule | None, var: Variant, prompts: Sequence[torch.Tensor],
-                  answers: Sequence[str], cfg: MTPRLTraining, weights: Sequence[float], eos_token_ids: set[int],
+                  questions: Sequence[str], answers: Sequence[str | None], reward_fn: RewardFunction,
+                  cfg: MTPRLTraining, weights: Sequence[float], eos_token_ids: set[int],
                   accelerator: Accelerator | None = None, on_step: Callable[[int, dict], None] | None = None,
                   on_rollout: Callable[[], None] | None = None) -> list[dict]:
     """``cfg.steps`` RL steps of one variant on ``prompts`` (``cfg.prompts_per_step`` per step, in order; each
-    process rolls out its share). ``weights``: λ_1 … λ_K of the module's CE and KL. The policy (and the module,
-    when the variant trains it) are updated in place, back in their own dtypes at the end (with ``lora_rank`` > 0
-    the adapters are merged into the policy). Returns one dict per step, over every process."""
+    process rolls out its share and scores it with ``reward_fn``). ``questions`` / ``answers``: each prompt's
+    question text and known answer (None: none), what ``reward_fn`` reads. ``weights``: λ_1 … λ_K of the
+    module's CE and KL. The policy (and the module, when the variant trains it) are updated in place, back in
+    their own dtypes at the end (with ``lora_rank`` > 0 the adapters are merged into the policy). Returns one
+    dict per step, over every process."""
     from accelerate import Accelerator
 
+    if not len(prompts) == len(questions) == len(answers):
+        raise ValueError(f"{len(prompts)} prompts, {len(questions)} questions and {len(answers)} answers: give one "
+                         "question and one answer (None: unknown) per prompt")
     needed = cfg.steps * cfg.prompts_per_step
     if len(prompts) < needed:
         raise ValueError(f"{cfg.steps} steps × {cfg.prompts_per_step} prompts need {needed} training prompts, "
@@ -312,8 +347,8 @@ def train_variant(policy: Policy, module: MTPModule | None, var: Variant, prompt
     accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu")
     share = process_share(cfg.prompts_per_step, accelerator)
     with memory_saving(policy.model, cfg.lora_rank, cfg.gradient_checkpointing) as trained:
-        history = _train(trained, policy.tokenizer, module, var, prompts, answers, cfg, weights, eos_token_ids,
-                         accelerator, share, on_step, on_rollout)
+        history = _train(trained, policy.tokenizer, module, var, prompts, questions, answers, reward_fn, cfg, weights,
+                         eos_token_ids, accelerator, share, on_step, on_rollout)
     policy.model = merged(trained).requires_grad_(False).eval()
     if module is not None:
         module.requires_grad_(False).eval()
@@ -321,9 +356,9 @@ def train_variant(policy: Policy, module: MTPModule | None, var: Variant, prompt
 
 
 def _train(trained, tokenizer, module: MTPModule | None, var: Variant, prompts: Sequence[torch.Tensor],
-           answers: Sequence[str], cfg: MTPRLTraining, weights: Sequence[float], eos_token_ids: set[int],
-           accelerator: Accelerator, share: slice, on_step: Callable[[int, dict], None] | None,
-           on_rollout: Callable[[], None] | None) -> list[dict]:
+           questions: Sequence[str], answers: Sequence[str | None], reward_fn: RewardFunction, cfg: MTPRLTraining,
+           weights: Sequence[float], eos_token_ids: set[int], accelerator: Accelerator, share: slice,
+           on_step: Callable[[int, dict], None] | None, on_rollout: Callable[[], None] | None) -> list[dict]:
     """:func:`train_variant`'s loop on the model to train (the policy, or its LoRA wrapper)."""
     from accelerate.utils import set_seed
 
@@ -355,10 +390,12 @@ def _train(trained, tokenizer, module: MTPModule | None, var: Variant, prompts: 
         trained_module = prepared[0] if prepared else None
         device = accelerator.device
         for step in range(cfg.steps):
-            step_prompts = prompts[step * cfg.prompts_per_step : (step + 1) * cfg.prompts_per_step][share]
-            step_answers = answers[step * cfg.prompts_per_step : (step + 1) * cfg.prompts_per_step][share]
+            this_step = slice(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)
+            step_prompts, step_questions, step_answers = (items[this_step][share]
+                                                          for items in (prompts, questions, answers))
             rollouts = collect_rollouts(trained, tokenizer, module if var.drafts else None, step_prompts,
-                                        step_answers, cfg, step, eos_token_ids, share.start, on_rollout)
+                                        step_questions, step_answers, reward_fn, cfg, step, eos_token_ids,
+                                        share.start, on_rollout)
             advantages = group_advantages(rollouts.rewards, cfg.group_size, cfg.advantage_epsilon)
             batch = rollout_batch(rollouts, padding_id(tokenizer), device)
             totals = batch_totals(batch, num_depths, accelerator)
