@@ -150,15 +150,6 @@ def dataset_prompts(cfg: DatasetSourceConfig) -> pd.DataFrame:
     return _table_from_dataset(ds, cfg.text_column, cfg.answer_column, f"dataset {cfg.name!r}")
 
 
-def unparseable_references(prompts: pd.DataFrame) -> pd.Series:
-    """The reference answers given but unreadable by the verifiable labeler (:func:`models.labeling.answers.
-    parse_reference`): with that labeler such prompts fail the label stage; reported as early as the split."""
-    from models.labeling.answers import parse_reference
-
-    given = prompts["answer"].dropna()
-    return given[[parse_reference(a) is None for a in given]]
-
-
 def _stable_id(source: str, text: str) -> str:
     return f"{source}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 

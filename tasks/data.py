@@ -224,14 +224,15 @@ def prepare_policy_task(cfg: Config) -> StageResult:
 @task(name="prepare-prompts", cache_policy=NO_CACHE)
 def prepare_prompts_task(cfg: Config) -> StageResult:
     """Read the prompt source and write the deterministic train / eval splits."""
-    from foresight.prompts import load_prompts, unparseable_references
+    from foresight.prompts import load_prompts
+    from models.labeling.answers import unreadable_references
 
     started = time.perf_counter()
     train, held_out = load_prompts(cfg.prompts, cfg.root)
     paths = {split: _prompt_split_path(cfg, split) for split in ("train", "eval")}
     write_table(train, paths["train"])
     write_table(held_out, paths["eval"])
-    unreadable = pd.concat([unparseable_references(train), unparseable_references(held_out)])
+    unreadable = unreadable_references([*train["answer"].dropna(), *held_out["answer"].dropna()])
     metrics = {
         "num_train": len(train),
         "num_eval": len(held_out),
@@ -244,7 +245,7 @@ def prepare_prompts_task(cfg: Config) -> StageResult:
     if len(unreadable):
         logger.warning("%d reference answer(s) have no answer the verifiable labeler can read (a number, '#### X', "
                        "'\\boxed{X}', 'The answer is N'), e.g. %s; with label.labeler: verifiable the label stage "
-                       "will fail on them", len(unreadable), [str(a)[:60] for a in unreadable.head(3)])
+                       "will fail on them", len(unreadable), [str(a)[:60] for a in unreadable[:3]])
     return StageResult(metrics=metrics, tables=paths)
 
 
@@ -301,7 +302,7 @@ def generate_task(cfg: Config) -> StageResult:
 def label_task(cfg: Config) -> StageResult:
     """Score every sample with the configured labeler (batched, with a progress bar and artifact); record
     correctness wherever a reference answer is known, and count the references no answer can be read from."""
-    from models.labeling.answers import extract_answer, is_correct, parse_reference
+    from models.labeling.answers import extract_answer, is_correct, unreadable_references
     from models.labeling.config import LabelerSpec
     from models.labeling.labelers import ArmoRMLabeler, build_labeler
 
@@ -312,7 +313,7 @@ def label_task(cfg: Config) -> StageResult:
         raise ValueError(f"{cfg.path(cfg.paths.samples)} has no rows: nothing to label")
     answers = [None if pd.isna(a) else a for a in samples["answer"]]
     references = samples.drop_duplicates("prompt_id")["answer"].dropna()
-    unreadable = int(sum(parse_reference(a) is None for a in references))
+    unreadable = len(unreadable_references(references))
     if unreadable:
         logger.warning("%d of %d reference answers cannot be read (no number, '#### X', '\\boxed{X}' or 'The "
                        "answer is N'): their samples get no correctness", unreadable, len(references))

@@ -6,7 +6,13 @@ import math
 
 import pytest
 
-from models.labeling.answers import extract_answer, is_correct, normalise_answer, parse_reference
+from models.labeling.answers import (
+    extract_answer,
+    is_correct,
+    normalise_answer,
+    parse_reference,
+    unreadable_references,
+)
 
 GSM8K_SOLUTION = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -175,3 +181,9 @@ def test_unreadable_reference_is_unknown(reference):
     assert parse_reference(reference) is None
     assert is_correct("The answer is 72.", reference) is None
     assert is_correct("Paris", reference) is None
+
+
+def test_unreadable_references_are_the_given_ones_no_answer_can_be_read_from():
+    references = ["Natalia sold 24 clips.\n#### 72", "\\boxed{\\frac{1}{2}}", "150", None, float("nan"), "Paris",
+                  "see the worked solution"]
+    assert unreadable_references(references) == ["Paris", "see the worked solution"]

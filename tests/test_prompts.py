@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from foresight.config import ArithmeticConfig, parse_config
-from foresight.prompts import PromptSourceError, arithmetic_prompts, load_prompts, unparseable_references
+from foresight.prompts import PromptSourceError, arithmetic_prompts, load_prompts
 
 INSTRUCTION = "End your answer with 'The answer is N.'"
 
@@ -99,12 +99,6 @@ def test_instruction_goes_to_prompts_with_a_reference_only_and_null_means_none(t
     assert cfg.instruction is None
     train, held_out = load_prompts(cfg, tmp_path)
     assert sorted(pd.concat([train, held_out])["question"]) == sorted(r["prompt"] for r in rows)
-
-
-def test_unparseable_references_are_counted_early(tmp_path):
-    prompts = pd.DataFrame({"answer": ["Natalia sold 24 clips.\n#### 72", "\\boxed{\\frac{1}{2}}", "150", None,
-                                       "Paris", "see the worked solution"]})
-    assert unparseable_references(prompts).tolist() == ["Paris", "see the worked solution"]
 
 
 def test_list_valued_column_uses_first_turn(tmp_path):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from fractions import Fraction
 
 # a number as it appears in running text: -\frac{1}{2}, 1,200.5, 48/2, 2.5, .5 (a minus only where it cannot be
@@ -137,11 +138,21 @@ def extract_answer(text: str) -> str | None:
     return normalise_answer(found[-1]) if found else None
 
 
+def is_missing(reference) -> bool:
+    """No reference at all: None, or the NaN an empty table cell reads as."""
+    return reference is None or (isinstance(reference, float) and math.isnan(reference))
+
+
+def unreadable_references(references: Iterable) -> list:
+    """The references given (not missing) that :func:`parse_reference` cannot read, in their order."""
+    return [r for r in references if not is_missing(r) and parse_reference(r) is None]
+
+
 def parse_reference(reference) -> str | None:
     """A dataset's reference answer, canonicalised: a bare number ("150", "$1,200", "3/4"), else a worked solution
     read as :func:`extract_answer` reads it. None when missing (None, NaN, empty) or unreadable: bare text without
     a marker ("Paris") is not compared, since only numbers and marked answers ("#### Paris") are."""
-    if reference is None or (isinstance(reference, float) and math.isnan(reference)):
+    if is_missing(reference):
         return None
     text = str(reference).strip()
     if not text:

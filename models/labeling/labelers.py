@@ -16,14 +16,13 @@ put back in their order. The label stage: docs/pipeline.md.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from models.engine.policy import resolve_device, resolve_dtype
-from models.labeling.answers import is_correct, parse_reference
+from models.labeling.answers import is_correct, is_missing, unreadable_references
 from models.labeling.config import LabelerSpec
 
 OnBatch = Callable[[int, int], None]
@@ -44,18 +43,14 @@ class Labeler(Protocol):
         ...
 
 
-def _is_missing(answer) -> bool:
-    return answer is None or (isinstance(answer, float) and math.isnan(answer))
-
-
 class VerifiableLabeler:
     """1.0 when the response's final answer equals the reference answer, else 0.0."""
 
     name = "verifiable"
 
     def score(self, questions, responses, answers, on_batch=None):
-        missing = sum(_is_missing(a) for a in answers)
-        unreadable = [a for a in answers if not _is_missing(a) and parse_reference(a) is None]
+        missing = sum(is_missing(a) for a in answers)
+        unreadable = unreadable_references(answers)
         if missing or unreadable:
             examples = list(dict.fromkeys(str(a)[:60] for a in unreadable))[:3]
             raise LabelerError(
