@@ -107,7 +107,9 @@ class PolicyConfig(_Section):
     revision: str | None = PolicySpec.revision
     """Hub revision (branch, tag or commit) when ``model`` is a hub id."""
     dtype: DtypeName = PolicySpec.dtype
-    """Weights' dtype. ``auto`` = bfloat16 on CUDA, float32 on CPU (CPU half precision is slow)."""
+    """Weights' dtype. ``auto`` = bfloat16 on CUDA and on a CPU with native bf16 units (AVX512-BF16 or AMX: 1.6×
+    faster decoding on 2 cores), float32 on other CPUs (emulated bf16 is slower). Speculative decoders are exactly
+    greedy only in float32; in bf16 the benchmarks report the identical share and the divergences' logit margins."""
     device: DeviceName = PolicySpec.device
     """Where the model runs. ``auto`` picks CUDA when present."""
     trust_remote_code: bool = PolicySpec.trust_remote_code
@@ -199,7 +201,10 @@ class GenerateConfig(_Section):
     max_new_tokens: int = Field(Sampling.max_new_tokens, ge=1, le=8192)
     """Longest response, in tokens."""
     batch_size: int = Field(Sampling.batch_size, ge=1)
-    """Prompts per generate call; each brings ``num_samples`` sequences."""
+    """Prompts per batch; each brings ``num_samples`` sequences."""
+    chunk_tokens: int = Field(Sampling.chunk_tokens, ge=1)
+    """New tokens per ``generate`` call: after each call the rows that have ended drop out and the rest go on
+    from their KV cache, so finished rows stop costing compute (≥ ``max_new_tokens`` = one call per batch)."""
     seed: int = Sampling.seed
     """Sampling seed; batch b is seeded with seed + b, so outputs are reproducible."""
 
@@ -219,7 +224,7 @@ class LabelConfig(_Section):
     max_length: int = Field(LabelerSpec.max_length, ge=16)
     """Truncate (prompt + response) to this many tokens before scoring."""
     dtype: DtypeName = LabelerSpec.dtype
-    """Reward model dtype (``auto`` = bfloat16 on CUDA, float32 on CPU)."""
+    """Reward model dtype (``auto`` = bfloat16 on CUDA and on a CPU with native bf16 units, else float32)."""
     device: DeviceName = LabelerSpec.device
     """Where the reward model runs."""
     score_min: float = LabelerSpec.score_min
@@ -250,6 +255,11 @@ class ValidateConfig(_Section):
     """Responses longer than this fail validation."""
     min_pairs: int = Field(1, ge=1)
     """Fewer pairs than this fails the pairs suite (nothing to train on)."""
+    pairing: Literal["all", "best_worst"] = "all"
+    """Pairs per prompt: ``all`` = every (higher, lower) pair of its responses whose scores differ by more than
+    ``min_score_gap`` (with the answer check: every (correct, incorrect) pair); ``best_worst`` = the best and the
+    worst response only. Every pair carries ``best_worst`` (true for the prompt's best–worst pair) so DPO can keep
+    to one pair per prompt (``dpo.pairs``)."""
 
 
 class RewardConfig(_Section):
@@ -296,6 +306,9 @@ class DPOConfig(_Section):
     the adapters are merged into the saved weights. What makes 8B fit one 80 GB GPU (``foresight plan``)."""
     gradient_checkpointing: bool = DPOTraining.gradient_checkpointing
     """Recompute the policy's activations in the backward pass: less memory for ~30 % more compute."""
+    pairs: Literal["best_worst", "all"] = "best_worst"
+    """Which training pairs DPO trains on: one per prompt (its best–worst pair, the usual DPO data) or ``all`` the
+    pairs ``validate.pairing`` built (the reward heads always train on all of them)."""
     seed: int = DPOTraining.seed
     """Training seed."""
 
@@ -314,10 +327,20 @@ class SLAConfig(_Section):
 class SLABenchmarkConfig(_Section):
     """Decoder comparison on held-out prompts (stage ``benchmark_sla``)."""
 
-    num_prompts: int = Field(4, ge=1)
-    """Held-out prompts used for quality (the first ones of the eval split)."""
-    speed_prompts: int = Field(1, ge=1)
-    """Prompts decoded at batch 1 for speed (tokens/s, per-token latency)."""
+    num_prompts: int = Field(40, ge=1)
+    """Held-out prompts used for quality (the first ones of the eval split); intervals are over these prompts."""
+    speed_prompts: int = Field(8, ge=1)
+    """Prompts (the first ones) decoded at batch 1 for speed (tokens/s, per-token latency, intervals over them)."""
+    overhead_repeats: int = Field(40, ge=2)
+    """Interleaved timing repeats of one policy forward against one policy + reward channel forward; the overhead's
+    interval is over these pairs."""
+    dpo_decoders: list[Literal[HFDecoder, "sla"]] = Field(default_factory=lambda: ["greedy", "sla"])
+    """Decoders run on the DPO policy too (of ``decoders``; greedy always): the paper's "DPO + SLA vs DPO +
+    greedy" needs only these two; add the classical decoders for the full DPO half of Table 1."""
+    timed_decoders: list[Literal[HFDecoder, "sla"]] = Field(default_factory=lambda: ["greedy", "sla"])
+    """Decoders (of ``decoders``; greedy, the speed reference, always) decoded at batch 1 on the speed prompts,
+    interleaved and timed: tokens/s and latency relative to greedy. The others decode every prompt in batches,
+    untimed; each classical decoder added here costs ~15 s more at the defaults on a 2-core CPU."""
     max_new_tokens: int = Field(64, ge=1)
     """Longest output per decoder."""
     decoders: list[Literal[HFDecoder, "sla"]] = Field(default_factory=lambda: [*HF_DECODERS, "sla"])
@@ -357,6 +380,11 @@ class MedusaConfig(_Section):
     """Self-distillation data: ``greedy`` = the policy's own greedy responses to the training prompts, generated
     in this stage (the text the heads will draft for under greedy verification); ``samples`` = the
     generate stage's sampled responses."""
+    general_prompts: int = Field(64, ge=0)
+    """The first instructions of the project's general instruction set's training part (≤ 112;
+    ``foresight.prompts.general_instructions``) whose greedy responses join the distillation data, so the heads
+    (and the MTP module and COrAL, which train on the same responses) draft for general text too, not only for
+    the task prompts; 0 = the task prompts only."""
     max_new_tokens: int = Field(64, ge=2)
     """Longest greedy response (``data: greedy``)."""
     targets: Targets = MedusaTraining.targets
@@ -433,9 +461,13 @@ class MedusaBenchmarkConfig(_Section):
     """Candidate tree: ``auto`` = Medusa's sparse tree of ``tree_size`` nodes, the paths most likely to be
     accepted according to the supervised heads' held-out accuracy per rank; or explicit paths of per-depth
     ranks ([0, 1] = head 1's best token, then head 2's second best), depth ≤ medusa.num_heads."""
-    tree_size: int = Field(7, ge=1, le=256)
-    """Nodes of the ``auto`` tree besides the root (each tree forward scores tree_size + 1 tokens). On the
-    2-core CPU, fp32 forwards of 8 or 16 tokens are much cheaper than 9 or 17 (MKL's GEMM blocking)."""
+    tree_size: int = Field(3, ge=1, le=256)
+    """Nodes of the ``auto`` tree besides the root (each tree forward scores tree_size + 1 tokens). 3 suits the
+    default bf16 policy on the 2-core CPU: a forward of 4 tokens costs what one of 1 token does (46 vs 47 ms),
+    8 tokens 1.3×, 16 tokens 1.6×, while the heads' held-out rank accuracies give 2.24 expected tokens per cycle
+    on task text at 3 nodes against 2.37 at 7 — about 2.3× against 1.8× greedy if forwards dominate. In fp32
+    (77 / 120 / 91 / 107 ms for 1 / 4 / 8 / 16 tokens: MKL's GEMM blocking) take 7; on a GPU, where a forward of
+    tens of tokens costs what one of 1 does, larger trees pay (docs/medusa.md#the-tree)."""
     acceptance: Literal["greedy", "typical"] = "greedy"
     """``greedy``: lossless exact-match verification; ``typical``: Medusa's typical acceptance (lossy)."""
     typical_threshold: float = Field(TypicalAcceptance.posterior_threshold, gt=0.0, lt=1.0)
@@ -443,16 +475,33 @@ class MedusaBenchmarkConfig(_Section):
     typical_alpha: float = Field(TypicalAcceptance.posterior_alpha, gt=0.0)
     """α of typical acceptance."""
     decoders: list[Literal["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl"]] = Field(
-        default_factory=lambda: ["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl"])
+        default_factory=lambda: ["greedy", "medusa_supervised"])
     """Decoders to compare at batch 1 (HF greedy with KV cache is always the reference); ``medusa_rl`` runs
-    once per RL head (``rlmedusa.inits``), as ``medusa_rl_base`` / ``medusa_rl_supervised``."""
+    once per RL head (``rlmedusa.inits``), as ``medusa_rl_base`` / ``medusa_rl_supervised``. Each Medusa decoder
+    decodes every prompt of every set (80 by default), as long as greedy itself where drafting does not pay
+    (open-ended text), so the default keeps the supervised heads; add ``medusa_rl`` and ``prompt_lookup`` (timed
+    prompts only) for the full comparison."""
     prompt_lookup_tokens: int = Field(10, ge=1)
     """``prompt_lookup_num_tokens`` of HF prompt-lookup decoding."""
-    num_prompts: int = Field(4, ge=1)
-    """Held-out prompts decoded by every decoder (the first ones of the eval split)."""
+    num_prompts: int = Field(40, ge=1)
+    """Prompts of each prompt set (the first ones of the eval split, of each prompt file) decoded by HF greedy
+    and the Medusa decoders: τ and the share identical to greedy, with intervals over them."""
+    speed_prompts: int = Field(8, ge=1)
+    """The first prompts of each set also timed at batch 1, every decoder interleaved prompt by prompt: speedups
+    and their intervals are over these."""
+    general_prompts: int = Field(40, ge=0)
+    """The first held-out instructions of the project's general instruction set (≤ 48), benchmarked as their own
+    prompt set (``general``; 0 = none): writing, reasoning and coding requests, unlike the task prompts."""
+    float32_recheck: bool = True
+    """Where an output differs from greedy's and the policy is not float32: also score the first differing
+    position with a float32 copy of the policy (loaded once, at the first divergence; 4 bytes per parameter)."""
     draft_dtype: DraftDtypeName = "bfloat16"
     """Precision of the drafts (heads + LM head copy). Verification stays in the policy's dtype, so this never
     changes greedy-verified output; bf16 drafts are ~4× cheaper on a CPU with bf16 units."""
+    adaptive: bool = True
+    """The Medusa decoders draft only while drafting pays: where the last cycles gained fewer tokens than a cycle
+    costs in plain forwards (measured in the run), they decode plainly, probing again every few tokens
+    (``models.engine.config.Adaptation``). Lossless either way."""
     max_new_tokens: int = Field(64, ge=1)
     """Longest output."""
     prompt_files: list[FileSourceConfig] = Field(default_factory=list)
@@ -526,8 +575,11 @@ class CoralBenchmarkConfig(_Section):
     """Appendix C's confidence scaling of the 2nd, 3rd, 4th new token in the candidate tree."""
     tree_size: int = Field(CoralDecoding.tree_size, ge=1)
     """Candidate-tree nodes besides the top-1 chain (full COrAL)."""
-    num_prompts: int = Field(4, ge=1)
-    """Held-out prompts decoded by every decoder (accuracy and speed at batch 1)."""
+    num_prompts: int = Field(40, ge=1)
+    """Held-out prompts decoded by next-token greedy and full COrAL (accuracy, with intervals over them)."""
+    speed_prompts: int = Field(8, ge=1)
+    """The first prompts, decoded by every decoder (the ablations too) at batch 1, interleaved: speed and its
+    intervals are over these."""
     max_new_tokens: int = Field(40, ge=1)
     """Longest output."""
     ablation_block_sizes: list[int] = Field(default_factory=lambda: [16])
@@ -617,7 +669,15 @@ class MTPRLConfig(_Section):
     Speculative sampling keeps the rollouts exact either way; only the acceptance rate differs."""
     draft_dtype: DraftDtypeName = MTPRLTraining.draft_dtype
     """Precision of the drafts only (copies made per rollout phase): never changes what is sampled."""
-    eval_prompts: int = Field(8, ge=1)
+    adaptive: bool = MTPRLTraining.adaptive
+    """Drafted rollouts draft only while drafting pays: where the last cycles gained fewer tokens than a cycle
+    costs in plain forwards (measured in the run), they sample plainly, probing again every few tokens
+    (``models.engine.config.Adaptation``). Exact in distribution either way; τ counts the draft cycles only."""
+    cycle_cost: float | None = Field(MTPRLTraining.cycle_cost, gt=0.0)
+    """``adaptive``'s cost of a draft cycle in plain sampling steps; null: measured in each rollout (then which
+    steps draft depends on timing, and so do the exact tokens sampled, though never their distribution); a
+    number (~2 for K = 3 on the 2-core CPU) makes the rollouts repeat exactly under the seed."""
+    eval_prompts: int = Field(40, ge=1)
     """Held-out prompts for greedy accuracy before RL and after each variant."""
     mixed_precision: MixedPrecision = "no"
     """accelerate's autocast for the update's forward passes."""

@@ -1,14 +1,19 @@
 """Preference pairs from scored samples (the input of reward-channel training and DPO).
 
-Per prompt: chosen = the highest-scoring sample, rejected = the lowest. A prompt whose best and worst
-scores differ by no more than ``min_score_gap`` (all equal, a single sample, all right or all wrong
-under the verifiable labeler) carries no preference and is dropped and counted. Ties for best or
-worst are broken by sample index, so the result is deterministic.
+Per prompt, with ``pairing: all`` (the default): every (chosen, rejected) pair of its samples whose scores differ
+by more than ``min_score_gap`` — under the verifiable labeler, every (correct, incorrect) pair, so 2 right and 2
+wrong answers give 4 pairs where best–worst gives 1, and the reward channel trains on all of them. With
+``pairing: best_worst``: the highest-scoring sample against the lowest only. Either way the prompt's best–worst
+pair is flagged (``best_worst``), so DPO can keep to one pair per prompt (``dpo.pairs``). A prompt whose best
+and worst scores differ by no more than ``min_score_gap`` (all equal, a single sample, all right or all wrong
+under the verifiable labeler) carries no preference and is dropped and counted. Ties for best or worst are
+broken by sample index, so the result is deterministic.
 """
 
 from __future__ import annotations
 
 import random
+from typing import Literal
 
 import pandas as pd
 
@@ -20,46 +25,66 @@ SAMPLE_COLUMNS = [
 SCORE_COLUMNS = SAMPLE_COLUMNS + ["score", "correct", "extracted_answer", "labeler"]
 PAIR_COLUMNS = [
     "prompt_id", "question", "prompt", "answer", "chosen", "rejected", "chosen_score", "rejected_score",
-    "score_gap", "chosen_sample_id", "rejected_sample_id",
+    "score_gap", "chosen_sample_id", "rejected_sample_id", "best_worst",
 ]
 
+Pairing = Literal["all", "best_worst"]
+"""Which pairs of a prompt's samples :func:`make_pairs` builds (``validate.pairing``)."""
 
-def make_pairs(scores: pd.DataFrame, min_score_gap: float = 0.0) -> tuple[pd.DataFrame, dict]:
-    """One (chosen, rejected) pair per prompt with a score spread; returns the pairs and their counts."""
+
+def make_pairs(scores: pd.DataFrame, min_score_gap: float = 0.0,
+               pairing: Pairing = "all") -> tuple[pd.DataFrame, dict]:
+    """The (chosen, rejected) pairs of every prompt with a score spread; returns the pairs and their counts.
+
+    Rows are grouped by prompt, chosen then rejected in sample order; exactly one row per paired prompt has
+    ``best_worst`` true. ``pair_yield`` is the share of prompts that give at least one pair.
+    """
     rows = []
     dropped = {"single_sample": 0, "no_spread": 0}
-    ordered = scores.sort_values(["prompt_id", "sample_index"], kind="stable")
+    paired_prompts = 0
+    ordered = scores.sort_values(["prompt_id", "sample_index"], kind="stable").reset_index(drop=True)
     for prompt_id, group in ordered.groupby("prompt_id", sort=True):
         if len(group) < 2:
             dropped["single_sample"] += 1
             continue
         # idxmax/idxmin return the first occurrence: ties go to the lowest sample index.
-        best, worst = group.loc[group["score"].idxmax()], group.loc[group["score"].idxmin()]
-        gap = float(best["score"] - worst["score"])
-        if gap <= min_score_gap:
+        best, worst = group["score"].idxmax(), group["score"].idxmin()
+        if float(group.loc[best, "score"] - group.loc[worst, "score"]) <= min_score_gap:
             dropped["no_spread"] += 1
             continue
-        rows.append({
-            "prompt_id": prompt_id, "question": best["question"], "prompt": best["prompt"], "answer": best["answer"],
-            "chosen": best["response"], "rejected": worst["response"],
-            "chosen_score": float(best["score"]), "rejected_score": float(worst["score"]), "score_gap": gap,
-            "chosen_sample_id": best["sample_id"], "rejected_sample_id": worst["sample_id"],
-        })
+        paired_prompts += 1
+        candidates = [(best, worst)] if pairing == "best_worst" else [
+            (i, j) for i in group.index for j in group.index
+            if group.loc[i, "score"] - group.loc[j, "score"] > min_score_gap
+        ]
+        for i, j in candidates:
+            chosen, rejected = group.loc[i], group.loc[j]
+            rows.append({
+                "prompt_id": prompt_id, "question": chosen["question"], "prompt": chosen["prompt"],
+                "answer": chosen["answer"], "chosen": chosen["response"], "rejected": rejected["response"],
+                "chosen_score": float(chosen["score"]), "rejected_score": float(rejected["score"]),
+                "score_gap": float(chosen["score"] - rejected["score"]),
+                "chosen_sample_id": chosen["sample_id"], "rejected_sample_id": rejected["sample_id"],
+                "best_worst": (i, j) == (best, worst),
+            })
     num_prompts = int(scores["prompt_id"].nunique())
     stats = {
         "num_prompts": num_prompts,
         "num_pairs": len(rows),
         "dropped_single_sample": dropped["single_sample"],
         "dropped_no_spread": dropped["no_spread"],
-        "pair_yield": len(rows) / num_prompts if num_prompts else 0.0,
+        "pair_yield": paired_prompts / num_prompts if num_prompts else 0.0,
+        "pairs_per_prompt": len(rows) / paired_prompts if paired_prompts else 0.0,
     }
-    return pd.DataFrame(rows, columns=PAIR_COLUMNS), stats
+    pairs = pd.DataFrame(rows, columns=PAIR_COLUMNS)
+    return pairs.astype({"best_worst": bool}), stats
 
 
 def split_pairs(pairs: pd.DataFrame, eval_fraction: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Deterministic (train, held-out) split by prompt; every stage that trains on pairs uses this one.
 
-    At least one pair lands on each side when there are two or more.
+    All pairs of a prompt land on the same side (its responses never leak from training into the held-out
+    pairs). At least one prompt lands on each side when there are two or more.
     """
     ids = sorted(pairs["prompt_id"].unique())
     random.Random(seed).shuffle(ids)

@@ -8,6 +8,11 @@ Three sources, one output schema (``prompt_id``, ``question``, ``answer``, ``sou
 - ``dataset``: any Hugging Face dataset through ``datasets.load_dataset`` (UltraFeedback, GSM8K, ...).
 - ``file``: a local jsonl / parquet / csv file, also read through ``datasets``.
 
+Besides the task prompts, the project ships a general instruction set (:func:`general_instructions`): hand-written
+writing, summarising, explaining, reasoning, coding, planning, advice and rewriting requests, with a fixed
+train / held-out split. The speculative decoders' drafters learn from the policy's responses to its training part
+and are benchmarked on its held-out part, so their speed is measured on open-ended text, not only on the task's.
+
 The chat template is applied later, by the policy's tokenizer (:func:`models.engine.generation.chat_prompts`),
 because it belongs to the model, not to the prompt.
 """
@@ -17,12 +22,20 @@ from __future__ import annotations
 import hashlib
 import random
 from pathlib import Path
+from typing import Literal
 
 import pandas as pd
 
 from foresight.config import ArithmeticConfig, DatasetSourceConfig, FileSourceConfig, PromptsConfig
 
 PROMPT_COLUMNS = ["prompt_id", "question", "answer", "source"]
+
+GENERAL_INSTRUCTIONS = Path(__file__).parent / "instructions" / "general.jsonl"
+"""The general instruction set: one ``{"prompt": ..., "category": ...}`` per line, no reference answers (package
+data: installed with the ``foresight`` package)."""
+GENERAL_HELD_OUT = 48
+"""Instructions of the general set held out from every training stage: the last ones of its seeded permutation."""
+GENERAL_SPLIT_SEED = 0
 
 _NAMES = ["Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Ivy", "Jack", "Lena", "Omar"]
 _ITEMS = ["apples", "marbles", "stickers", "pencils", "cookies", "books", "coins", "shells"]
@@ -152,6 +165,33 @@ def dataset_prompts(cfg: DatasetSourceConfig) -> pd.DataFrame:
 
 def _stable_id(source: str, text: str) -> str:
     return f"{source}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
+def general_instructions(split: Literal["train", "eval"], count: int | None = None,
+                         path: Path = GENERAL_INSTRUCTIONS) -> pd.DataFrame:
+    """The ``train`` or ``eval`` (held-out) part of the general instruction set — its first ``count`` instructions
+    (all when None) — in the prompt schema (no answers, ``source`` = ``general``) plus each one's ``category``.
+
+    The split is fixed: a permutation seeded with :data:`GENERAL_SPLIT_SEED`, the last :data:`GENERAL_HELD_OUT`
+    instructions held out, the rest for training (disjoint, and the same on every machine).
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"the general instruction set splits into 'train' and 'eval', not {split!r}")
+    if not path.is_file():
+        raise PromptSourceError(f"the general instruction set {path} is missing: it ships with the foresight package "
+                                "(reinstall it with `pip install -e .`)")
+    df = pd.read_json(path, lines=True)
+    if "prompt" not in df.columns or len(df) <= GENERAL_HELD_OUT:
+        raise PromptSourceError(f"{path} must hold more than {GENERAL_HELD_OUT} rows with a 'prompt' field")
+    order = random.Random(GENERAL_SPLIT_SEED).sample(range(len(df)), len(df))
+    held_out = len(df) - GENERAL_HELD_OUT
+    part = df.iloc[order[:held_out] if split == "train" else order[held_out:]].reset_index(drop=True)
+    if count is not None and count > len(part):
+        raise PromptSourceError(f"{count} instructions asked of the general set's {split} part, which holds "
+                                f"{len(part)}")
+    part = part.head(count)
+    return pd.DataFrame({"prompt_id": [_stable_id("general", q) for q in part["prompt"]], "question": part["prompt"],
+                         "answer": None, "source": "general", "category": part["category"]})
 
 
 def load_prompts(cfg: PromptsConfig, root: Path) -> tuple[pd.DataFrame, pd.DataFrame]:

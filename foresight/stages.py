@@ -102,7 +102,7 @@ TASK_CODE = (*CONFIG_CODE, "foresight/storage.py", "models/common/files.py", "fo
 """What every stage process imports around its task: the config, atomic I/O, and the shared task helpers
 (``tasks/data.py``, which imports the sample and pair schemas)."""
 
-BENCHMARK_CODE = ("foresight/benchmark.py", "foresight/plots.py")
+BENCHMARK_CODE = ("foresight/benchmark.py", "foresight/statistics.py", "foresight/plots.py")
 """Timing, tables and plots: imported by the task modules of every method."""
 
 STAGES: tuple[Stage, ...] = (
@@ -203,12 +203,14 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="train_medusa",
-        description="Medusa-1: train K decoding heads on the frozen policy's own samples (self-distillation).",
+        description="Medusa-1: train K decoding heads on the frozen policy's own responses to the task and general "
+                    "prompts (self-distillation).",
         task="tasks.medusa:train_medusa_task",
         # the distillation pass also collects RLMedusa's trajectory states and candidates (RLMedusaCandidates)
         params=("policy", "medusa", "prompts.system_prompt", "rlmedusa.trajectory_tokens", "rlmedusa.top_candidates",
                 "rlmedusa.top_pool", "rlmedusa.random_candidates"),
-        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/medusa", "tasks/medusa.py"),
+        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "foresight/prompts.py", "foresight/instructions",
+              "models/engine", "models/medusa", "tasks/medusa.py"),
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.samples}"),
         outputs=("${paths.medusa_dir}/supervised", "${paths.medusa_dir}/distilled"),
         distributed=True,
@@ -228,17 +230,17 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="benchmark_medusa",
-        description="Tree speculative decoding with Medusa / RLMedusa heads vs HF greedy and prompt lookup: "
-                    "τ, speedup.",
+        description="Tree speculative decoding with Medusa / RLMedusa heads vs HF greedy on the task and general "
+                    "prompt sets: speedup, τ, identity to greedy (95 % intervals), divergences.",
         task="tasks.medusa:benchmark_medusa_task",
         params=("policy", "medusa_benchmark", "prompts.system_prompt", "rlmedusa.inits"),
-        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "foresight/prompts.py", "models/engine", "models/medusa",
-              "tasks/medusa.py"),
+        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "foresight/prompts.py", "foresight/instructions",
+              "models/engine", "models/medusa", "tasks/medusa.py"),
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.medusa_dir}/supervised",
                 "${paths.medusa_dir}/rl"),
         outputs=("${paths.benchmarks_dir}/medusa",),
         headline=("held_out.medusa_supervised.tau", "held_out.medusa_supervised.speedup_vs_reference",
-                  "held_out.medusa_supervised.identical_to_greedy", "held_out.prompt_lookup.speedup_vs_reference"),
+                  "held_out.medusa_supervised.identical_to_greedy", "general.medusa_supervised.speedup_vs_reference"),
     ),
     Stage(
         name="train_coral",

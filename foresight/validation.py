@@ -4,7 +4,7 @@ Three expectation suites describe what a good table looks like:
 
 * ``samples`` (:func:`samples_suite`): generated responses, one row per (prompt, sample);
 * ``scores`` (:func:`scores_suite`): the samples with their reward score;
-* ``pairs`` (:func:`pairs_suite`): one (chosen, rejected) preference pair per prompt.
+* ``pairs`` (:func:`pairs_suite`): (chosen, rejected) preference pairs, one or several per prompt.
 
 :func:`validate_tables` runs each suite on its DataFrame in one in-memory (ephemeral) GX context:
 a pandas data source with one DataFrame asset per table, a whole-DataFrame batch definition, a
@@ -130,13 +130,25 @@ def scores_suite(cfg: ValidateConfig, labeler: LabelerSpec) -> gx.ExpectationSui
 
 
 def pairs_suite(cfg: ValidateConfig) -> gx.ExpectationSuite:
-    """Suite ``pairs``: enough pairs, one per prompt, non-empty texts, chosen scored strictly higher."""
+    """Suite ``pairs``: enough pairs, each (chosen, rejected) pair once, at most one best–worst pair per prompt
+    (and nothing else under ``pairing: best_worst``), non-empty texts, chosen scored strictly higher.
+
+    A prompt may give several pairs (``validate.pairing: all``), so ``prompt_id`` repeats; its best–worst pair,
+    the one DPO keeps with ``dpo.pairs: best_worst``, must not.
+    """
     import great_expectations.expectations as gxe
 
     min_chars = max(1, cfg.min_response_chars)
     return _suite("pairs", [
         *_table_checks(PAIR_COLUMNS, min_rows=cfg.min_pairs),
-        gxe.ExpectColumnValuesToBeUnique(column="prompt_id"),
+        gxe.ExpectCompoundColumnsToBeUnique(column_list=["chosen_sample_id", "rejected_sample_id"]),
+        # ``pairing: best_worst`` builds nothing but best–worst pairs, one per prompt.
+        gxe.ExpectColumnValuesToBeInSet(column="best_worst",
+                                        value_set=[True] if cfg.pairing == "best_worst" else [True, False]),
+        gxe.ExpectColumnValuesToNotBeNull(column="best_worst"),
+        gxe.ExpectColumnValuesToBeUnique(column="prompt_id", row_condition="best_worst == True",
+                                         condition_parser="pandas",
+                                         description="at most one best–worst pair per prompt"),
         *(gxe.ExpectColumnValuesToNotBeNull(column=c) for c in ("chosen", "rejected")),
         *_text_checks("chosen", min_chars, cfg.max_response_chars),
         *_text_checks("rejected", min_chars, cfg.max_response_chars),
@@ -145,7 +157,7 @@ def pairs_suite(cfg: ValidateConfig) -> gx.ExpectationSuite:
             column_A="chosen_score", column_B="rejected_score", or_equal=False, ignore_row_if="neither",
             description="chosen_score strictly greater than rejected_score",
         ),
-        # make_pairs keeps a prompt only when its spread exceeds min_score_gap.
+        # make_pairs keeps only pairs whose scores differ by more than min_score_gap.
         gxe.ExpectColumnValuesToBeBetween(column="score_gap", min_value=cfg.min_score_gap, strict_min=True),
     ])
 

@@ -4,24 +4,29 @@ Thin wrappers around :mod:`models.coral.training` and :mod:`models.coral.decodin
 
 * ``train_coral`` — SFT data from the pipeline (the responses ``train_medusa`` distilled from, or the samples
   labeled correct), split by prompt; stage 1 (last layer) then stage 2 (the rest); held-out top-1 accuracy per
-  forward offset before and after; the trained model as a Hugging Face folder, with per-offset curves. Under
-  ``accelerate launch`` every process trains; the main process alone writes the folder.
-* ``benchmark_coral`` — on that model, at batch 1 and prompt by prompt: next-token greedy (HF, KV cache),
-  full COrAL, COrAL w/o verifier, COrAL w/o multi-forward (the paper's Table 1), and the block-size /
-  forward-window ablations of the w/o-verifier decoder: accuracy, tokens/s, speedup, tokens per forward.
+  forward offset before and after (intervals over held-out sequences); the trained model as a Hugging Face
+  folder, with per-offset curves. Under ``accelerate launch`` every process trains; the main process alone
+  writes the folder.
+* ``benchmark_coral`` — on that model: next-token greedy (HF, KV cache) and full COrAL on every held-out prompt
+  for accuracy; on the first ``speed_prompts`` of them, at batch 1 and interleaved prompt by prompt, every
+  decoder — COrAL w/o verifier, w/o multi-forward (the paper's Table 1) and the block-size / forward-window
+  ablations of the w/o-verifier decoder too: accuracy, tokens/s, speedup, tokens per forward, each with its 95 %
+  interval over prompts (:mod:`foresight.statistics`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import replace
 
 import pandas as pd
 
-from foresight.benchmark import interleaved_decoding, markdown_table, speed_row
+from foresight import statistics
+from foresight.benchmark import display_rows, interleaved_decoding, markdown_table, speed_row
 from foresight.config import Config, component
-from foresight.plots import bar_plot, line_plot
+from foresight.plots import bar_plot, interval_bar, line_plot
 from foresight.storage import atomic_path, write_json, write_table
 from tasks.data import (
     StageResult,
@@ -43,18 +48,18 @@ def train_coral_task(cfg: Config) -> StageResult:
     """Two-stage COrAL training of the base policy; writes the model folder with its curves and evaluation."""
     from models.common.sequences import sft_sequences
     from models.coral.config import CoralTraining
-    from models.coral.training import offset_accuracy, train_coral
+    from models.coral.training import offset_hits, train_coral
 
     logger = stage_logger()
     started = time.perf_counter()
     c = cfg.coral
-    policy = load_stage_policy(cfg, "base")
+    policy = load_stage_policy(cfg, "base", training=True)
     responses = sft_responses(cfg, cfg.coral.data, "coral.data")
     train_rows, eval_rows = split_responses(responses, c.eval_fraction, c.seed)
     sequences = sft_sequences(policy.tokenizer, responses, c.max_length)
     train, held_out = [sequences[i] for i in train_rows], [sequences[i] for i in eval_rows]
     logger.info("COrAL SFT data (%s): %d training / %d held-out sequences", c.data, len(train), len(held_out))
-    before = offset_accuracy(policy, held_out, c.forward_window)
+    before = _offset_accuracy(*offset_hits(policy, held_out, c.forward_window))
     logger.info("held-out top-1 per offset before training: %s", json.dumps(before))
 
     def on_step(stage: str, step: int, num_steps: int, stats: dict[str, float]) -> None:
@@ -66,7 +71,7 @@ def train_coral_task(cfg: Config) -> StageResult:
     train_started = time.perf_counter()
     history = train_coral(policy, train, component(CoralTraining, c), accelerator, on_step)
     train_seconds = time.perf_counter() - train_started
-    after = offset_accuracy(policy, held_out, c.forward_window)
+    after = _offset_accuracy(*offset_hits(policy, held_out, c.forward_window))
     logger.info("held-out top-1 per offset after training: %s", json.dumps(after))
 
     out = cfg.path(cfg.paths.coral_dir)
@@ -80,6 +85,16 @@ def train_coral_task(cfg: Config) -> StageResult:
                "wall_seconds": time.perf_counter() - started}
     curves = {key: values for key, values in history.items() if key != "stage"}
     return StageResult(metrics=metrics, curves=curves, artifacts={"coral": out})
+
+
+def _offset_accuracy(hits, counts) -> dict[str, float]:
+    """Held-out top-1 accuracy per forward offset, Σ hits / Σ targets of the per-sequence counts (S, k_f), with its
+    interval over sequences (``top1_forward_{o}``, ``_low``, ``_high``); NaN where an offset has no target."""
+    accuracy = {}
+    for o in range(counts.shape[1]):
+        accuracy |= statistics.interval_columns(f"top1_forward_{o + 1}",
+                                                statistics.ratio_of_sums(hits[:, o].tolist(), counts[:, o].tolist()))
+    return accuracy
 
 
 def _write_coral_model(policy, out, history: dict[str, list], evaluation: dict) -> None:
@@ -118,7 +133,10 @@ def coral_decoders(cfg: Config) -> dict:
 
 @gpu_task("benchmark-coral")
 def benchmark_coral_task(cfg: Config) -> StageResult:
-    """Next-token greedy vs the COrAL decoders on held-out prompts, at batch 1, on the COrAL-trained model."""
+    """Next-token greedy vs the COrAL decoders on held-out prompts, on the COrAL-trained model: every decoder on
+    the speed prompts at batch 1, interleaved and timed; next-token and full COrAL on the rest, for accuracy."""
+    from tqdm.auto import tqdm
+
     from models.coral.decoding import CoralStats, coral_generate
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
@@ -147,91 +165,131 @@ def benchmark_coral_task(cfg: Config) -> StageResult:
 
     prompt_ids = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, held_out["question"].tolist(),
                                                                   cfg.prompts.system_prompt)]
-    timers, decoded = interleaved_decoding(decoders, prompt_ids, decode, b.max_new_tokens, "COrAL decoding")
+    speed_prompts = min(b.speed_prompts, len(prompt_ids))
+    timers, decoded = interleaved_decoding(decoders, prompt_ids[:speed_prompts], decode, b.max_new_tokens,
+                                           "COrAL decoding")
+    decoded = [{**r, "timed": True} for r in decoded]
+    # accuracy alone on the other prompts: next-token batched (greedy either way; its speed was timed above), full
+    # COrAL at batch 1 (its decoder has no batch dimension)
+    rest = prompt_ids[speed_prompts:]
+    batched = hf_decode(policy, [ids[0].tolist() for ids in rest], GREEDY, b.max_new_tokens, eos, batch_size=16)
+    decoded += [{"prompt_index": i, "decoder": "next_token", "tokens": tokens, "stats": None, "timed": False}
+                for i, tokens in enumerate(batched, start=speed_prompts)]
+    for i, ids in enumerate(tqdm(rest, desc="COrAL accuracy", unit="prompt"), start=speed_prompts):
+        tokens, stats = decode("coral", ids, b.max_new_tokens)
+        decoded.append({"prompt_index": i, "decoder": "coral", "tokens": tokens, "stats": stats, "timed": False})
     records = []
     for r in decoded:
         stats, response = r["stats"], policy.tokenizer.decode(r["tokens"], skip_special_tokens=True)
-        records.append({"prompt_index": r["prompt_index"], "decoder": r["decoder"], "new_tokens": len(r["tokens"]),
-                        "forwards": stats.forwards if stats else len(r["tokens"]),
+        records.append({"prompt_index": r["prompt_index"], "decoder": r["decoder"], "timed": r["timed"],
+                        "new_tokens": len(r["tokens"]), "forwards": stats.forwards if stats else len(r["tokens"]),
                         "forced": stats.forced if stats else 0,
                         "correct": is_correct(response, held_out["answer"].iloc[r["prompt_index"]]),
                         "response": response})
     outputs = pd.DataFrame(records)
-    rows = _coral_rows(outputs, settings, timers, len(prompt_ids))
+    rows = _coral_rows(outputs, settings, timers)
     logger.info("\n%s", markdown_table(rows, TABLE_COLUMNS))
-    return _coral_report(cfg, outputs, rows, time.perf_counter() - started)
+    return _coral_report(cfg, outputs, rows, speed_prompts, time.perf_counter() - started)
 
 
-def _coral_rows(outputs: pd.DataFrame, settings: dict, timers: dict, num_prompts: int) -> list[dict]:
-    """One row per decoder (next-token first): its settings, accuracy, speed and tokens per forward."""
-    # accuracy needs known answers (None = unknown): NaN otherwise
-    accuracy = outputs.groupby("decoder")["correct"].agg(lambda c: c.astype(float).mean() if c.notna().all() else float("nan"))
+def _accuracy_columns(correct: pd.Series, reference: pd.Series) -> dict:
+    """``accuracy`` over a decoder's prompts with its interval; ``accuracy_vs_next_token``, the paired difference
+    to next-token on the same prompts, with its interval; ``accuracy_significant``: that interval excludes 0.
+    Both series are indexed by prompt; NaN without intervals unless every prompt has a known answer (None)."""
+    if correct.isna().any():
+        return {"accuracy": math.nan, "accuracy_vs_next_token": math.nan}
+    values, reference = correct.astype(float).to_numpy(), reference.loc[correct.index].astype(float).to_numpy()
+    difference = statistics.paired_difference(values, reference)
+    return {**statistics.interval_columns("accuracy", statistics.mean_interval(values)),
+            "accuracy_significant": difference.excludes(0.0),
+            **statistics.interval_columns("accuracy_vs_next_token", difference)}
+
+
+def _coral_rows(outputs: pd.DataFrame, settings: dict, timers: dict) -> list[dict]:
+    """One row per decoder (next-token first): its settings; accuracy and tokens per forward (Σ tokens / Σ
+    forwards) over the prompts it decoded (``prompts``: all of them for next-token and full COrAL, the speed
+    prompts for the ablations), with intervals over those prompts; speed over the timed speed prompts, against
+    next-token's on the same prompts (:func:`foresight.benchmark.speed_row`)."""
+    reference = outputs[outputs["decoder"] == "next_token"].set_index("prompt_index")["correct"]
     rows = []
     for decoder in ["next_token", *settings]:
-        mine = outputs[outputs["decoder"] == decoder]
+        mine = outputs[outputs["decoder"] == decoder].set_index("prompt_index").sort_index()
         s = settings.get(decoder)
+        tokens_per_forward = statistics.ratio_of_sums(mine["new_tokens"].tolist(), mine["forwards"].tolist())
+        timed_forwards = float(mine.loc[mine["timed"], "forwards"].sum())
         rows.append({"decoder": decoder, "verifier": s.verify if s else None,
                      "block_size": s.block_size if s else None, "forward_window": s.forward_window if s else 1,
-                     "accuracy": float(accuracy[decoder]),
-                     "accuracy_vs_next_token": float(accuracy[decoder] - accuracy["next_token"]),
+                     **_accuracy_columns(mine["correct"], reference),
                      **speed_row(timers[decoder], timers["next_token"]),
-                     "tokens_per_forward": float(mine["new_tokens"].sum() / mine["forwards"].sum()),
-                     "ms_per_forward": 1000 * timers[decoder].seconds / float(mine["forwards"].sum()),
-                     "forced_tokens": int(mine["forced"].sum()), "prompts": num_prompts})
+                     **statistics.interval_columns("tokens_per_forward", tokens_per_forward),
+                     "ms_per_forward": 1000 * timers[decoder].seconds / timed_forwards,
+                     "forced_tokens": int(mine["forced"].sum()), "prompts": len(mine)})
     return rows
 
 
-def _coral_report(cfg: Config, outputs: pd.DataFrame, rows: list[dict], seconds: float) -> StageResult:
+def _coral_report(cfg: Config, outputs: pd.DataFrame, rows: list[dict], speed_prompts: int,
+                  seconds: float) -> StageResult:
     """``benchmarks/coral``: every output, the table, its plots (ablations included) and the report."""
     out_dir = cfg.path(cfg.paths.benchmarks_dir) / "coral"
     with atomic_path(out_dir) as tmp:
         tmp.mkdir(parents=True)
         write_table(outputs, tmp / "outputs.parquet")
         write_table(pd.DataFrame(rows), tmp / "table.csv")
-        bar_plot({"speedup vs next-token": {r["decoder"]: r["speedup_vs_reference"] for r in rows},
-                  "accuracy": {r["decoder"]: r["accuracy"] for r in rows}},
+        bar_plot({"speedup vs next-token": {r["decoder"]: interval_bar(r, "speedup_vs_reference") for r in rows},
+                  "accuracy": {r["decoder"]: interval_bar(r, "accuracy") for r in rows}},
                  "COrAL decoders vs next-token greedy (batch 1, same run)", "value", tmp / "table.png",
                  reference_line=1.0)
         _ablation_plots(rows, cfg.coral_benchmark, tmp)
-        (tmp / "report.md").write_text(_report(rows, cfg))
-    metrics = {f"{r['decoder']}.{key}": r[key] for r in rows
-               for key in ("accuracy", "tokens_per_s", "speedup_vs_reference", "tokens_per_forward")}
+        (tmp / "report.md").write_text(_report(rows, cfg, speed_prompts))
+    metrics = {f"{r['decoder']}.{key}{end}": r[key + end] for r in rows
+               for key in ("accuracy", "tokens_per_s", "speedup_vs_reference", "tokens_per_forward")
+               for end in ("", "_low", "_high") if key + end in r}
     metrics["wall_seconds"] = seconds
-    table_artifact(key="coral-benchmark", table=[{c: r[c] for c in TABLE_COLUMNS} for r in rows],
-                          description="COrAL decoders against next-token greedy at batch 1")
+    table_artifact(key="coral-benchmark", table=display_rows(rows, TABLE_COLUMNS),
+                   description="COrAL decoders against next-token greedy (95 % intervals; * = differs significantly)")
     markdown_artifact(key="coral-benchmark-report", markdown=(out_dir / "report.md").read_text(),
-                             description="COrAL benchmark report")
+                      description="COrAL benchmark report")
     return StageResult(metrics=metrics, tables={"coral_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
 
 
 def _ablation_plots(rows: list[dict], b, folder) -> None:
-    """Speedup and accuracy of COrAL w/o verifier against block size, then forward window (the other knob fixed)."""
+    """Speedup and accuracy of COrAL w/o verifier per block size, then per forward window (the other knob fixed),
+    with their intervals."""
     no_verifier = [r for r in rows if r["verifier"] is False]
     for knob, fixed, fixed_value in (("block_size", "forward_window", b.forward_window),
                                      ("forward_window", "block_size", b.block_size)):
         points = sorted((r[knob], r) for r in no_verifier if r[fixed] == fixed_value)
-        line_plot({label: ([x for x, _ in points], [r[metric] for _, r in points])
-                   for label, metric in (("speedup × next-token", "speedup_vs_reference"), ("accuracy", "accuracy"))},
-                  f"COrAL w/o verifier: {knob.replace('_', ' ')} ({fixed.replace('_', ' ')} {fixed_value})",
-                  knob.replace("_", " "), "value", folder / f"ablation_{knob}.png", reference=(1.0, "next-token speed"))
+        bar_plot({label: {f"{knob.replace('_', ' ')} {x}": interval_bar(r, metric) for x, r in points}
+                  for label, metric in (("speedup × next-token", "speedup_vs_reference"), ("accuracy", "accuracy"))},
+                 f"COrAL w/o verifier: {knob.replace('_', ' ')} ({fixed.replace('_', ' ')} {fixed_value})", "value",
+                 folder / f"ablation_{knob}.png", reference_line=1.0)
 
 
-def _report(rows: list[dict], cfg: Config) -> str:
+def _report(rows: list[dict], cfg: Config, speed_prompts: int) -> str:
     b = cfg.coral_benchmark
     evaluation = cfg.path(cfg.paths.coral_dir) / "evaluation.json"
     lines = [
         "# COrAL benchmark (Table 1 shape)",
-        f"\nBatch 1, {rows[0]['prompts']} held-out prompts, max {b.max_new_tokens} new tokens, on the COrAL-trained model. "
+        f"\nOn the COrAL-trained model, max {b.max_new_tokens} new tokens. Accuracy: next-token and full COrAL on "
+        f"{rows[0]['prompts']} held-out prompts; the first {speed_prompts} of them are decoded by every decoder (the "
+        "ablations too) at batch 1, interleaved prompt by prompt, and timed: speed, and the ablations' accuracy, are "
+        "over those (`prompts` says over how many a row's accuracy and tokens per forward are). "
         f"Full COrAL: block {b.block_size}, forward window {b.forward_window}, backward window {b.backward_window}, "
         f"ε {b.epsilon}, tree of {b.tree_size} nodes + the top-1 chain. Next-token = HF greedy with KV cache on the "
-        "same model. Speedup = tokens/s over next-token, measured prompt by prompt in the same run. "
-        "`forced_tokens` = tokens the stall guard accepted. COrAL is lossy: accuracy is the quality measure. "
-        "Speedup = tokens per forward × (next-token ms per forward / COrAL ms per forward): a COrAL forward scores "
-        "a tree (or block) at every offset, so it must accept that many more tokens to pay off.\n",
+        "same model (batch 1 where timed, batches of 16 elsewhere). Speedup = tokens/s over next-token on the same "
+        "prompts in the same run. `forced_tokens` = tokens the stall guard accepted. COrAL is lossy: accuracy is "
+        "the quality measure. Speedup = tokens per forward × (next-token ms per forward / COrAL ms per forward): a "
+        "COrAL forward scores a tree (or block) at every offset, so it must accept that many more tokens to pay off.\n",
+        ("Brackets: 95 % bootstrap intervals over prompts (speedup: prompts resampled in pairs with next-token; "
+         "tokens per forward: Σ tokens / Σ forwards). `*` = differs significantly from next-token: accuracy when the "
+         "interval of its paired difference (`accuracy_vs_next_token`) excludes 0, speedup when its interval "
+         "excludes 1.\n"),
         markdown_table(rows, TABLE_COLUMNS),
     ]
     if evaluation.is_file():
         e = json.loads(evaluation.read_text())
+        offsets = [key for key in e["before"] if f"{key}_low" in e["before"]]  # the figures with intervals
         lines += ["\n## Held-out top-1 accuracy per forward offset (train_coral)\n",
-                  markdown_table([{"when": when, **e[when]} for when in ("before", "after")])]
+                  f"Intervals over the {e['num_eval_sequences']} held-out sequences (Σ hits / Σ targets).\n",
+                  markdown_table([{"when": when, **e[when]} for when in ("before", "after")], ["when", *offsets])]
     return "\n".join(lines) + "\n"

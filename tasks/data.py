@@ -132,24 +132,25 @@ COLLECTIVE_TIMEOUT = timedelta(hours=6)
 """How long a process of a launched stage waits at a barrier or collective before giving up."""
 
 
-def load_stage_policy(cfg: Config, policy_source: str):
-    """The policy a stage works on: ``base`` (the prepared policy) or ``dpo`` (the DPO-tuned folder)."""
+def load_stage_policy(cfg: Config, policy_source: str, training: bool = False):
+    """The policy a stage works on: ``base`` (the prepared policy) or ``dpo`` (the DPO-tuned folder); ``training``
+    for a stage that trains through it (``policy.dtype: auto`` is then float32 on a CPU)."""
     from models.engine.config import PolicySpec
     from models.engine.policy import load_policy
 
     if policy_source not in POLICY_SOURCES:
         raise ValueError(f"policy_source must be one of {POLICY_SOURCES}, got {policy_source!r}")
     if policy_source == "base":
-        return load_policy(component(PolicySpec, cfg.policy), cfg.path(cfg.paths.policy_dir))
-    return load_trained_policy(cfg, cfg.path(cfg.paths.dpo_dir))
+        return load_policy(component(PolicySpec, cfg.policy), cfg.path(cfg.paths.policy_dir), training)
+    return load_trained_policy(cfg, cfg.path(cfg.paths.dpo_dir), training)
 
 
-def load_trained_policy(cfg: Config, folder: Path):
+def load_trained_policy(cfg: Config, folder: Path, training: bool = False):
     """A model folder a stage wrote (the DPO policy, the COrAL model) on the policy's device, in its dtype."""
     from models.engine.config import PolicySpec
     from models.engine.policy import load_pretrained
 
-    return load_pretrained(folder, component(PolicySpec, cfg.policy))
+    return load_pretrained(folder, component(PolicySpec, cfg.policy), training)
 
 
 def stage_accelerator(policy, mixed_precision: str = "no"):
@@ -365,7 +366,7 @@ def validate_task(cfg: Config) -> StageResult:
     started = time.perf_counter()
     samples = read_table(cfg.path(cfg.paths.samples), "samples")
     scores = read_table(cfg.path(cfg.paths.scores), "scores")
-    pairs, pair_stats = make_pairs(scores, cfg.validate_.min_score_gap)
+    pairs, pair_stats = make_pairs(scores, cfg.validate_.min_score_gap, cfg.validate_.pairing)
     docs_dir = cfg.path(cfg.paths.reports_dir) / "datadocs"
     summary = validate_tables(
         {
@@ -376,8 +377,8 @@ def validate_task(cfg: Config) -> StageResult:
         docs_dir,
     )
     out = write_table(pairs, cfg.path(cfg.paths.pairs))
-    logger.info("validation passed; %d pairs from %d prompts (Data Docs: %s)",
-                pair_stats["num_pairs"], pair_stats["num_prompts"], summary["docs_index"])
+    logger.info("validation passed; %d pairs (%s) from %d prompts (Data Docs: %s)", pair_stats["num_pairs"],
+                cfg.validate_.pairing, pair_stats["num_prompts"], summary["docs_index"])
     metrics = dict(pair_stats)
     for name, suite in summary["suites"].items():
         metrics[f"{name}_expectations_passed"] = suite["successful"]

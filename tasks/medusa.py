@@ -3,13 +3,16 @@
 Thin wrappers around :mod:`models.medusa.training`, :mod:`models.medusa.rlmedusa` and :mod:`models.engine.speculative`:
 they read the data, split it by prompt, log progress, and write each output folder atomically.
 
-* ``train_medusa`` — the policy's greedy responses to the training prompts (or the generated samples),
-  one frozen pass over them (kept in ``distilled/`` for the RL stage, its hidden states read back from disk
+* ``train_medusa`` — the policy's greedy responses to the training prompts (or the generated samples) and to
+  training instructions of the general set (:func:`foresight.prompts.general_instructions`), one frozen pass over
+  them (kept in ``distilled/`` for the RL stage, its hidden states read back from disk
   as training needs them), then Medusa-1 training of K heads; held-out top-1/top-k accuracy per head.
 * ``train_rlmedusa`` — the reward model r(e, h) (MSE on the base model's t + 2 probabilities), then head 1
   by REINFORCE on r − β·KL; held-out accuracy at t + 2 of the RL head against the supervised head.
 * ``benchmark_medusa`` — HF greedy, HF prompt-lookup, Medusa (supervised heads) and Medusa-RL (head 1
-  from RLMedusa) at batch 1: τ, tokens/s, speedup over greedy in the same run, identical-output share.
+  from RLMedusa) at batch 1 on each prompt set (task, general, files): speedup over greedy in the same run, τ and
+  the share of outputs identical to greedy, each with a 95 % interval over prompts (:mod:`foresight.statistics`),
+  and, for every output that differs from greedy's, the policy's logit margin where it first differs.
 
 The two training tasks may run in every process of ``accelerate launch`` (docs/gpu.md): each process trains
 on its share of every batch, only the main process writes (the distilled cache, then the heads), and all wait
@@ -27,9 +30,12 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
-from foresight.benchmark import interleaved_decoding, markdown_table, speed_row
+from tqdm.auto import tqdm
+
+from foresight import statistics
+from foresight.benchmark import display_rows, interleaved_decoding, markdown_table, speed_row
 from foresight.config import Config, component
-from foresight.plots import bar_plot, line_plot
+from foresight.plots import bar_plot, interval_bar, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
 from tasks.data import (
     StageResult,
@@ -52,19 +58,32 @@ def _medusa_dir(cfg: Config) -> Path:
 
 def _distillation_data(cfg: Config, policy) -> pd.DataFrame:
     """The responses Medusa learns from (``medusa.data``): the policy's greedy responses to the training
-    prompts, or the first ``medusa.samples_per_prompt`` generated samples per prompt."""
+    prompts, or the first ``medusa.samples_per_prompt`` generated samples per prompt; then, either way, its
+    greedy responses to the first ``medusa.general_prompts`` training instructions of the general set (same chat
+    template, same ``max_new_tokens``), so that the heads also learn to draft open-ended text. Column
+    ``prompt_set`` says which (``task`` / ``general``)."""
+    from foresight.prompts import general_instructions
     from models.medusa.training import greedy_responses
 
     m = cfg.medusa
+    general = general_instructions("train", m.general_prompts)
+
+    def greedy(prompts: pd.DataFrame) -> pd.DataFrame:
+        return greedy_responses(policy, prompts, m.max_new_tokens, m.distill_batch_size, cfg.prompts.system_prompt)
+
     if m.data == "greedy":
         prompts = read_prompts(cfg, "train")
         if prompts.empty:
             raise ValueError("no training prompts to distil from: set prompts.num_train > 0")
-        return greedy_responses(policy, prompts, m.max_new_tokens, m.distill_batch_size, cfg.prompts.system_prompt)
+        responses = greedy(pd.concat([prompts, general], ignore_index=True))
+        return responses.assign(prompt_set=["task"] * len(prompts) + ["general"] * len(general))
     samples = read_table(cfg.path(cfg.paths.samples), "generated samples")
     if samples.empty:
         raise ValueError(f"{cfg.path(cfg.paths.samples)} has no samples to distil from: run the generate stage")
-    return samples[samples["sample_index"] < m.samples_per_prompt].reset_index(drop=True)
+    samples = samples[samples["sample_index"] < m.samples_per_prompt].assign(prompt_set="task")
+    if general.empty:
+        return samples.reset_index(drop=True)
+    return pd.concat([samples, greedy(general).assign(prompt_set="general")], ignore_index=True)
 
 
 def _accuracy_metrics(prefix: str, accuracy: dict[str, list[float]]) -> dict[str, float]:
@@ -98,6 +117,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
     train, held_out = data.subset(train_rows), data.subset(eval_rows)
     logger.info("%d training / %d held-out positions; training %d heads", len(train.hidden), len(held_out.hidden),
                 m.num_heads)
+    prompt_sets = read_table(_medusa_dir(cfg) / "distilled" / "responses.parquet", "distilled responses")["prompt_set"]
 
     def on_step(step: int, num_steps: int, losses: dict[str, float]) -> None:
         if step % max(1, num_steps // 10) == 0 or step == num_steps:
@@ -109,22 +129,32 @@ def train_medusa_task(cfg: Config) -> StageResult:
     lm_head = policy.model.get_output_embeddings()
     accuracy = evaluate_heads(heads, lm_head, held_out, m.eval_top_k)
     logger.info("held-out top-1 per head: %s, top-%d: %s", accuracy["top1"], m.eval_top_k, accuracy[f"top{m.eval_top_k}"])
+    # the same accuracies on each prompt set's held-out responses alone: do the heads draft open-ended text too?
+    eval_sets = prompt_sets.iloc[eval_rows.numpy()].to_numpy()
+    by_set = {name: evaluate_heads(heads, lm_head, data.subset(eval_rows[torch.from_numpy(eval_sets == name)]),
+                                   m.eval_top_k) for name in sorted(set(eval_sets))}
+    logger.info("held-out top-1 per head and prompt set: %s", {name: a["top1"] for name, a in by_set.items()})
 
     out = _medusa_dir(cfg) / "supervised"
     if accelerator.is_main_process:
         with atomic_path(out) as tmp:
             heads.save(tmp)
-            write_json({"held_out": accuracy, "num_train_positions": len(train.hidden),
-                        "num_eval_positions": len(held_out.hidden)}, tmp / "evaluation.json")
+            write_json({"held_out": accuracy, "held_out_by_prompt_set": by_set,
+                        "num_train_positions": len(train.hidden), "num_eval_positions": len(held_out.hidden)},
+                       tmp / "evaluation.json")
             (tmp / "history.json").write_text(json.dumps(history) + "\n")
             steps = list(range(1, len(history["loss"]) + 1))
             line_plot({f"head {k + 1}": (steps, history[f"ce_head{k + 1}"]) for k in range(m.num_heads)},
                       "Medusa-1 training: cross-entropy per head", "step", "cross-entropy", tmp / "loss.png")
     accelerator.wait_for_everyone()
-    metrics = {"num_responses": len(train_rows) + len(eval_rows), "num_train_positions": len(train.hidden),
+    metrics = {"num_responses": len(train_rows) + len(eval_rows),
+               **{f"num_{name}_responses": int((prompt_sets == name).sum()) for name in sorted(set(prompt_sets))},
+               "num_train_positions": len(train.hidden),
                "num_eval_positions": len(held_out.hidden), "distill_seconds": distill_seconds,
                "train_seconds": train_seconds, "final_loss": history["loss"][-1],
-               **_accuracy_metrics("", accuracy), "wall_seconds": time.perf_counter() - started}
+               **_accuracy_metrics("", accuracy),
+               **{key: value for name, a in by_set.items() for key, value in _accuracy_metrics(f"{name}_", a).items()},
+               "wall_seconds": time.perf_counter() - started}
     return StageResult(metrics=metrics, artifacts={"medusa_supervised": out})
 
 
@@ -135,8 +165,9 @@ def _distil(cfg: Config, policy, training, folder: Path) -> None:
 
     logger = stage_logger()
     m = cfg.medusa
-    logger.info("self-distillation data: %s", "greedy responses to the training prompts" if m.data == "greedy"
-                else "the generated samples")
+    logger.info("self-distillation data: %s, and greedy responses to %d instructions of the general set",
+                "greedy responses to the training prompts" if m.data == "greedy" else "the generated samples",
+                m.general_prompts)
     responses = _distillation_data(cfg, policy)
     train_rows, eval_rows = split_responses(responses, m.eval_fraction, m.seed)
     logger.info("self-distillation pass over %d responses (%d prompts held out)", len(responses),
@@ -180,7 +211,7 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
     train, held_out = data.subset(train_rows), data.subset(eval_rows)
     if len(train.rl_rows) == 0:
         raise ValueError("no RL trajectory states: every training response is shorter than 3 tokens")
-    policy = load_stage_policy(cfg, "base")
+    policy = load_stage_policy(cfg, "base", training=True)
     lm_head = policy.model.get_output_embeddings()
     embedding = policy.model.get_input_embeddings()
     supervised = MedusaHeads.load(_medusa_dir(cfg) / "supervised", lm_head)
@@ -241,16 +272,22 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
     return StageResult(metrics=metrics, artifacts={"medusa_rl": out})
 
 
-SPEED_COLUMNS = ["prompt_set", "decoder", "lossless", "tau", "tokens_per_s", "ms_per_token", "speedup_vs_reference",
-                 "identical_to_greedy", "prompts"]
+SPEED_COLUMNS = ["prompt_set", "decoder", "tau", "speedup_vs_reference", "tokens_per_s", "identical_to_greedy",
+                 "plain_share", "prompts", "speed_prompts"]
+DIVERGENCE_COLUMNS = ["prompt_set", "decoder", "prompt_index", "position", "greedy_text", "decoder_text", "margin",
+                      "top2_margin", "argmax", "float32_margin", "float32_choice"]
 
 
 def _prompt_sets(cfg: Config) -> dict[str, list[str]]:
-    """``held_out`` (the first ``medusa_benchmark.num_prompts`` of the eval split) plus one set per prompt file."""
-    from foresight.prompts import file_prompts
+    """``held_out`` (the first ``medusa_benchmark.num_prompts`` of the eval split), ``general`` (the first
+    ``medusa_benchmark.general_prompts`` held-out instructions of the general set; none when 0) and one set per
+    prompt file (its first ``num_prompts``)."""
+    from foresight.prompts import file_prompts, general_instructions
 
     s = cfg.medusa_benchmark
     sets = {"held_out": read_prompts(cfg, "eval")["question"].head(s.num_prompts).tolist()}
+    if s.general_prompts:
+        sets["general"] = general_instructions("eval", s.general_prompts)["question"].tolist()
     for file_cfg in s.prompt_files:
         sets[Path(file_cfg.path).stem] = file_prompts(file_cfg, cfg.root)["question"].head(s.num_prompts).tolist()
     for name, questions in sets.items():
@@ -276,36 +313,53 @@ def candidate_tree(cfg: Config):
 
 @gpu_task("benchmark-medusa")
 def benchmark_medusa_task(cfg: Config) -> StageResult:
-    """Every speculative decoder against HF greedy at batch 1, prompt by prompt, on each prompt set."""
+    """Every speculative decoder against HF greedy at batch 1, on each prompt set: speed on its first
+    ``speed_prompts`` prompts (every decoder, interleaved prompt by prompt), τ and the share identical to greedy
+    on all of them (greedy and the speculative decoders), and the policy's logit margin at every divergence."""
     from models.engine.generation import chat_prompts, encode_prompt
 
     logger = stage_logger()
     started = time.perf_counter()
+    s = cfg.medusa_benchmark
     policy = load_stage_policy(cfg, "base")
     tree = candidate_tree(cfg)
-    decoders = _medusa_decoders(cfg, policy, tree)
-    records, rows = [], []
+    decoders, speculative = _medusa_decoders(cfg, policy, tree)
+    checks = _DivergenceChecks(cfg, policy)
+    records, rows, divergences = [], [], []
     for set_name, questions in _prompt_sets(cfg).items():
         prompt_ids = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions,
                                                                       cfg.prompts.system_prompt)]
-        timers, decoded = interleaved_decoding(list(decoders), prompt_ids,
-                                               lambda decoder, ids, n: decoders[decoder](ids, n),
-                                               cfg.medusa_benchmark.max_new_tokens, f"speculative decoding ({set_name})")
+        timers, decoded = interleaved_decoding(list(decoders), prompt_ids[: s.speed_prompts],
+                                               lambda decoder, ids, n: decoders[decoder](ids, n), s.max_new_tokens,
+                                               f"speculative decoding, timed ({set_name})")
+        # τ and identity need no clock: the other prompts are decoded by greedy and the speculative decoders only
+        for i in tqdm(range(s.speed_prompts, len(prompt_ids)), desc=f"speculative decoding ({set_name})",
+                      unit="prompt"):
+            for decoder in ("greedy", *speculative):
+                tokens, stats = decoders[decoder](prompt_ids[i], s.max_new_tokens)
+                decoded.append({"prompt_index": i, "decoder": decoder, "tokens": tokens, "stats": stats})
         set_records = [{"prompt_set": set_name, "prompt_index": r["prompt_index"], "decoder": r["decoder"],
                         "tokens": r["tokens"], "new_tokens": len(r["tokens"]),
                         "forwards": r["stats"].forwards if r["stats"] else None,
+                        "plain_forwards": r["stats"].plain_forwards if r["stats"] else None,
                         "response": policy.tokenizer.decode(r["tokens"], skip_special_tokens=True)} for r in decoded]
-        set_rows = _speed_rows(cfg, set_name, set_records, timers, len(prompt_ids))
-        logger.info("\n%s", markdown_table(set_rows, SPEED_COLUMNS))
+        set_rows = _speed_rows(set_name, set_records, timers)
+        set_divergences = checks(set_name, set_records, prompt_ids)
+        logger.info("\n%s\n%d outputs differ from greedy's", markdown_table(set_rows, SPEED_COLUMNS),
+                    len(set_divergences))
         records += set_records
         rows += set_rows
-    return _medusa_report(cfg, records, rows, tree, time.perf_counter() - started)
+        divergences += set_divergences
+    return _medusa_report(cfg, records, rows, divergences, tree, str(policy.model.dtype),
+                          time.perf_counter() - started)
 
 
-def _medusa_decoders(cfg: Config, policy, tree) -> dict[str, Callable]:
-    """Name → ``decode(ids, max_new_tokens) → (tokens, stats or None)``: HF greedy (the reference), prompt lookup,
-    and one Medusa drafter per trained set of heads, all on ``tree`` with the configured verification."""
-    from models.engine.config import TypicalAcceptance
+def _medusa_decoders(cfg: Config, policy, tree) -> tuple[dict[str, Callable], list[str]]:
+    """Name → ``decode(ids, max_new_tokens) → (tokens, stats or None)``: HF greedy (the reference, batch 1: batched
+    padding would change its numerics in bf16), prompt lookup, and one Medusa drafter per trained set of heads, all
+    on ``tree`` with the configured verification, adaptive or not (``medusa_benchmark.adaptive``); and the names of
+    the speculative (Medusa) decoders."""
+    from models.engine.config import Adaptation, TypicalAcceptance
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import end_token_ids
     from models.engine.speculative import TreeVerifier, speculative_generate
@@ -316,6 +370,7 @@ def _medusa_decoders(cfg: Config, policy, tree) -> dict[str, Callable]:
     acceptance = (None if s.acceptance == "greedy"
                   else TypicalAcceptance(posterior_threshold=s.typical_threshold, posterior_alpha=s.typical_alpha))
     verifier = TreeVerifier(acceptance)
+    adaptation = Adaptation() if s.adaptive else None
     hf_kwargs = {"greedy": GREEDY}
     if "prompt_lookup" in s.decoders:
         hf_kwargs["prompt_lookup"] = {**GREEDY, "prompt_lookup_num_tokens": s.prompt_lookup_tokens}
@@ -332,70 +387,174 @@ def _medusa_decoders(cfg: Config, policy, tree) -> dict[str, Callable]:
             hf_decode(policy, [ids[0].tolist()], kwargs, max_new_tokens, eos, batch_size=1)[0], None)
 
     def speculative(drafter):
-        return lambda ids, max_new_tokens: speculative_generate(policy.model, drafter, verifier, ids, max_new_tokens, eos)
+        return lambda ids, max_new_tokens: speculative_generate(policy.model, drafter, verifier, ids, max_new_tokens,
+                                                                eos, adaptation=adaptation)
 
-    return {name: hf(kwargs) for name, kwargs in hf_kwargs.items()} | {
-        name: speculative(drafter) for name, drafter in drafters.items()}
+    return ({name: hf(kwargs) for name, kwargs in hf_kwargs.items()}
+            | {name: speculative(drafter) for name, drafter in drafters.items()}, list(drafters))
 
 
-def _speed_rows(cfg: Config, set_name: str, records: list[dict], timers: dict, num_prompts: int) -> list[dict]:
-    """One row per decoder of a prompt set: τ, speed against HF greedy, and the share of outputs equal to greedy's."""
+def _speed_rows(set_name: str, records: list[dict], timers: dict) -> list[dict]:
+    """One row per decoder of a prompt set: τ (Σ tokens / Σ forwards, greedy = 1) and the share of outputs equal
+    to greedy's, with intervals over the prompts it decoded; speed against HF greedy on the timed prompts; the
+    share of plain (non-draft) forwards where the decoder reports it."""
     outputs = pd.DataFrame(records)
     reference = outputs[outputs["decoder"] == "greedy"].set_index("prompt_index")["tokens"]
     rows = []
     for decoder, mine in outputs.groupby("decoder", sort=False):
-        tokens = mine.set_index("prompt_index")["tokens"]
-        identical = float(sum(tokens[i] == reference[i] for i in reference.index) / len(reference))
+        mine = mine.set_index("prompt_index")
+        identical = [float(mine["tokens"][i] == reference[i]) for i in mine.index]
         # greedy makes one forward per token, the prefill included; prompt lookup does not expose its forwards
-        forwards = (mine["forwards"].sum() if mine["forwards"].notna().all()
-                    else mine["new_tokens"].sum() if decoder == "greedy" else 0)
-        lossless = decoder in ("greedy", "prompt_lookup") or cfg.medusa_benchmark.acceptance == "greedy"
-        rows.append({"prompt_set": set_name, "decoder": decoder, "lossless": lossless,
-                     "tau": float(timers[decoder].tokens / forwards) if forwards else float("nan"),
-                     **speed_row(timers[decoder], timers["greedy"]), "identical_to_greedy": identical,
-                     "prompts": num_prompts})
+        forwards = mine["new_tokens"] if decoder == "greedy" else mine["forwards"]
+        # τ = Σ tokens / Σ forwards: the mean over the mean of the same prompts, resampled together
+        tau = (statistics.interval_columns("tau", statistics.ratio_of_means(mine["new_tokens"], forwards), 1.0)
+               if forwards.notna().all() else {"tau": float("nan")})
+        plain = mine["plain_forwards"]
+        rows.append({"prompt_set": set_name, "decoder": decoder, **tau,
+                     **speed_row(timers[decoder], timers["greedy"]),
+                     **statistics.interval_columns("identical_to_greedy", statistics.mean_interval(identical)),
+                     "plain_share": float(plain.sum() / forwards.sum()) if plain.notna().all() else float("nan"),
+                     "prompts": len(mine), "speed_prompts": timers[decoder].calls})
     return rows
 
 
-def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], tree, seconds: float) -> StageResult:
-    """``benchmarks/medusa``: every output, the speed table, the speedup and τ plots, the report and the tree."""
+def first_difference(tokens: list[int], reference: list[int]) -> int:
+    """The first position where two outputs differ (the shorter one's length when one extends the other)."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b),
+                min(len(tokens), len(reference)))
+
+
+@torch.no_grad()
+def next_token_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits (V,) for the token after ``ids`` (1, L), in float32, from one forward without a cache."""
+    return model(input_ids=ids.to(model.device), logits_to_keep=1).logits[0, -1].float()
+
+
+def _choice(logits: torch.Tensor, greedy_token: int, token: int) -> str:
+    """Whose token the argmax of ``logits`` is: ``greedy``'s, the ``decoder``'s, or an ``other`` one."""
+    best = int(logits.argmax())
+    return "greedy" if best == greedy_token else "decoder" if best == token else "other"
+
+
+class _DivergenceChecks:
+    """Why a decoder's output differs from HF greedy's (bf16: a multi-token forward rounds differently from a
+    one-token one). For each such output: the first differing position, and the policy's logits there from one
+    forward over the prompt and the common prefix, in the policy's dtype — ``margin`` = logit of greedy's token −
+    logit of the decoder's (near 0: a near-tie that rounding decides), ``top2_margin`` = top-1 − top-2, ``argmax``
+    = whose token that forward prefers — and, when the policy is not float32 and ``float32_recheck`` is on, the
+    same from a float32 copy of the policy (loaded once, at the first divergence)."""
+
+    def __init__(self, cfg: Config, policy):
+        self.cfg, self.policy = cfg, policy
+        self.float32 = None
+
+    def _float32_model(self):
+        from models.engine.config import PolicySpec
+        from models.engine.policy import load_policy
+
+        if self.float32 is None:
+            spec = component(PolicySpec, self.cfg.policy, dtype="float32")
+            self.float32 = load_policy(spec, self.cfg.path(self.cfg.paths.policy_dir)).model
+        return self.float32
+
+    def __call__(self, set_name: str, records: list[dict], prompt_ids: list[torch.Tensor]) -> list[dict]:
+        """One row per output of ``records`` (a prompt set's) that differs from greedy's on the same prompt."""
+        recheck = self.cfg.medusa_benchmark.float32_recheck and self.policy.model.dtype != torch.float32
+        greedy = {r["prompt_index"]: r["tokens"] for r in records if r["decoder"] == "greedy"}
+        decode = self.policy.tokenizer.decode
+        rows = []
+        for r in records:
+            reference = greedy[r["prompt_index"]]
+            if r["decoder"] == "greedy" or r["tokens"] == reference:
+                continue
+            position = first_difference(r["tokens"], reference)
+            row = {"prompt_set": set_name, "decoder": r["decoder"], "prompt_index": r["prompt_index"],
+                   "position": position}
+            if position < min(len(r["tokens"]), len(reference)):
+                greedy_token, token = reference[position], r["tokens"][position]
+                context = torch.cat([prompt_ids[r["prompt_index"]][0].cpu(), torch.tensor(reference[:position])])[None]
+                logits = next_token_logits(self.policy.model, context)
+                top2 = logits.topk(2).values
+                row |= {"greedy_token": greedy_token, "decoder_token": token, "greedy_text": decode([greedy_token]),
+                        "decoder_text": decode([token]), "margin": float(logits[greedy_token] - logits[token]),
+                        "top2_margin": float(top2[0] - top2[1]), "argmax": _choice(logits, greedy_token, token)}
+                if recheck:
+                    exact = next_token_logits(self._float32_model(), context)
+                    row |= {"float32_margin": float(exact[greedy_token] - exact[token]),
+                            "float32_choice": _choice(exact, greedy_token, token)}
+            rows.append(row)
+        return rows
+
+
+DIVERGENCE_FIELDS = ["prompt_set", "decoder", "prompt_index", "position", "greedy_token", "decoder_token",
+                     "greedy_text", "decoder_text", "margin", "top2_margin", "argmax", "float32_margin",
+                     "float32_choice"]
+METRIC_COLUMNS = ("tau", "speedup_vs_reference", "tokens_per_s", "identical_to_greedy", "plain_share")
+
+
+def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergences: list[dict], tree, dtype: str,
+                   seconds: float) -> StageResult:
+    """``benchmarks/medusa``: every output, the speed table, the divergences from greedy, the speedup and τ plots
+    (with their intervals), the report and the tree."""
     out_dir = cfg.path(cfg.paths.benchmarks_dir) / "medusa"
+    divergence_table = pd.DataFrame(divergences, columns=DIVERGENCE_FIELDS)
     with atomic_path(out_dir) as tmp:
         tmp.mkdir(parents=True)
         write_table(pd.DataFrame(records).drop(columns=["tokens"]), tmp / "outputs.parquet")
         write_table(pd.DataFrame(rows), tmp / "table.csv")
-        sets = sorted({r["prompt_set"] for r in rows})
-        bar_plot({p: {r["decoder"]: r["speedup_vs_reference"] for r in rows if r["prompt_set"] == p} for p in sets},
-                 "Speedup over HF greedy (batch 1, same run)", "× greedy tokens/s", tmp / "speedup.png",
-                 reference_line=1.0)
-        bar_plot({p: {r["decoder"]: r["tau"] for r in rows if r["prompt_set"] == p and r["tau"] == r["tau"]}
-                  for p in sets}, "Mean accepted length τ (tokens per forward)", "τ", tmp / "tau.png",
-                 reference_line=1.0)
-        (tmp / "report.md").write_text(_report(rows, tree, cfg))
+        write_table(divergence_table, tmp / "divergences.parquet")
+        sets = list(dict.fromkeys(r["prompt_set"] for r in rows))
+        bar_plot({p: {r["decoder"]: interval_bar(r, "speedup_vs_reference") for r in rows if r["prompt_set"] == p}
+                  for p in sets}, "Speedup over HF greedy (batch 1, same run)", "× greedy tokens/s",
+                 tmp / "speedup.png", reference_line=1.0)
+        bar_plot({p: {r["decoder"]: interval_bar(r, "tau") for r in rows
+                      if r["prompt_set"] == p and r["tau"] == r["tau"]} for p in sets},
+                 "Mean accepted length τ (tokens per forward)", "τ", tmp / "tau.png", reference_line=1.0)
+        (tmp / "report.md").write_text(_report(rows, divergence_table, tree, dtype, cfg))
         write_json({"choices": [list(c) for c in tree.choices]}, tmp / "tree.json")
-    metrics = {f"{r['prompt_set']}.{r['decoder']}.{key}": r[key] for r in rows
-               for key in ("tau", "tokens_per_s", "speedup_vs_reference", "identical_to_greedy")
-               if r[key] == r[key]}
+    metrics = {f"{r['prompt_set']}.{r['decoder']}.{column}": r[column] for r in rows
+               for key in METRIC_COLUMNS for column in (key, f"{key}_low", f"{key}_high")
+               if column in r and r[column] == r[column]}
+    metrics["divergences"] = len(divergence_table)
+    if divergence_table["float32_choice"].notna().any():
+        metrics["divergences_float32_greedy_share"] = float((divergence_table["float32_choice"] == "greedy").mean())
     metrics["wall_seconds"] = seconds
-    table_artifact(key="medusa-benchmark", table=[{c: r[c] for c in SPEED_COLUMNS} for r in rows],
-                          description="Speculative decoders against HF greedy at batch 1")
+    table_artifact(key="medusa-benchmark", table=display_rows(rows, SPEED_COLUMNS),
+                   description="Speculative decoders against HF greedy at batch 1 (95 % intervals, * = significant)")
     markdown_artifact(key="medusa-benchmark-report", markdown=(out_dir / "report.md").read_text(),
-                             description="Medusa / RLMedusa benchmark report")
+                      description="Medusa / RLMedusa benchmark report")
     return StageResult(metrics=metrics, tables={"medusa_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
 
 
-def _report(rows: list[dict], tree, cfg: Config) -> str:
+def _report(rows: list[dict], divergences: pd.DataFrame, tree, dtype: str, cfg: Config) -> str:
     s = cfg.medusa_benchmark
     rl_eval_path = _medusa_dir(cfg) / "rl" / "evaluation.json"
     lines = [
         "# Speculative decoding benchmark (Medusa, RLMedusa)",
-        f"\nBatch 1, max {s.max_new_tokens} new tokens, {s.acceptance} verification, a {tree.size}"
-        f"-node tree (root included; {'sparse tree from held-out head accuracies' if s.tree == 'auto' else 'as configured'}"
-        f", choices in `tree.json`). τ = generated tokens / model forwards (greedy = 1). Speedup = tokens/s over "
-        "HF greedy with KV cache, measured prompt by prompt in the same run. `identical_to_greedy` = share of "
-        "prompts whose output equals HF greedy's token for token.\n",
-        markdown_table(rows, SPEED_COLUMNS),
+        (f"\nBatch 1, policy in {dtype.removeprefix('torch.')}, max {s.max_new_tokens} new tokens, {s.acceptance} "
+         f"verification, a {tree.size}-node tree (root included; "
+         f"{'sparse tree from held-out head accuracies' if s.tree == 'auto' else 'as configured'}, choices in "
+         "`tree.json`). τ = generated tokens / model forwards (greedy = 1), and `identical_to_greedy` = share of "
+         "prompts whose output equals HF greedy's (batch 1) token for token, both over `prompts` prompts. Speedup "
+         "= tokens/s over HF greedy with KV cache, on the first `speed_prompts` prompts, every decoder interleaved "
+         "prompt by prompt. `plain_share` = share of forwards that verified no draft (adaptive mode). Brackets: "
+         "95 % bootstrap intervals over prompts (paired with greedy's for the speedup); * = the interval "
+         "excludes 1.\n"),
     ]
+    for name in dict.fromkeys(r["prompt_set"] for r in rows):
+        lines += [f"\n## Prompt set `{name}`\n", markdown_table([r for r in rows if r["prompt_set"] == name],
+                                                                 SPEED_COLUMNS)]
+    lines.append("\n## Outputs that differ from greedy\n")
+    if divergences.empty:
+        lines.append("None: every output equals HF greedy's token for token.")
+    else:
+        lines += [
+            ("At the first differing position, one forward of the policy over prompt + common prefix, in its dtype: "
+             "`margin` = logit of greedy's token − logit of the decoder's (≈ 0: a near-tie that rounding decides), "
+             "`top2_margin` = top-1 − top-2 logit, `argmax` = whose token that forward picks; `float32_*`: the same "
+             "from a float32 copy of the policy.\n"),
+            markdown_table(divergences.to_dict("records"), DIVERGENCE_COLUMNS),
+        ]
     if rl_eval_path.is_file():
         t2 = json.loads(rl_eval_path.read_text())["t_plus_2"]
         lines += ["\n## Head 1 (predicts t + 2): supervised vs RLMedusa, held-out accuracy\n",

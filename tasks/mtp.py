@@ -4,14 +4,15 @@ Thin wrappers around :mod:`models.mtp.training` and :mod:`models.mtp.rl`:
 
 * ``train_mtp`` — self-distilled data (the policy's own greedy responses, as ``train_medusa`` distilled them),
   split by prompt; the main model's states computed once; a K-depth shared MTP module trained with eq. 1's
-  weighted CE; held-out per-depth accuracy and expected acceptance length; the same for every K of the
-  depth ablation (Table 2).
+  weighted CE; held-out per-depth accuracy and expected acceptance length, with 95 % intervals over held-out
+  responses; the same for every K of the depth ablation (Table 2).
 * ``train_mtp_rl`` — each configured variant (vanilla GRPO, MTP-RL, frozen MTP, CE only, no backprop) from
   the same policy and module, on the same prompts and sampling seeds, rewarded by the configured labeler
   (``label``: the verifiable answer check on prompts with answers, or a reward model such as ArmoRM on any
   prompts): per step τ, acceptance rate, rollout time and mean reward; the labeler's mean score of the held-out
-  greedy responses before and after (and their accuracy where every held-out prompt has an answer); rollout
-  speedup over vanilla.
+  greedy responses before and after (and their accuracy where every held-out prompt has an answer), with
+  intervals over prompts and the change's significance; τ, α and the rollout speedup over vanilla with
+  intervals over rollouts (:mod:`foresight.statistics`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from pathlib import Path
 import pandas as pd
 from tqdm.auto import tqdm
 
-from foresight.benchmark import markdown_table
+from foresight import statistics
+from foresight.benchmark import display_rows, markdown_table
 from foresight.config import Config, component
-from foresight.plots import line_plot
+from foresight.plots import bar_plot, interval_bar, line_plot
 from foresight.storage import atomic_path, write_json, write_table
 from tasks.data import (
     StageResult,
@@ -75,7 +77,7 @@ def train_mtp_task(cfg: Config) -> StageResult:
     started = time.perf_counter()
     m = cfg.mtp
     training = component(MTPTraining, m, ce_weights=tuple(m.ce_weights))
-    policy = load_stage_policy(cfg, "base")
+    policy = load_stage_policy(cfg, "base", training=True)
     policy.model.requires_grad_(False).eval()
     accelerator = stage_accelerator(policy, m.mixed_precision)
     responses = sft_responses(cfg, m.data, "mtp.data")
@@ -99,27 +101,47 @@ def train_mtp_task(cfg: Config) -> StageResult:
             modules[num_depths], histories[num_depths] = train_mtp_module(policy, *train, num_depths, training,
                                                                           accelerator, on_step)
             seconds[num_depths] = time.perf_counter() - depth_started
-            evaluations[num_depths] = chain_acceptance(policy, modules[num_depths], *held_out)
+            evaluations[num_depths] = _chain_evaluation(chain_acceptance(policy, modules[num_depths], *held_out))
             accelerator.free_memory()
             logger.info("K = %d: held-out %s", num_depths, json.dumps(evaluations[num_depths]))
 
     ablation = pd.DataFrame([{"num_depths": k, "main": k == m.num_depths, **evaluations[k],
                               "train_seconds": seconds[k]} for k in sorted(depths)])
+    ablation_columns = ["num_depths", "main", *(f"top1_depth_{k}" for k in range(1, max(depths) + 1)),
+                        "expected_tau", "expected_acceptance_rate", "positions", "train_seconds"]
     out = cfg.path(cfg.paths.mtp_dir)
     if accelerator.is_main_process:  # every process holds the same module; one writes it
         _write_mtp(out, modules[m.num_depths], evaluations, histories, ablation, policy, m, len(train[0]),
                    len(held_out[0]))
-        table_artifact(key="mtp-depth-ablation", table=ablation.to_dict("records"),
-                       description="Expected initial acceptance length per number of shared MTP depths")
+        table_artifact(key="mtp-depth-ablation", table=display_rows(ablation.to_dict("records"), ablation_columns),
+                       description="Expected initial acceptance length per number of shared MTP depths (95 % "
+                                   "intervals over held-out responses)")
     accelerator.wait_for_everyone()  # no process returns before the folder is whole
     metrics = {"num_train_sequences": len(train[0]), "num_eval_sequences": len(held_out[0]),
                "final_loss": histories[m.num_depths]["loss"][-1],
                **{f"held_out_{key}": value for key, value in evaluations[m.num_depths].items()},
-               **{f"ablation_k{k}_expected_tau": evaluations[k]["expected_tau"] for k in depths},
+               **{f"ablation_k{k}_expected_tau{end}": evaluations[k][f"expected_tau{end}"] for k in depths
+                  for end in ("", "_low", "_high")},
                "wall_seconds": time.perf_counter() - started}
     curves = dict(histories[m.num_depths])
     return StageResult(metrics=metrics, curves=curves, tables={"mtp_ablation": out / "ablation.csv"},
                        artifacts={"mtp": out})
+
+
+def _chain_evaluation(acceptance) -> dict:
+    """The held-out evaluation of a module from its per-response counts (:class:`models.mtp.training.ChainAcceptance`):
+    top-1 accuracy per depth (Σ hits / Σ targets), the greedy chain's expected τ (1 + Σ accepted / Σ positions) and
+    α = (τ − 1) / K, each with its 95 % interval over held-out responses; ``positions``, ``responses``: the counts."""
+    num_depths = acceptance.hits.shape[1]
+    evaluation = {}
+    for k in range(num_depths):
+        evaluation |= statistics.interval_columns(f"top1_depth_{k + 1}", statistics.ratio_of_sums(
+            acceptance.hits[:, k].tolist(), acceptance.targets[:, k].tolist()))
+    tau = statistics.ratio_of_sums((acceptance.accepted + acceptance.positions).tolist(), acceptance.positions.tolist())
+    alpha = statistics.Interval(*((x - 1) / num_depths for x in (tau.value, tau.low, tau.high)), tau.n)
+    return {**evaluation, **statistics.interval_columns("expected_tau", tau),
+            **statistics.interval_columns("expected_acceptance_rate", alpha),
+            "positions": int(acceptance.positions.sum()), "responses": len(acceptance.positions)}
 
 
 def _write_mtp(out: Path, module, evaluations: dict, histories: dict, ablation: pd.DataFrame, policy, m,
@@ -138,23 +160,26 @@ def _write_mtp(out: Path, module, evaluations: dict, histories: dict, ablation: 
         line_plot({f"depth {k} (t + {k + 1})": (list(range(1, len(history["loss"]) + 1)), history[f"ce_depth_{k}"])
                    for k in range(1, m.num_depths + 1)},
                   f"MTP equip (K = {m.num_depths}): cross-entropy per depth", "step", "cross-entropy", tmp / "loss.png")
-        line_plot({"expected τ (greedy chain)": (ablation["num_depths"].tolist(), ablation["expected_tau"].tolist())},
-                  "MTP depth ablation: expected initial acceptance length", "K (shared-layer depths)", "τ",
-                  tmp / "ablation.png", reference=(1.0, "no drafts"))
+        bar_plot({"expected τ (greedy chain)": {f"K = {row['num_depths']}": interval_bar(row, "expected_tau")
+                                                for row in ablation.to_dict("records")}},
+                 "MTP depth ablation: expected initial acceptance length (1 = no drafts)", "τ", tmp / "ablation.png",
+                 reference_line=1.0)
 
 
-ROLLOUT_COLUMNS = ["variant", "steps", "tau_first", "tau_last", "tau_mean", "acceptance_rate",
+ROLLOUT_COLUMNS = ["variant", "steps", "tau_first", "tau_last", "tau", "acceptance_rate",
                    "total_rollout_seconds", "rollout_speedup", "rollout_tokens_per_s", "ms_per_cycle", "break_even_tau",
                    "reward_mean"]
-HELD_OUT_COLUMNS = ["reward_before", "reward_after", "accuracy_before", "accuracy_after"]
+JUDGED = ("reward", "accuracy")  # what the held-out greedy responses are judged by
+HELD_OUT_COLUMNS = [f"{key}_{when}" for key in JUDGED for when in ("before", "after", "change")]
 SUMMARY_COLUMNS = ROLLOUT_COLUMNS + HELD_OUT_COLUMNS
+INTERVAL_ENDS = ("", "_low", "_high")  # a figure's columns with its interval
 
 
 def _held_out(policy, labeler, prompt_ids: list[list[int]], questions: list[str], answers: list[str | None],
-              max_new_tokens: int) -> dict[str, float]:
-    """The policy's greedy responses to the held-out prompts (batched HF greedy), judged: ``reward``, the labeler's
-    mean score; ``accuracy``, the share of right final answers, only when every prompt has a reference answer
-    (for the verifiable labeler the two are equal)."""
+              max_new_tokens: int) -> dict[str, list[float]]:
+    """The policy's greedy responses to the held-out prompts (batched HF greedy), judged per prompt: ``reward``,
+    the labeler's score; ``accuracy``, 1 for a right final answer and 0 for a wrong one, only when every prompt has
+    a reference answer (for the verifiable labeler the two are equal)."""
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import end_token_ids
     from models.labeling.answers import is_correct
@@ -162,11 +187,16 @@ def _held_out(policy, labeler, prompt_ids: list[list[int]], questions: list[str]
     outputs = hf_decode(policy, prompt_ids, GREEDY, max_new_tokens, end_token_ids(policy), batch_size=16)
     responses = [policy.tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
     scores = labeler.score(questions, responses, answers)
-    judged = {"reward": sum(scores) / len(scores)}
+    judged = {"reward": [float(score) for score in scores]}
     correct = [is_correct(response, answer) for response, answer in zip(responses, answers, strict=True)]
     if all(c is not None for c in correct):
-        judged["accuracy"] = sum(correct) / len(correct)
+        judged["accuracy"] = [float(c) for c in correct]
     return judged
+
+
+def _judged_text(judged: dict[str, list[float]]) -> str:
+    """``reward 0.5 [0.3, 0.7], accuracy …``: the means with their intervals, for the log."""
+    return ", ".join(f"{key} {statistics.mean_interval(values)}" for key, values in judged.items())
 
 
 def _rl_prompts(cfg: Config, split: str) -> pd.DataFrame:
@@ -217,7 +247,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     train_prompts = _rl_prompts(cfg, "train").sample(frac=1.0, random_state=r.seed).reset_index(drop=True)
     train_prompts = train_prompts.head(r.steps * r.prompts_per_step)
     eval_prompts = _rl_prompts(cfg, "eval").head(r.eval_prompts)
-    policy = load_stage_policy(cfg, "base")
+    policy = load_stage_policy(cfg, "base", training=True)
     accelerator = stage_accelerator(policy, r.mixed_precision)
     # loaded once for every variant, beside the policy on its device (under a launch, each process's own GPU)
     labeler = build_labeler(component(LabelerSpec, cfg.label, device=cfg.policy.device))
@@ -230,7 +260,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     eval_set = (eval_ids, eval_prompts["question"].tolist(), _answers(eval_prompts), r.max_new_tokens)
     before = _held_out(policy, labeler, *eval_set)
     logger.info("held-out greedy responses before RL, scored by %s: %s on %d prompts", _scorer(cfg.label),
-                json.dumps(before), len(eval_ids))
+                _judged_text(before), len(eval_ids))
     weights = depth_weights(cfg.mtp.ce_weights, num_depths)
 
     # this process's rollouts (each rolls out its share of every step's prompts)
@@ -247,7 +277,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     histories, after = {}, {}
     for name in r.variants:
         var = variant(name, training)
-        policy = load_stage_policy(cfg, "base")
+        policy = load_stage_policy(cfg, "base", training=True)
         module = MTPModule.load(module_dir, policy.model) if var.drafts else None
 
         def on_step(step: int, record: dict, name: str = name) -> None:
@@ -258,7 +288,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                                         _answers(train_prompts), labeler.score, training, weights, eos, accelerator,
                                         on_step, on_rollout)
         after[name] = _held_out(policy, labeler, *eval_set)
-        logger.info("%s: held-out greedy responses after RL: %s", name, json.dumps(after[name]))
+        logger.info("%s: held-out greedy responses after RL: %s", name, _judged_text(after[name]))
         accelerator.free_memory()
         del policy, module
         if torch.cuda.is_available():
@@ -268,7 +298,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-    rows = _summary(histories, before, after)
+    rows = _summary(histories, {name: variant(name, training).drafts for name in histories}, before, after)
     logger.info("\n%s", markdown_table(rows, SUMMARY_COLUMNS))
     out = cfg.path(cfg.paths.mtp_rl_dir)
     report = _report(rows, cfg, len(eval_ids), num_depths)
@@ -276,22 +306,24 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
         with atomic_path(out) as tmp:
             tmp.mkdir(parents=True)
             write_json({"labeler": cfg.label.labeler, "label_model": cfg.label.model, "variants": histories,
-                        **{f"{key}_before": value for key, value in before.items()},
-                        **{f"{key}_after": {name: scores[key] for name, scores in after.items()} for key in before}},
+                        **{f"{key}_before": rows[0][f"{key}_before"] for key in before},
+                        **{f"{key}_after": {row["variant"]: row[f"{key}_after"] for row in rows} for key in before},
+                        "held_out_per_prompt": {"before": before, "after": after}},
                        tmp / "history.json")
             write_table(pd.DataFrame(rows), tmp / "table.csv")
-            _plots(histories, tmp, _scorer(cfg.label))
+            _plots(histories, rows, tmp, _scorer(cfg.label))
             (tmp / "report.md").write_text(report)
-        table_artifact(key="mtp-rl-summary", table=[{c: row[c] for c in SUMMARY_COLUMNS} for row in rows],
+        table_artifact(key="mtp-rl-summary", table=display_rows(rows, SUMMARY_COLUMNS),
                        description="GRPO variants: acceptance length, rollout time, speedup, reward and held-out "
-                                   f"reward by {_scorer(cfg.label)}")
+                                   f"reward by {_scorer(cfg.label)} (95 % intervals; * = differs significantly)")
         markdown_artifact(key="mtp-rl-report", markdown=report, description="MTP-RL report")
     accelerator.wait_for_everyone()  # no process returns before the folder is whole
-    metrics = {f"{row['variant']}.{key}": row[key] for row in rows for key in ROLLOUT_COLUMNS[1:]
-               if isinstance(row[key], (int, float))}
+    metrics = {f"{row['variant']}.{key}{end}": row[key + end] for row in rows for key in ROLLOUT_COLUMNS[1:]
+               for end in INTERVAL_ENDS if key + end in row}
     # held-out accuracy only where every held-out prompt has an answer (its columns are NaN otherwise)
-    metrics |= {f"{key}_before": value for key, value in before.items()}
-    metrics |= {f"{name}.{key}_after": value for name, scores in after.items() for key, value in scores.items()}
+    metrics |= {f"{key}_before{end}": rows[0][f"{key}_before{end}"] for key in before for end in INTERVAL_ENDS}
+    metrics |= {f"{row['variant']}.{key}_{when}{end}": row[f"{key}_{when}{end}"] for row in rows for key in before
+                for when in ("after", "change") for end in INTERVAL_ENDS}
     metrics["wall_seconds"] = time.perf_counter() - started
     curves = {f"{name}.{key}": [record[key] for record in history] for name, history in histories.items()
               for key in ("tau", "acceptance_rate", "rollout_seconds", "reward_seconds", "reward")}
@@ -299,33 +331,70 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                        artifacts={"mtp_rl": out})
 
 
-def _summary(histories: dict[str, list[dict]], before: dict[str, float],
-             after: dict[str, dict[str, float]]) -> list[dict]:
-    """One row per variant; speedup = vanilla's total rollout time / the variant's (NaN without vanilla); the
-    held-out accuracy NaN where it is not known."""
-    vanilla = sum(h["rollout_seconds"] for h in histories["vanilla"]) if "vanilla" in histories else math.nan
-    vanilla_ms_per_token = (1000 * vanilla / sum(h["rollout_tokens"] for h in histories["vanilla"])
-                            if "vanilla" in histories else math.nan)
+def _summary(histories: dict[str, list[dict]], drafting: dict[str, bool], before: dict[str, list[float]],
+             after: dict[str, dict[str, list[float]]]) -> list[dict]:
+    """One row per variant, with 95 % intervals over its rollouts (each step's ``rollouts``): τ and α pooled over
+    its draft cycles (``tau_first`` / ``tau_last``: the first and last step's τ; 1 and 0 for a variant that does not
+    draft); ``rollout_speedup``, its tokens/s over vanilla's, the rollouts paired by their place in the run (the
+    same prompt and sampling stream: the different samples of different policies, but of the same prompt), NaN
+    without vanilla; then the held-out columns (:func:`_held_out_columns`)."""
+    units = {name: [rollout for record in history for rollout in record["rollouts"]]
+             for name, history in histories.items()}
+
+    def column(name: str, key: str) -> list[float]:
+        return [rollout[key] for rollout in units[name]]
+
+    vanilla = "vanilla" in histories
+    vanilla_ms_per_token = (1000 * sum(h["rollout_seconds"] for h in histories["vanilla"])
+                            / sum(h["rollout_tokens"] for h in histories["vanilla"]) if vanilla else math.nan)
     rows = []
     for name, history in histories.items():
         seconds = sum(h["rollout_seconds"] for h in history)
         tokens = sum(h["rollout_tokens"] for h in history)
         ms_per_cycle = 1000 * seconds / sum(h["cycles"] for h in history)
+        if drafting[name]:
+            tau = statistics.ratio_of_sums(column(name, "cycle_tokens"), column(name, "cycles"))
+            alpha = statistics.ratio_of_sums(column(name, "accepted"), column(name, "drafted"))
+        else:  # every token its own step
+            tau, alpha = (statistics.Interval(x, x, x, len(units[name])) for x in (1.0, 0.0))
+        speedup = (statistics.speedup(column(name, "tokens"), column(name, "seconds"), column("vanilla", "tokens"),
+                                      column("vanilla", "seconds")) if vanilla
+                   else statistics.Interval(math.nan, math.nan, math.nan, 0))
         rows.append({"variant": name, "steps": len(history), "tau_first": history[0]["tau"],
-                     "tau_last": history[-1]["tau"], "tau_mean": sum(h["tau"] for h in history) / len(history),
-                     "acceptance_rate": sum(h["acceptance_rate"] for h in history) / len(history),
-                     "total_rollout_seconds": seconds, "rollout_speedup": vanilla / seconds,
+                     "tau_last": history[-1]["tau"], **statistics.interval_columns("tau", tau),
+                     **statistics.interval_columns("acceptance_rate", alpha), "total_rollout_seconds": seconds,
+                     **statistics.interval_columns("rollout_speedup", speedup, reference=1.0),
                      "rollout_tokens_per_s": tokens / seconds, "ms_per_cycle": ms_per_cycle,
                      # the τ at which this variant's cycles would match vanilla's speed per token
                      "break_even_tau": ms_per_cycle / vanilla_ms_per_token,
                      "reward_mean": sum(h["reward"] for h in history) / len(history),
-                     "reward_before": before["reward"], "reward_after": after[name]["reward"],
-                     "accuracy_before": before.get("accuracy", math.nan),
-                     "accuracy_after": after[name].get("accuracy", math.nan)})
+                     **_held_out_columns(before, after[name])})
     return rows
 
 
-def _plots(histories: dict[str, list[dict]], folder, scorer: str) -> None:
+def _held_out_columns(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict:
+    """Per judged quantity (reward; accuracy where known, NaN otherwise): its mean over the held-out prompts before
+    and after RL, each with its interval, and ``<key>_change``, the paired difference after − before with its
+    interval; ``<key>_after_significant``: that interval excludes 0."""
+    columns = {}
+    for key in JUDGED:
+        if key not in before:
+            columns |= {f"{key}_{when}": math.nan for when in ("before", "after", "change")}
+            continue
+        change = statistics.paired_difference(after[key], before[key])
+        columns |= {**statistics.interval_columns(f"{key}_before", statistics.mean_interval(before[key])),
+                    **statistics.interval_columns(f"{key}_after", statistics.mean_interval(after[key])),
+                    f"{key}_after_significant": change.excludes(0.0),
+                    **statistics.interval_columns(f"{key}_change", change)}
+    return columns
+
+
+def _plots(histories: dict[str, list[dict]], rows: list[dict], folder, scorer: str) -> None:
+    """Per-step curves of every variant, and the run's rollout speedup and τ per variant with their intervals."""
+    bar_plot({"rollout speedup vs vanilla": {row["variant"]: interval_bar(row, "rollout_speedup") for row in rows},
+              "τ": {row["variant"]: interval_bar(row, "tau") for row in rows}},
+             "GRPO variants: rollout tokens/s over vanilla's and τ (1 = no drafts)", "value", folder / "speedup.png",
+             reference_line=1.0)
     drafting = {name: h for name, h in histories.items() if name != "vanilla"}
     for key, title, ylabel, which in (
             ("tau", "τ per RL step (tokens per draft–verify cycle, bonus included)", "τ", drafting),
@@ -354,14 +423,22 @@ def _report(rows: list[dict], cfg: Config, num_eval: int, num_depths: int) -> st
         f"use K = {num_depths} chained MTP drafts and speculative sampling (the same distribution as plain "
         f"sampling); vanilla samples with HF `generate`. {_reward_text(cfg.label)} Rollout time is the sampling's, "
         "the scoring's apart (`reward_seconds` in `history.json`). "
-        "τ = tokens per draft–verify cycle, the bonus token included; α = accepted share of "
-        "draft tokens; speedup = vanilla's total rollout time / the variant's. `ms_per_cycle` = rollout time per "
+        "τ = tokens per draft–verify cycle, the bonus token included, over all of a variant's cycles (`tau_first` / "
+        "`tau_last`: its first and last step's); α = accepted share of draft tokens; speedup = the variant's rollout "
+        "tokens/s over vanilla's (the paper divides rollout times; the variants' policies drift apart and sample "
+        "responses of other lengths, so the rate is the fair comparison). `ms_per_cycle` = rollout time per "
         "draft–verify cycle (per token for vanilla); `break_even_tau` = the τ at which a variant's cycles would "
         "produce tokens as fast as vanilla sampling (its ms per cycle / vanilla's ms per token): drafting pays only "
         "where τ exceeds it. Every variant starts from the same "
         f"policy and MTP module and draws from the same seeded streams. Held-out: the greedy responses to {num_eval} "
         f"prompts, `reward_*` their mean score by {_scorer(cfg.label)}, `accuracy_*` their share of right answers "
-        "(NaN unless every held-out prompt has a known answer).\n",
+        "(NaN unless every held-out prompt has a known answer); `*_change` = after − before, prompt by prompt.\n",
+        ("Brackets: 95 % bootstrap intervals. τ, α and the speedup resample rollouts (the speedup pairs each "
+         "rollout with vanilla's of the same prompt and sampling stream; τ and α are Σ / Σ over the rollouts "
+         "drawn); held-out figures resample prompts (the change pairs each prompt's before and after). `*` = "
+         "differs significantly: a speedup whose interval excludes 1, a held-out `*_after` whose change's interval "
+         "excludes 0.\n"),
         markdown_table(rows, SUMMARY_COLUMNS),
-        "\nPlots: `tau.png`, `rollout_seconds.png`, `reward.png`; per-step numbers in `history.json`.",
+        "\nPlots: `speedup.png` (speedup and τ with intervals), `tau.png`, `rollout_seconds.png`, `reward.png`; "
+        "per-step and per-rollout numbers in `history.json`.",
     ]) + "\n"

@@ -3,23 +3,26 @@ docs/sla.md): the Reward Transformer's reward channel and its adapter baselines,
 
 * ``train_reward`` / ``train_reward_dpo`` — on the frozen policy (the base policy or the DPO-tuned one), the
   reward channel and one final-state adapter per configured depth, on the same training pairs with the same
-  schedule, compared on the same held-out pairs (pair accuracy, token-level reward curve, AuTRC): the
-  paper's Figure 4 ablation.
+  schedule, compared on the same held-out pairs (pair accuracy, token-level reward curve, AuTRC, with 95 %
+  intervals over the held-out prompts): the paper's Figure 4 ablation.
 * ``dpo`` — the base policy fine-tuned with DPO on the same training pairs (the shared
-  :func:`foresight.pairs.split_pairs` split with ``reward.eval_fraction`` / ``reward.seed``), so the held-out
-  pairs are unseen by both and "SLA on top of DPO" is a fair comparison. The held-out preference accuracy of
-  DPO's implicit reward is reported before (policy = reference: every margin is 0, so 0.5) and after training.
-* ``benchmark_sla`` — the paper's decoder comparison (Table 1, Figure 3) on held-out prompts. For the base and
-  the DPO policy, each with its own trained reward channel: greedy, temperature, top-p, top-k, beam search and
-  SLA. Quality is judged by the configured labeler (win/tie/loss against base greedy, win rate = win + tie/2,
-  mean reward, accuracy where answers are known), plus the paper's extra row "DPO + SLA vs DPO + greedy".
-  Speed is measured in the same run at batch 1: tokens/s and per-token latency of each decoder relative to
-  greedy, and the reward channel's forward overhead.
+  :func:`foresight.pairs.split_pairs` split with ``reward.eval_fraction`` / ``reward.seed``; one pair per
+  prompt unless ``dpo.pairs: all``), so the held-out pairs are unseen by both and "SLA on top of DPO" is a fair
+  comparison. The held-out preference accuracy of DPO's implicit reward is reported before (policy =
+  reference: every margin is 0, so 0.5) and after training, with its interval.
+* ``benchmark_sla`` — the paper's decoder comparison (Table 1, Figure 3) on held-out prompts. For the base
+  policy greedy, temperature, top-p, top-k, beam search and SLA, for the DPO policy greedy and SLA
+  (``sla_benchmark.dpo_decoders``), each policy with its own trained reward channel. Quality is judged by the
+  configured labeler (win/tie/loss against base greedy, win rate = win + tie/2, mean reward, accuracy where
+  answers are known), plus the paper's extra row "DPO + SLA vs DPO + greedy". Speed is measured in the same
+  run at batch 1, every decoder in turn prompt by prompt: tokens/s and per-token latency relative to greedy,
+  and the reward channel's forward overhead. Every figure carries a 95 % interval (:mod:`foresight.statistics`)
+  and ``*`` where it differs significantly from its reference.
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import json
 import math
 import time
@@ -27,12 +30,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from foresight import statistics
 from foresight.benchmark import (
-    DecodeTimer,
+    cell,
+    display_rows,
+    interleaved_decoding,
     markdown_table,
     speed_row,
     synchronize,
@@ -40,7 +47,7 @@ from foresight.benchmark import (
 )
 from foresight.config import Config, component
 from foresight.pairs import split_pairs
-from foresight.plots import bar_plot, line_plot
+from foresight.plots import bar_plot, interval_bar, line_plot
 from foresight.storage import atomic_path, read_table, write_table
 from models.sla.config import SLASearch
 from tasks.data import (
@@ -55,12 +62,11 @@ from tasks.data import (
 )
 
 
-def plot_reward_curves(curves: dict[str, tuple[Sequence[float], Sequence[float]]], path: Path) -> Path:
-    """One token-level reward curve per head (Figure 4 of the SLA paper), AuTRC in the legend."""
-    from models.sla.reward_training import autrc
-
-    series = {f"{name} (AuTRC {autrc(xs, accuracies):.3f})": ([100 * x for x in xs], accuracies)
-              for name, (xs, accuracies) in curves.items()}
+def plot_reward_curves(curves: dict[str, dict], path: Path) -> Path:
+    """One token-level reward curve per head (Figure 4 of the SLA paper; ``curves[head]`` as in ``curves.json``),
+    AuTRC and its 95 % interval in the legend."""
+    series = {f"{name} (AuTRC {cell(c, 'autrc')})": ([100 * x for x in c["x"]], c["accuracy"])
+              for name, c in curves.items()}
     return line_plot(series, "Token-level reward curve", "share of the response read (%)",
                      "held-out accuracy of\nR'(chosen prefix) > R'(rejected prefix)", path,
                      reference=(0.5, "chance"), ylim=(0, 1))
@@ -71,6 +77,23 @@ def plot_losses(histories: dict[str, dict[str, list[float]]], path: Path) -> Pat
     series = {name: (range(1, len(h["loss"]) + 1), h["loss"]) for name, h in histories.items()}
     return line_plot(series, "Reward-head training", "optimizer step", "Bradley–Terry loss (eq. 17)", path,
                      reference=(math.log(2), "ln 2 (margin 0)"))
+
+
+def with_intervals(evaluation: dict, prompt_ids: Sequence[str], per_pair: dict[str, str]) -> dict:
+    """``evaluation`` with 95 % intervals for the figures that average per-pair values (``per_pair[figure]`` names
+    the list, which is dropped), resampling prompts: the pairs of one prompt share its responses, so they are not
+    independent (a cluster bootstrap). ``*_significant``: the interval excludes chance (0.5)."""
+    result = {k: v for k, v in evaluation.items() if k not in per_pair.values()}
+    for figure, values in per_pair.items():
+        result |= statistics.interval_columns(
+            figure, statistics.clustered_mean_interval(evaluation[values], prompt_ids), reference=0.5)
+    return result | {"num_pairs": len(prompt_ids), "num_prompts": len(set(prompt_ids))}
+
+
+def _interval_metrics(row: dict, column: str, key: str) -> dict:
+    """``key``, ``key_low``, ``key_high`` (and ``key_significant``) from a row's ``column`` and its interval."""
+    return {key + suffix: row[column + suffix] for suffix in ("", "_low", "_high", "_significant")
+            if column + suffix in row}
 
 
 def _metric_key(head_name: str) -> str:
@@ -105,7 +128,7 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
             "needs at least 2 (one to train on, one held out). Sample more prompts (prompts.num_train) or more "
             "responses per prompt (generate.num_samples)."
         )
-    policy = load_stage_policy(cfg, policy_source)
+    policy = load_stage_policy(cfg, policy_source, training=True)
     accelerator = stage_accelerator(policy)
 
     heads = {"channel": RewardHeadConfig(kind="channel", hidden_size=cfg.reward.hidden_size)}
@@ -128,18 +151,23 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     models, histories = train_reward_heads(policy, train_pairs, training, heads, accelerator, on_step)
     metrics["train_seconds"] = time.perf_counter() - train_started
     curves: dict[str, dict] = {}
+    prompt_ids = held_out["prompt_id"].tolist()
     for name, model in models.items():  # every process evaluates (a small held-out set): all return the metrics
-        curves[name] = evaluation = evaluate_reward_head(model, policy.tokenizer, held_out, training)
+        curves[name] = evaluation = with_intervals(
+            evaluate_reward_head(model, policy.tokenizer, held_out, training), prompt_ids,
+            {"pair_accuracy": "pair_correct", "autrc": "pair_autrc"})
         key = _metric_key(name)
         metrics |= {
-            f"pair_accuracy_{key}": evaluation["pair_accuracy"],
-            f"autrc_{key}": evaluation["autrc"],
+            **_interval_metrics(evaluation, "pair_accuracy", f"pair_accuracy_{key}"),
+            **_interval_metrics(evaluation, "autrc", f"autrc_{key}"),
             f"train_pair_accuracy_{key}": histories[name]["train_pair_accuracy"][-1],
             f"final_loss_{key}": histories[name]["loss"][-1],
             f"{key}_params": sum(p.numel() for p in model.head.parameters()),
         }
-        logger.info("%s: held-out pair accuracy %.3f, AuTRC %.3f (%d params)", name,
-                    evaluation["pair_accuracy"], evaluation["autrc"], metrics[f"{key}_params"])
+        logger.info("%s: held-out pair accuracy %s, AuTRC %s (95 %% intervals over %d pairs of %d prompts; "
+                    "* = differs from chance); %d params", name, cell(evaluation, "pair_accuracy"),
+                    cell(evaluation, "autrc"), evaluation["num_pairs"], evaluation["num_prompts"],
+                    metrics[f"{key}_params"])
     if accelerator.is_main_process:
         _write_reward_heads(Path(out_dir), models, curves, histories)
     accelerator.wait_for_everyone()  # no process returns before the folder is whole
@@ -156,7 +184,7 @@ def _write_reward_heads(out_dir: Path, models: dict, curves: dict[str, dict],
             model.save_head(tmp / name)
         (tmp / "curves.json").write_text(json.dumps(curves, indent=2) + "\n")
         (tmp / "history.json").write_text(json.dumps(histories, indent=2) + "\n")
-        plot_reward_curves({name: (c["x"], c["accuracy"]) for name, c in curves.items()}, tmp / "autrc.png")
+        plot_reward_curves(curves, tmp / "autrc.png")
         plot_losses(histories, tmp / "loss.png")
 
 
@@ -168,36 +196,48 @@ def dpo_task(cfg: Config) -> StageResult:
 
     logger = stage_logger()
     started = time.perf_counter()
-    pairs = read_table(cfg.path(cfg.paths.pairs), "pairs")
+    pairs_path = cfg.path(cfg.paths.pairs)
+    pairs = read_table(pairs_path, "pairs")
     train_pairs, held_out = split_pairs(pairs, cfg.reward.eval_fraction, cfg.reward.seed)
-    policy = load_stage_policy(cfg, "base")
+    if cfg.dpo.pairs == "best_worst":  # one pair per prompt, the usual DPO data; the reward heads take them all
+        if "best_worst" not in pairs.columns:
+            raise ValueError(f"{pairs_path} has no best_worst column (written before validate.pairing existed): "
+                             "re-run the validate stage, or set dpo.pairs: all")
+        train_pairs = train_pairs[train_pairs["best_worst"].astype(bool)].reset_index(drop=True)
+    policy = load_stage_policy(cfg, "base", training=True)
     training = component(DPOTraining, cfg.dpo)
-    logger.info("DPO on %d pairs (%d held out) on %s, beta=%g", len(train_pairs), len(held_out), policy.device,
-                training.beta)
+    logger.info("DPO on %d pairs (dpo.pairs: %s; %d held out) on %s, beta=%g", len(train_pairs), cfg.dpo.pairs,
+                len(held_out), policy.device, training.beta)
     metrics = train_dpo(policy, train_pairs, training, cfg.path(cfg.paths.dpo_dir))
 
-    # The saved folder is what later stages load, so that is what gets evaluated; the untouched base
-    # policy is the reference.
-    tuned = load_stage_policy(cfg, "dpo")
-    evaluate = dict(tokenizer=policy.tokenizer, pairs=held_out, beta=training.beta, max_length=training.max_length)
-    before = preference_accuracy(policy.model, policy.model, **evaluate)
-    after = preference_accuracy(tuned.model, policy.model, **evaluate)
+    # The saved folder is what later stages load, so that is what gets evaluated, on every held-out pair (as
+    # the reward heads are); the untouched base policy is the reference.
+    tuned = load_stage_policy(cfg, "dpo", training=True)
+    evaluate = {"tokenizer": policy.tokenizer, "pairs": held_out, "beta": training.beta,
+                "max_length": training.max_length}
+    prompt_ids = held_out["prompt_id"].tolist()
+    before, after = (with_intervals(preference_accuracy(model, policy.model, **evaluate), prompt_ids,
+                                    {"accuracy": "pair_outcomes"}) for model in (policy.model, tuned.model))
     metrics.update({
         "num_heldout": len(held_out),
-        "heldout_accuracy_before": before["accuracy"],
+        "num_heldout_prompts": after["num_prompts"],
+        **_interval_metrics(before, "accuracy", "heldout_accuracy_before"),
         "heldout_margin_before": before["margin"],
-        "heldout_accuracy_after": after["accuracy"],
+        **_interval_metrics(after, "accuracy", "heldout_accuracy_after"),
         "heldout_margin_after": after["margin"],
         "wall_seconds": time.perf_counter() - started,
     })
-    logger.info("DPO loss %.4f → %.4f; held-out implicit-reward accuracy %.3f → %.3f (margin %.4f)",
+    logger.info("DPO loss %.4f → %.4f; held-out implicit-reward accuracy %s → %s (margin %.4f; 95 %% intervals "
+                "over %d pairs of %d prompts, * = differs from 0.5, the untrained policy's tie)",
                 metrics.get("loss_first", float("nan")), metrics.get("loss_last", float("nan")),
-                before["accuracy"], after["accuracy"], after["margin"])
+                cell(before, "accuracy"), cell(after, "accuracy"), after["margin"], len(held_out),
+                after["num_prompts"])
     return StageResult(metrics=metrics)
 
 
 TABLE_COLUMNS = ["policy", "decoder", "versus", "win", "tie", "loss", "win_rate", "mean_reward", "accuracy",
                  "tokens_per_s", "ms_per_token", "latency_vs_reference"]
+OVERHEAD_COLUMNS = ["policy", "forward", "repeats", "policy_ms", "reward_transformer_ms", "overhead"]
 
 
 def _load(cfg: Config, which: str):
@@ -209,36 +249,65 @@ def _load(cfg: Config, which: str):
     return policy, RewardTransformer.from_head(policy.model, head).eval()
 
 
-@torch.no_grad()
-def forward_overhead(reward_model, input_ids: torch.Tensor, repeats: int = 5) -> dict:
-    """Wall time of one forward of the policy alone vs the policy + reward channel (median of repeats).
+@torch.inference_mode()
+def forward_overhead(reward_model, input_ids: torch.Tensor, repeats: int, warm_up: int = 3,
+                     prefill: bool = True) -> list[dict]:
+    """The reward channel's cost on top of the policy's forward, measured as decoding pays it.
 
-    Both ask for hidden states off/on and for the last position's logits, as they would in use: the policy
-    alone does not need the states. CUDA runs kernels asynchronously, so each timing starts and ends with
-    ``synchronize()`` (else it measures the launches, not the forward).
+    Two forwards: the one-token decode step over a KV cache of the prompt (what greedy and SLA run for every
+    token) and, if ``prefill``, the whole prompt's forward (once per prompt). Each is timed in ``repeats`` interleaved pairs (policy
+    alone, policy + channel) after ``warm_up`` untimed pairs, the order alternating from pair to pair, so drifts
+    of the machine's speed and whichever side runs first hit both alike; the overhead is
+    mean(joint) / mean(policy) − 1 with its 95 % interval over the pairs (:func:`statistics.ratio_of_means`),
+    ``overhead_significant`` when it excludes 0. Both ask for the last position's logits, the joint forward
+    for the hidden states too, as in use. Every decode step starts from its own copy of the prompt's cache
+    (made outside the timing), so all see the same cache length. CUDA runs kernels asynchronously, so each
+    timing starts and ends with ``synchronize()`` (else it measures the launches, not the forward).
     """
-    def median_time(fn) -> float:
-        fn()  # warm-up
-        times = []
-        for _ in range(repeats):
-            synchronize()
-            started = time.perf_counter()
-            fn()
-            synchronize()
-            times.append(time.perf_counter() - started)
-        return sorted(times)[len(times) // 2]
+    policy = reward_model.policy
+    ids = input_ids.to(policy.device)
+    prompt_cache = policy(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
+    inputs = {"decode step": lambda: {"input_ids": ids[:, -1:], "past_key_values": copy.deepcopy(prompt_cache),
+                                      "use_cache": True}}
+    if prefill:
+        inputs["prompt"] = lambda: {"input_ids": ids}
 
-    policy_s = median_time(lambda: reward_model.policy(input_ids=input_ids, logits_to_keep=1))
-    joint_s = median_time(lambda: reward_model(input_ids=input_ids, logits_to_keep=1))
-    return {"policy_forward_ms": 1000 * policy_s, "reward_transformer_forward_ms": 1000 * joint_s,
-            "reward_channel_overhead": joint_s / policy_s - 1}
+    def seconds(model, kwargs: dict) -> float:
+        synchronize()
+        started = time.perf_counter()
+        model(**kwargs, logits_to_keep=1)
+        synchronize()
+        return time.perf_counter() - started
+
+    rows, sides = [], [("policy", policy), ("joint", reward_model)]
+    for forward, make_inputs in inputs.items():
+        times: dict[str, list[float]] = {"policy": [], "joint": []}
+        for repeat in range(-warm_up, repeats):
+            for side, model in sides if repeat % 2 == 0 else sides[::-1]:
+                elapsed = seconds(model, make_inputs())
+                if repeat >= 0:
+                    times[side].append(elapsed)
+        ratio = statistics.ratio_of_means(times["joint"], times["policy"])
+        overhead = statistics.Interval(ratio.value - 1, ratio.low - 1, ratio.high - 1, ratio.n)
+        rows.append({"forward": forward, "repeats": repeats, "policy_ms": 1000 * float(np.mean(times["policy"])),
+                     "reward_transformer_ms": 1000 * float(np.mean(times["joint"])),
+                     **statistics.interval_columns("overhead", overhead, reference=0.0)})
+    return rows
 
 
-def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dict[str, SLASearch],
-                time_sampling: bool) -> tuple[list[dict], dict]:
+def _decode_all(cfg: Config, which: str, questions: list[str], decoders: list[str],
+                sla_settings: dict[str, SLASearch]) -> tuple[list[dict], dict]:
     """Every decoder on every question for one policy (chat template of its own tokenizer); returns output
-    records and speed/overhead stats (the sampling decoders are timed only if ``time_sampling``)."""
-    from models.engine.config import HF_DECODERS, ClassicalDecoding
+    records and speed stats: a timer per decoder and the reward channel's overhead.
+
+    Each (decoder, prompt) is decoded once. The first ``sla_benchmark.speed_prompts`` prompts are decoded at
+    batch 1 by greedy and the other ``sla_benchmark.timed_decoders`` in turn, prompt by prompt
+    (:func:`interleaved_decoding`), and timed: speed ratios pair a decoder's call with greedy's on the same
+    prompt. The rest goes untimed: the classical decoders ``sla_benchmark.batch_size`` prompts at a time (all
+    at once would not fit at 8B: beam search holds ``num_beams`` rows per prompt), SLA at batch 1.
+    ``decoders``: the classical ones by name (greedy first), ``sla`` for ``sla_settings``.
+    """
+    from models.engine.config import ClassicalDecoding
     from models.engine.decoding import generate_kwargs, hf_decode
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
     from models.sla.search import sla_generate
@@ -248,40 +317,39 @@ def _decode_all(cfg: Config, which: str, questions: list[str], sla_settings: dic
     policy, reward_model = _load(cfg, which)
     eos = end_token_ids(policy)
     prompt_ids = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt)]
-    records, timers = [], {}
-
-    def record(decoder: str, i: int, tokens: list[int]) -> None:
-        records.append({"policy": which, "decoder": decoder, "prompt_index": i, "new_tokens": len(tokens),
-                        "response": policy.tokenizer.decode(tokens, skip_special_tokens=True).strip()})
-
-    # Quality: the classical decoders (greedy included) in batches of sla_benchmark.batch_size prompts (all
-    # prompts at once would not fit at 8B: beam search holds num_beams rows per prompt); SLA at batch 1.
     plain = [ids[0].tolist() for ids in prompt_ids]
-    for decoder in ("greedy", *(d for d in b.decoders if d in HF_DECODERS and d != "greedy")):
-        outputs = hf_decode(policy, plain, generate_kwargs(decoder, classical), b.max_new_tokens, eos,
-                            batch_size=b.batch_size, seed=b.seed)
-        for i, tokens in enumerate(outputs):
-            record(decoder, i, tokens)
-    for name, sla_cfg in sla_settings.items():
-        timer = timers[name] = DecodeTimer()
-        for i, ids in enumerate(tqdm(prompt_ids, desc=f"{which} {name}", unit="prompt")):
-            timed = i < b.speed_prompts
-            with timer if timed else contextlib.nullcontext():
-                tokens, _ = sla_generate(reward_model, ids, sla_cfg, b.max_new_tokens, eos)
-            if timed:
-                timer.add_tokens(len(tokens))
-            record(name, i, tokens)
-    # Speed at batch 1 on the first prompts: HF greedy on the policy alone (the reference SLA is an
-    # alternative to), and the sampling decoders where asked (same architecture for both policies: once).
-    timed_decoders = ["greedy"] + [d for d in b.decoders if d in HF_DECODERS and d != "greedy" and time_sampling]
-    for decoder in timed_decoders:
-        timer = timers["hf_greedy" if decoder == "greedy" else decoder] = DecodeTimer()
-        for i, ids in enumerate(plain[: b.speed_prompts]):
-            with timer:
-                (tokens,) = hf_decode(policy, [ids], generate_kwargs(decoder, classical), b.max_new_tokens, eos,
-                                      batch_size=1, seed=b.seed + i)
-            timer.add_tokens(len(tokens))
-    overhead = forward_overhead(reward_model, prompt_ids[0])
+    hf_decoders = [d for d in decoders if d != "sla"]
+    names = [name for d in decoders for name in (sla_settings if d == "sla" else [d])]
+    timed_names = [name for name in names if name == "greedy"
+                   or ("sla" if name in sla_settings else name) in b.timed_decoders]
+    speed_prompts = min(b.speed_prompts, len(prompt_ids))
+
+    def decode(decoder: str, i: int, max_new_tokens: int) -> tuple[list[int], None]:
+        if decoder in sla_settings:
+            return sla_generate(reward_model, prompt_ids[i], sla_settings[decoder], max_new_tokens, eos)[0], None
+        (tokens,) = hf_decode(policy, [plain[i]], generate_kwargs(decoder, classical), max_new_tokens, eos,
+                              batch_size=1, seed=b.seed + i)
+        return tokens, None
+
+    timers, timed = interleaved_decoding(timed_names, range(speed_prompts), decode, b.max_new_tokens,
+                                         f"{which} timed")
+    outputs = {(r["decoder"], r["prompt_index"]): r["tokens"] for r in timed}
+    untimed_from = {name: speed_prompts if name in timed_names else 0 for name in names}  # first untimed prompt
+    for decoder in hf_decoders:
+        start = untimed_from[decoder]
+        batched = hf_decode(policy, plain[start:], generate_kwargs(decoder, classical), b.max_new_tokens, eos,
+                            batch_size=b.batch_size, seed=b.seed + start) if start < len(plain) else []
+        outputs |= {(decoder, start + i): tokens for i, tokens in enumerate(batched)}
+    for name in sla_settings:
+        for i in tqdm(range(untimed_from[name], len(prompt_ids)), desc=f"{which} {name}", unit="prompt"):
+            outputs[(name, i)] = decode(name, i, b.max_new_tokens)[0]
+    records = [{"policy": which, "decoder": name, "prompt_index": i,
+                "timed": name in timed_names and i < speed_prompts,
+                "new_tokens": len(outputs[(name, i)]),
+                "response": policy.tokenizer.decode(outputs[(name, i)], skip_special_tokens=True).strip()}
+               for name in names for i in range(len(prompt_ids))]
+    # the prefill's overhead on the base policy only: both share the architecture, and it costs 4× the decode step's
+    overhead = forward_overhead(reward_model, prompt_ids[0], b.overhead_repeats, prefill=which == "base")
     return records, {"timers": timers, "overhead": overhead}
 
 
@@ -297,32 +365,43 @@ def _sla_settings(cfg: Config) -> dict[str, SLASearch]:
     return settings
 
 
+def _quality(group: pd.DataFrame, versus: pd.DataFrame) -> dict:
+    """Win/tie/loss and win rate against ``versus`` (the same prompts, in the same order), mean reward and
+    accuracy, each with its 95 % interval over the prompts; ``*_significant`` where the paired difference from
+    ``versus`` excludes 0 (the win rate's: where it excludes 0.5)."""
+    scores, reference = group["score"].to_numpy(float), versus["score"].to_numpy(float)
+    row = {**win_tie_loss(scores, reference), **statistics.interval_columns("mean_reward",
+                                                                             statistics.mean_interval(scores)),
+           "mean_reward_significant": statistics.paired_difference(scores, reference).excludes(0.0)}
+    if not (group["correct"].notna().all() and versus["correct"].notna().all()):
+        return row | {"accuracy": float("nan")}  # answers unknown (a reward-model labeler on open prompts)
+    correct, reference_correct = group["correct"].to_numpy(float), versus["correct"].to_numpy(float)
+    return row | statistics.interval_columns("accuracy", statistics.mean_interval(correct)) | {
+        "accuracy_significant": statistics.paired_difference(correct, reference_correct).excludes(0.0)}
+
+
 def _table(outputs: pd.DataFrame, speed: dict) -> list[dict]:
-    """Table 1: each (policy, decoder) against base greedy, plus DPO+SLA against DPO+greedy."""
-    # in decoding order: greedy, SLA, then the classical decoders as configured
+    """Table 1: each (policy, decoder) against base greedy, plus DPO+SLA against DPO+greedy. Speed ratios are
+    to greedy on the same policy."""
     by = {key: group.sort_values("prompt_index") for key, group in outputs.groupby(["policy", "decoder"], sort=False)}
-    reference = by[("base", "greedy")]["score"].tolist()
     rows = []
     comparisons = [(p, d, ("base", "greedy")) for (p, d) in by]
     if ("dpo", "sla") in by and ("dpo", "greedy") in by:
         comparisons.append(("dpo", "sla", ("dpo", "greedy")))
     for policy, decoder, versus in comparisons:
-        group = by[(policy, decoder)]
-        versus_scores = reference if versus == ("base", "greedy") else by[versus]["score"].tolist()
-        row = {"policy": policy, "decoder": decoder, "versus": "+".join(versus),
-               **win_tie_loss(group["score"].tolist(), versus_scores),
-               "mean_reward": float(group["score"].mean()),
-               "accuracy": float(group["correct"].astype(float).mean()) if group["correct"].notna().all() else float("nan")}
+        row = {"policy": policy, "decoder": decoder, "versus": "+".join(versus), **_quality(by[(policy, decoder)],
+                                                                                             by[versus])}
         timers = speed[policy]["timers"]
         if decoder in timers:
-            row.update(speed_row(timers[decoder], timers["hf_greedy"]))
+            row.update(speed_row(timers[decoder], timers["greedy"]))
         rows.append(row)
     return rows
 
 
 @gpu_task("benchmark-sla")
 def benchmark_sla_task(cfg: Config) -> StageResult:
-    """Decode the held-out prompts with every decoder for the base and the DPO policy; score; compare."""
+    """Decode the held-out prompts with every decoder for the base policy and with ``sla_benchmark.dpo_decoders``
+    for the DPO policy; score; compare, with 95 % intervals."""
     logger = stage_logger()
     started = time.perf_counter()
     b = cfg.sla_benchmark
@@ -333,10 +412,10 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
     settings = _sla_settings(cfg)
     records, speed = [], {}
     for which in ("base", "dpo"):
-        logger.info("decoding %d held-out prompts with the %s policy", len(questions), which)
-        policy_records, speed[which] = _decode_all(cfg, which, questions, settings if which == "base" else
-                                                   {k: v for k, v in settings.items() if k == "sla"},
-                                                   time_sampling=which == "base")
+        decoders = ["greedy", *(d for d in b.decoders if d != "greedy" and (which == "base" or d in b.dpo_decoders))]
+        logger.info("decoding %d held-out prompts with the %s policy: %s", len(questions), which, ", ".join(decoders))
+        policy_records, speed[which] = _decode_all(cfg, which, questions, decoders, settings if which == "base" else
+                                                   {k: v for k, v in settings.items() if k == "sla"})
         records += policy_records
     outputs = _scored(pd.DataFrame(records), held_out, cfg)
     rows = _table(outputs[~outputs["decoder"].str.startswith("sla_")], speed)
@@ -345,10 +424,11 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
     metrics = _metrics(rows, speed)
     metrics["benchmark_seconds"] = time.perf_counter() - started
     logger.info("\n%s", markdown_table(rows, TABLE_COLUMNS))
-    table_artifact(key="sla-benchmark", table=[{c: _json_cell(row.get(c)) for c in TABLE_COLUMNS} for row in rows],
-                          description="Decoders against greedy (the SLA paper's Table 1)")
+    logger.info("reward channel overhead:\n%s", markdown_table(_overhead_rows(speed), OVERHEAD_COLUMNS))
+    table_artifact(key="sla-benchmark", table=display_rows(rows, TABLE_COLUMNS),
+                   description="Decoders against greedy (the SLA paper's Table 1), 95 % intervals, * = significant")
     markdown_artifact(key="sla-benchmark-report", markdown=(out_dir / "report.md").read_text(),
-                             description="SLA benchmark report")
+                      description="SLA benchmark report")
     return StageResult(metrics=metrics, tables={"sla_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
 
 
@@ -377,49 +457,68 @@ def _write_benchmark(cfg: Config, outputs: pd.DataFrame, rows: list[dict], sweep
         tmp.mkdir()
         write_table(outputs, tmp / "outputs.parquet")
         write_table(pd.DataFrame(rows), tmp / "table.csv")
-        bar_plot({p: {r["decoder"]: r["win_rate"] for r in rows if r["policy"] == p and r["versus"] == "base+greedy"}
-                  for p in ("base", "dpo")}, "Win rate against base greedy (win + tie/2)", "win rate",
-                 tmp / "win_rate.png", reference_line=0.5)
-        bar_plot({p: {r["decoder"]: r["latency_vs_reference"] for r in rows if r["policy"] == p and "latency_vs_reference" in r}
+        write_table(pd.DataFrame(_overhead_rows(speed)), tmp / "overhead.csv")
+        bar_plot({p: {r["decoder"]: interval_bar(r, "win_rate") for r in rows
+                      if r["policy"] == p and r["versus"] == "base+greedy"} for p in ("base", "dpo")},
+                 "Win rate against base greedy (win + tie/2)", "win rate", tmp / "win_rate.png", reference_line=0.5)
+        bar_plot({p: {r["decoder"]: interval_bar(r, "latency_vs_reference") for r in rows
+                      if r["policy"] == p and r["versus"] == "base+greedy" and "latency_vs_reference" in r}
                   for p in ("base", "dpo")}, "Per-token latency relative to greedy (batch 1)", "× greedy",
                  tmp / "latency.png", reference_line=1.0)
         if sweep_rows:
-            bar_plot({"base": {r["decoder"]: r["win_rate"] for r in sweep_rows if r["decoder"].startswith("sla")}},
+            bar_plot({"base": {r["decoder"]: interval_bar(r, "win_rate") for r in sweep_rows
+                               if r["decoder"].startswith("sla")}},
                      "SLA settings (Figure 3): win rate against greedy", "win rate", tmp / "sweep.png", 0.5)
-        (tmp / "report.md").write_text(_report(rows, sweep_rows, speed, cfg))
+        (tmp / "report.md").write_text(_report(rows, sweep_rows, speed, outputs["prompt_index"].nunique(), cfg))
     return out_dir
 
 
-def _json_cell(value):
-    """NaN (e.g. accuracy without known answers) as null: artifacts are JSON."""
-    return None if isinstance(value, float) and value != value else value
+def _overhead_rows(speed: dict) -> list[dict]:
+    """The reward channel's overhead, one row per (policy, timed forward)."""
+    return [{"policy": which, **row} for which, s in speed.items() for row in s["overhead"]]
 
 
 def _metrics(rows: list[dict], speed: dict) -> dict:
+    """Flat stage metrics: each row's quality and latency figures with their intervals, and the overheads."""
     metrics = {}
     for r in rows:
         key = f"{r['policy']}_{r['decoder']}" + ("_vs_dpo_greedy" if r["versus"] == "dpo+greedy" else "")
-        metrics[f"{key}.win_rate"] = r["win_rate"]
-        metrics[f"{key}.accuracy"] = r["accuracy"]
+        for column in ("win_rate", "mean_reward", "accuracy"):
+            metrics |= _interval_metrics(r, column, f"{key}.{column}")
         if "latency_vs_reference" in r:
-            metrics[f"{key}.latency_vs_greedy"] = r["latency_vs_reference"]
+            metrics |= _interval_metrics(r, "latency_vs_reference", f"{key}.latency_vs_greedy")
     for which, s in speed.items():
-        metrics[f"{which}.reward_channel_overhead"] = s["overhead"]["reward_channel_overhead"]
-        metrics[f"{which}.greedy_tokens_per_s"] = s["timers"]["hf_greedy"].tokens_per_s
+        for row in s["overhead"]:
+            suffix = "" if row["forward"] == "decode step" else "_" + row["forward"]
+            metrics |= _interval_metrics(row, "overhead", f"{which}.reward_channel_overhead{suffix}")
+        metrics[f"{which}.greedy_tokens_per_s"] = s["timers"]["greedy"].tokens_per_s
     return metrics
 
 
-def _report(rows: list[dict], sweep_rows: list[dict], speed: dict, cfg: Config) -> str:
-    s = cfg.sla
+def _report(rows: list[dict], sweep_rows: list[dict], speed: dict, num_prompts: int, cfg: Config) -> str:
+    """report.md: the table, the overhead, the sweep, and what the intervals and ``*`` mean."""
+    s, b = cfg.sla, cfg.sla_benchmark
+    overhead = speed["base"]["overhead"][0]
     lines = [
         "# SLA benchmark (the shape of the SLA paper's Table 1)",
-        f"\n{cfg.sla_benchmark.num_prompts} held-out prompts, max {cfg.sla_benchmark.max_new_tokens} new tokens, "
-        f"labeler `{cfg.label.labeler}`, SLA(d={s.depth}, k={s.width}, n={s.step}). Win rate = win + tie/2 "
-        "against the row's reference; speed at batch 1 on the first "
-        f"{cfg.sla_benchmark.speed_prompts} prompts, latency relative to HF greedy on the same policy.\n",
+        (f"\nLabeler `{cfg.label.labeler}`, SLA(d={s.depth}, k={s.width}, n={s.step}), at most {b.max_new_tokens} "
+         "new tokens. Win rate = win + tie/2 against the row's reference (`versus`).\n"),
+        ("Figures come with their 95 % confidence intervals, `value [low, high]` (percentile bootstrap, scipy). "
+         f"Quality (win/tie/loss, win rate, mean reward, accuracy) rests on {num_prompts} held-out prompts; speed "
+         f"(tokens/s, ms/token, latency relative to greedy on the same policy) on the first "
+         f"{speed['base']['timers']['greedy'].calls}, decoded at batch 1 by greedy and the timed decoders "
+         f"({', '.join(b.timed_decoders)}) in turn, prompt by prompt, their intervals resampling the prompts in "
+         "pairs (rows without speed were decoded in batches, untimed); the reward channel's overhead on "
+         f"{overhead['repeats']} interleaved pairs of forwards. `*` marks a figure that differs significantly from "
+         "the row's reference: the win rate's interval excludes 0.5; the paired difference in mean reward or "
+         "accuracy from the reference decoder excludes 0; the latency ratio's interval excludes 1; the overhead's "
+         "excludes 0.\n"),
         markdown_table(rows, TABLE_COLUMNS),
-        "\n## Reward channel overhead (one forward over the first prompt)\n",
-        markdown_table([{"policy": w, **v["overhead"]} for w, v in speed.items()]),
+        "\n## Reward channel overhead\n",
+        ("The policy alone against the policy + reward channel, on the first prompt: the one-token decode step on "
+         "a KV cache of the prompt (what decoding runs per token) and, on the base policy, the whole prompt's "
+         "forward (prefill); mean times; overhead = mean(joint) / mean(policy) − 1.\n"),
+        markdown_table(_overhead_rows(speed), OVERHEAD_COLUMNS),
     ]
     if sweep_rows:
         lines += ["\n## SLA sweep (base policy, against base greedy)\n",

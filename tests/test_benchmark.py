@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from foresight.benchmark import DecodeTimer, markdown_table, speed_row, win_tie_loss
+from foresight.benchmark import (
+    DecodeTimer,
+    cell,
+    display_rows,
+    interleaved_decoding,
+    markdown_table,
+    speed_row,
+    win_tie_loss,
+)
 from models.engine.config import ClassicalDecoding, PolicySpec
 from models.engine.decoding import generate_kwargs, hf_decode
 from models.engine.generation import chat_prompts, end_token_ids
@@ -14,28 +22,81 @@ from models.engine.policy import load_pretrained
 
 def test_win_tie_loss_hand_worked():
     result = win_tie_loss([1.0, 0.0, 0.5, 0.2], [0.0, 0.0, 0.7, 0.2])
-    assert result == {"win": 0.25, "tie": 0.5, "loss": 0.25, "win_rate": 0.5}
-    assert win_tie_loss([1, 1], [0, 0])["win_rate"] == 1.0
+    assert {k: result[k] for k in ("win", "tie", "loss", "win_rate")} == {"win": 0.25, "tie": 0.5, "loss": 0.25,
+                                                                          "win_rate": 0.5}
+    # per prompt 1, ½, 0, ½: resample means range over [0, 1]; the interval holds 0.5, so not significant
+    assert 0.0 <= result["win_rate_low"] < 0.5 < result["win_rate_high"] <= 1.0
+    assert result["win_rate_significant"] is False
+    wins = win_tie_loss([1, 1], [0, 0])
+    assert (wins["win_rate"], wins["win_rate_low"], wins["win_rate_high"], wins["win_rate_significant"]) == (
+        1.0, 1.0, 1.0, True)
     with pytest.raises(ValueError, match="equally long"):
         win_tie_loss([1.0], [1.0, 2.0])
 
 
+def timed(tokens: list[int], seconds: list[float]) -> DecodeTimer:
+    """A timer as if its calls had taken ``seconds`` and generated ``tokens``."""
+    return DecodeTimer(seconds=sum(seconds), tokens=sum(tokens), calls=len(tokens), call_seconds=list(seconds),
+                       call_tokens=list(tokens))
+
+
 def test_speed_ratios_hand_worked():
-    fast, slow = DecodeTimer(seconds=2.0, tokens=100), DecodeTimer(seconds=6.0, tokens=100)
+    fast, slow = timed([50, 50], [1.0, 1.0]), timed([50, 50], [2.0, 4.0])
     row = speed_row(slow, fast)
     assert row["tokens_per_s"] == pytest.approx(100 / 6) and row["ms_per_token"] == pytest.approx(60.0)
     assert row["latency_vs_reference"] == pytest.approx(3.0) and row["speedup_vs_reference"] == pytest.approx(1 / 3)
+    # per call the decoder is 2× and 4× slower: resamples give 1/2, 1/3 or 1/4 as the speedup (¼, ½, ¼)
+    assert (row["speedup_vs_reference_low"], row["speedup_vs_reference_high"]) == (pytest.approx(1 / 4),
+                                                                                   pytest.approx(1 / 2))
+    assert (row["latency_vs_reference_low"], row["latency_vs_reference_high"]) == (pytest.approx(2.0),
+                                                                                   pytest.approx(4.0))
+    assert row["speedup_vs_reference_significant"] and row["latency_vs_reference_significant"]
+    with pytest.raises(ValueError, match="pair calls"):
+        speed_row(timed([50], [1.0]), fast)
+
     timer = DecodeTimer()
     with timer:
         pass
     timer.add_tokens(3)
-    assert timer.calls == 1 and timer.tokens == 3 and timer.seconds >= 0
+    with timer:
+        pass
+    timer.add_tokens(2)
+    timer.add_tokens(1)  # tokens counted after a call belong to that call
+    assert timer.calls == 2 and timer.tokens == 6 and timer.call_tokens == [3, 3]
+    assert len(timer.call_seconds) == 2 and timer.seconds == pytest.approx(sum(timer.call_seconds))
     assert math.isnan(DecodeTimer().tokens_per_s)
+
+
+def test_interleaved_decoding_times_every_decoder_prompt_by_prompt():
+    """Warm-up calls first, then prompt-major order: each decoder's i-th timed call is prompt i."""
+    calls = []
+
+    def decode(decoder, prompt, max_new_tokens):
+        calls.append((decoder, prompt, max_new_tokens))
+        return [0] * (prompt + 1), None
+
+    timers, records = interleaved_decoding(["a", "b"], [1, 2, 3], decode, max_new_tokens=9, desc="test",
+                                           warm_up_tokens=4)
+    assert calls == [("a", 1, 4), ("b", 1, 4)] + [(d, p, 9) for p in (1, 2, 3) for d in ("a", "b")]
+    assert timers["a"].call_tokens == timers["b"].call_tokens == [2, 3, 4]
+    assert [(r["prompt_index"], r["decoder"]) for r in records] == [(i, d) for i in range(3) for d in ("a", "b")]
 
 
 def test_markdown_table():
     table = markdown_table([{"a": 1, "b": 0.123456, "c": float("nan")}, {"a": "x", "b": 12345.6}])
     assert table.splitlines() == ["| a | b | c |", "|---|---|---|", "| 1 | 0.123 | – |", "| x | 12346 |  |"]
+
+
+def test_cells_show_intervals_and_significance():
+    row = {"decoder": "sla", "win_rate": 0.625, "win_rate_low": 0.4, "win_rate_high": 0.85,
+           "win_rate_significant": False, "accuracy": 0.5, "accuracy_low": 0.35, "accuracy_high": 0.65,
+           "accuracy_significant": True, "ms_per_token": 51.234,
+           "tokens_per_s": 20.0, "tokens_per_s_low": float("nan"), "tokens_per_s_high": float("nan")}
+    columns = ["decoder", "win_rate", "accuracy", "ms_per_token", "tokens_per_s"]
+    assert markdown_table([row], columns).splitlines()[2] == "| sla | 0.625 [0.4, 0.85] | 0.5 [0.35, 0.65] * | 51.2 | 20 |"
+    assert display_rows([row], ["win_rate", "accuracy"]) == [{"win_rate": "0.625 [0.4, 0.85]",
+                                                               "accuracy": "0.5 [0.35, 0.65] *"}]
+    assert cell({"x": 1.0, "x_significant": True}, "x") == "1 *"
 
 
 def test_unused_sampling_knobs_are_neutralised():
@@ -47,7 +108,7 @@ def test_unused_sampling_knobs_are_neutralised():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
-    return load_pretrained(tiny_llama, PolicySpec(device="cpu"))
+    return load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
 
 
 def test_hf_decode_greedy_matches_generate_and_cuts_at_eos(tiny):

@@ -1,5 +1,6 @@
 """params.yaml validation: errors name the key and what is allowed."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ def test_repo_params_file_is_valid():
     assert cfg.policy.model == "smollm2-135m-instruct"
     assert cfg.generate.num_samples == 4 and cfg.generate.temperature == 0.8
     assert cfg.path(cfg.paths.samples) == REPO / "data/samples/samples.parquet"
+    # bf16 where the hardware has it (models.engine.policy.resolve_dtype), the code's default as well
+    assert cfg.policy.dtype == "auto" == parse_config({}).policy.dtype
 
 
 def test_defaults_parse_from_empty():
@@ -85,3 +88,25 @@ def test_every_field_is_documented():
                     walk(arg)
 
     walk(Config)
+
+
+def test_study_profile_recipe_is_valid():
+    """docs/study.md's `dvc exp run -S` recipe names existing keys and gives a valid config (it cannot drift)."""
+    text = (REPO / "docs" / "study.md").read_text()
+    recipe = text.split("```bash", 1)[1].split("```", 1)[0]
+    overrides = dict(arg.strip("'").split("=", 1) for arg in re.findall(r"-S ('[^']+'|\S+)", recipe))
+    assert len(overrides) >= 15 and "sla_benchmark.num_prompts" in overrides
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for dotted, value in overrides.items():  # as DVC writes them into params.yaml: YAML values at existing keys
+        *sections, key = dotted.split(".")
+        section = params
+        for name in sections:
+            section = section[name]
+        assert key in section, f"{dotted} is not a key of params.yaml"
+        section[key] = yaml.safe_load(value.replace(",", ", "))
+    cfg = parse_config(params, REPO)
+    assert cfg.sla_benchmark.num_prompts == 200 and cfg.mtp_rl.variants[-1] == "no_backprop"
+    from foresight.prompts import general_instructions
+
+    assert cfg.medusa.general_prompts <= len(general_instructions("train"))  # the general set can supply them
+    assert cfg.medusa_benchmark.general_prompts <= len(general_instructions("eval"))

@@ -45,7 +45,7 @@ from models.coral.target_aware import (
 )
 from models.coral.training import (
     corrupt_batch,
-    offset_accuracy,
+    offset_hits,
     stage_parameters,
     train_coral,
 )
@@ -207,7 +207,7 @@ def test_stage_parameters_split_the_model():
 
 
 def test_two_stage_training_changes_the_right_parameters(tiny_llama):
-    policy = load_pretrained(tiny_llama, PolicySpec(device="cpu"))
+    policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
     model = policy.model
     responses = pd.DataFrame({"prompt": ["<|im_start|>user\nBen has 4 apples<|im_end|>\n<|im_start|>assistant\n"] * 4,
                               "response": ["The answer is 6. Ivy has 3 cookies and gives 1 of them"] * 4})
@@ -443,8 +443,8 @@ def test_bf16_policy_trains_float32_master_weights_and_decodes(tiny_llama, tmp_p
     assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
     policy.model.save_pretrained(tmp_path)
     assert {t.dtype for t in load_file(tmp_path / "model.safetensors").values()} == {torch.bfloat16}
-    accuracy = offset_accuracy(policy, _distinct_sequences(2, seed=1), forward_window=4)
-    assert all(0 <= value <= 1 for value in accuracy.values())
+    hits, counts = offset_hits(policy, _distinct_sequences(2, seed=1), forward_window=4)
+    assert (hits <= counts).all() and counts.tolist() == [[10] * 4] * 2
     _decode_with_every_decoder(policy.model, torch.tensor([_distinct_sequences(1, seed=2)[0][0][:6]]), 8)
 
 
@@ -497,7 +497,7 @@ def _train_coral_on_two_ranks(folder: str, out: str) -> None:
     assert accelerator.num_processes == 2
     results = {}
     for name, cfg in TWO_PROCESS_RUNS.items():
-        policy = load_pretrained(Path(folder), PolicySpec(device="cpu"))
+        policy = load_pretrained(Path(folder), PolicySpec(device="cpu", dtype="float32"))
         history = train_coral(policy, _distinct_sequences(8), cfg, accelerator)
         weights = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
         gathered = accelerator.gather(weights[None])  # (2, P)
@@ -506,6 +506,107 @@ def _train_coral_on_two_ranks(folder: str, out: str) -> None:
     if accelerator.is_main_process:
         torch.save(results, out)
     accelerator.wait_for_everyone()
+
+
+def test_offset_hits_per_sequence_by_hand(tiny_llama):
+    """Held-out hits and targets per sequence and offset, batched with padding, equal each sequence's own
+    target-aware logits argmax-ed at its valid (position, offset) cells; a 1-token prompt leaves offset o
+    n − o + 1 targets in an n-token response; a response that is the model's own greedy continuation is hit at
+    every +1 target (offset +1 is the next-token prediction)."""
+    policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
+    prompt = torch.tensor([_distinct_sequences(1, seed=4)[0][0][:4]])
+    greedy = policy.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10,
+                                   min_new_tokens=10, do_sample=False, pad_token_id=0)[0]
+    long = (greedy.tolist(), [0] * 4 + [1] * 10)
+    short = _distinct_sequences(1, seed=5)[0]
+    short = (short[0][3:9], [0] + [1] * 5)  # 1 prompt + 5 response tokens
+    sequences = [long, short, long]
+    hits, counts = offset_hits(policy, sequences, forward_window=4, batch_size=2)
+    assert counts.tolist() == [[10] * 4, [5, 4, 3, 2], [10] * 4]
+    offsets = (1, 2, 3, 4)
+    for row, (ids, mask) in enumerate(sequences):
+        ids = torch.tensor([ids])
+        with torch.no_grad():
+            predicted = target_aware_logits(policy.model, ids, offsets).argmax(-1)  # (1, O, T)
+        targets, valid = offset_targets(ids, torch.tensor([mask]), offsets)
+        assert hits[row].tolist() == ((predicted == targets) & valid).sum(dim=-1)[0].float().tolist()
+    assert hits[0, 0] == 10 and hits[0].tolist() == hits[2].tolist()
+
+
+def test_held_out_offset_accuracy_has_an_interval_over_sequences():
+    """Σ hits / Σ targets per offset; resampling the two sequences (per-sequence accuracies ½ and 1) can only
+    give ½, ¾ or 1, each at least ¼ likely, so the 95 % interval is [½, 1]; an offset without targets is NaN."""
+    from tasks.coral import _offset_accuracy
+
+    accuracy = _offset_accuracy(torch.tensor([[1.0, 0.0], [2.0, 0.0]]), torch.tensor([[2.0, 0.0], [2.0, 0.0]]))
+    assert (accuracy["top1_forward_1"], accuracy["top1_forward_1_low"], accuracy["top1_forward_1_high"]) == (
+        0.75, 0.5, 1.0)
+    assert all(math.isnan(accuracy[f"top1_forward_2{end}"]) for end in ("", "_low", "_high"))
+
+
+def test_benchmark_times_every_decoder_on_the_speed_prompts_and_judges_coral_on_all(tiny_llama, tmp_path,
+                                                                                    monkeypatch):
+    """The benchmark stage on a tiny "COrAL model" (the tiny policy): next-token and full COrAL on all 3 held-out
+    prompts, every decoder on the first (the speed prompt), timed there only. Accuracy, its interval and its paired
+    difference to next-token come from the outputs (the tiny model's answers are judged by a fixed list of verdicts,
+    in the order the stage judges them, so they differ between decoders), tokens per forward is Σ tokens / Σ
+    forwards, next-token's speedup over itself is 1; table, report, artifact and metrics carry the intervals."""
+    from prefect.logging import disable_run_logger
+
+    from foresight.config import component, parse_config
+    from foresight.prompts import PROMPT_COLUMNS
+    from foresight.storage import write_table
+    from models.labeling import answers
+    from tasks import data
+    from tasks.coral import benchmark_coral_task
+    from tests.conftest import tiny_params
+
+    cfg = parse_config(tiny_params(tmp_path, tiny_llama, policy={"dtype": "float32"},
+                                   coral_benchmark={"num_prompts": 3, "speed_prompts": 1}), root=tmp_path)
+    policy = load_pretrained(tiny_llama, component(PolicySpec, cfg.policy))
+    policy.model.save_pretrained(cfg.path(cfg.paths.coral_dir))
+    policy.tokenizer.save_pretrained(cfg.path(cfg.paths.coral_dir))
+    questions = ["What is 1 + 2?", "What is 3 * 3?", "What is 7 - 5?", "What is 2 + 2?"]
+    table = pd.DataFrame({"prompt_id": [f"eval{i}" for i in range(4)], "question": questions,
+                          "answer": ["3", "9", "2", "4"], "source": "file"})
+    write_table(table[PROMPT_COLUMNS], cfg.path(cfg.paths.prompts_dir) / "eval.jsonl")
+    # prompt 0 by every decoder, then prompts 1 and 2 by next-token, then by COrAL
+    verdicts = [True, False, True, False, False, True, True, False, False, True]
+    judged = iter(verdicts)
+    monkeypatch.setattr(answers, "is_correct", lambda response, answer: next(judged))
+    data.PENDING_ARTIFACTS.clear()
+    with disable_run_logger():
+        result = benchmark_coral_task.fn(cfg)
+    out = cfg.path(cfg.paths.benchmarks_dir) / "coral"
+    outputs = pd.read_parquet(out / "outputs.parquet")
+    rows = pd.read_csv(out / "table.csv").set_index("decoder")
+    decoders = ["next_token", "coral", "coral_no_verifier", "coral_no_multi_forward", "coral_no_verifier_b3",
+                "coral_no_verifier_kf2"]
+    assert rows.index.tolist() == decoders and rows["prompts"].tolist() == [3, 3, 1, 1, 1, 1]
+    assert sorted(outputs.loc[outputs["timed"], "decoder"]) == sorted(decoders)  # prompt 0, every decoder
+    assert outputs.loc[~outputs["timed"], "prompt_index"].tolist() == [1, 2, 1, 2]
+    assert outputs["correct"].tolist() == verdicts
+    correct = outputs.pivot(index="prompt_index", columns="decoder", values="correct").astype(float)
+    for decoder in ("next_token", "coral"):
+        row = rows.loc[decoder]
+        assert row["accuracy"] == pytest.approx(correct[decoder].mean())
+        assert row["accuracy_low"] <= row["accuracy"] <= row["accuracy_high"]
+        assert row["accuracy_vs_next_token"] == pytest.approx((correct[decoder] - correct["next_token"]).mean())
+        mine = outputs[outputs["decoder"] == decoder]
+        assert row["tokens_per_forward"] == pytest.approx(mine["new_tokens"].sum() / mine["forwards"].sum())
+    for decoder in decoders[2:]:  # the speed prompt alone: one unit, no interval
+        assert rows.loc[decoder, "accuracy"] == correct.loc[0, decoder]
+        assert math.isnan(rows.loc[decoder, "accuracy_low"])
+    assert rows.loc["next_token", "tokens_per_forward"] == 1.0 == rows.loc["next_token", "tokens_per_forward_low"]
+    assert rows.loc["next_token", "speedup_vs_reference"] == pytest.approx(1.0)
+    assert not rows["accuracy_significant"].fillna(False).any()  # three prompts cannot make a difference significant
+    metrics = result.metrics
+    assert metrics["coral.accuracy_low"] == rows.loc["coral", "accuracy_low"]
+    assert "coral.tokens_per_forward_high" in metrics and "coral.speedup_vs_reference" in metrics
+    report = (out / "report.md").read_text()
+    assert f"| coral | True | 6 | 4 | {rows.loc['coral', 'accuracy']:.3g} [" in report
+    (table_artifact,) = [a for a in data.PENDING_ARTIFACTS if a["key"] == "coral-benchmark"]
+    assert table_artifact["table"][1]["accuracy"].startswith(f"{rows.loc['coral', 'accuracy']:.3g} [")
 
 
 def test_two_processes_train_like_one_on_the_same_global_batch(tiny_llama, tmp_path):
@@ -522,7 +623,7 @@ def test_two_processes_train_like_one_on_the_same_global_batch(tiny_llama, tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     two_processes = torch.load(out)
     for name, cfg in TWO_PROCESS_RUNS.items():
-        policy = load_pretrained(tiny_llama, PolicySpec(device="cpu"))
+        policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
         history = train_coral(policy, _distinct_sequences(8), replace(cfg, batch_size=2 * cfg.batch_size),
                               Accelerator(cpu=True))
         state, two_history = two_processes[name]
@@ -547,6 +648,6 @@ def test_cuda_bf16_one_step_of_each_stage_and_every_decoder(tiny_llama):
         assert {(p.device.type, p.dtype) for p in policy.model.parameters()} == {("cuda", torch.bfloat16)}
         changed = {n for n, p in policy.model.named_parameters() if not torch.equal(p, before[n])}
         assert "model.layers.1.self_attn.q_proj.weight" in changed and "model.layers.0.mlp.up_proj.weight" in changed
-        accuracy = offset_accuracy(policy, _distinct_sequences(2, seed=1), forward_window=4)
-        assert all(0 <= value <= 1 for value in accuracy.values())
+        hits, counts = offset_hits(policy, _distinct_sequences(2, seed=1), forward_window=4)
+        assert (hits <= counts).all() and counts.tolist() == [[10] * 4] * 2
     _decode_with_every_decoder(policy.model, torch.tensor([_distinct_sequences(1, seed=2)[0][0][:6]]), 8)

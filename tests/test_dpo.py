@@ -33,7 +33,7 @@ def make_pairs(tokenizer, n: int) -> pd.DataFrame:
         "prompt_id": f"p{i}", "question": q, "prompt": prompt, "answer": str(i + 2),
         "chosen": f"Ben has {i} + 2 = {i + 2} apples. The answer is {i + 2}.", "rejected": f"The answer is {i}.",
         "chosen_score": 1.0, "rejected_score": 0.0, "score_gap": 1.0,
-        "chosen_sample_id": f"p{i}/0", "rejected_sample_id": f"p{i}/1",
+        "chosen_sample_id": f"p{i}/0", "rejected_sample_id": f"p{i}/1", "best_worst": True,
     } for i, (q, prompt) in enumerate(zip(questions, chat_prompts(tokenizer, questions)), start=1)]
     return pd.DataFrame(rows, columns=PAIR_COLUMNS)
 
@@ -48,7 +48,7 @@ def folder_digest(folder: Path) -> str:
 
 @pytest.fixture()
 def policy(tiny_llama):
-    return load_pretrained(tiny_llama, PolicySpec(device="cpu"))
+    return load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
 
 
 def test_train_dpo_first_loss_is_log2_and_only_the_copy_changes(policy, tiny_llama, tmp_path):
@@ -96,7 +96,7 @@ def test_responses_end_with_exactly_one_eos(policy, tmp_path):
 def test_preference_accuracy_of_the_untrained_policy_is_a_tie(policy):
     pairs = make_pairs(policy.tokenizer, 3)
     result = preference_accuracy(policy.model, policy.model, policy.tokenizer, pairs, beta=0.1)
-    assert result == {"accuracy": 0.5, "margin": 0.0, "num_pairs": 3}
+    assert result == {"accuracy": 0.5, "margin": 0.0, "num_pairs": 3, "pair_outcomes": [0.5, 0.5, 0.5]}
 
 
 def _stage_config(root: Path, tiny_llama: Path, num_pairs: int):
@@ -126,8 +126,47 @@ def test_dpo_task_writes_the_folder_atomically_and_reports(tiny_llama, tmp_path)
     m = result.metrics
     assert m["num_pairs"] == 6 and m["num_heldout"] == 2  # the shared split: round(8 × 0.25) held out
     assert m["heldout_accuracy_before"] == 0.5 and m["heldout_margin_before"] == 0.0
+    # every margin is 0 before training: a zero-width interval at 0.5, not significant
+    assert (m["heldout_accuracy_before_low"], m["heldout_accuracy_before_high"]) == (0.5, 0.5)
+    assert m["heldout_accuracy_before_significant"] is False
     assert 0.0 <= m["heldout_accuracy_after"] <= 1.0 and m["heldout_margin_after"] != 0.0
+    assert m["heldout_accuracy_after_low"] <= m["heldout_accuracy_after"] <= m["heldout_accuracy_after_high"]
+    assert m["num_heldout_prompts"] == 2
     assert m["loss_first"] == pytest.approx(math.log(2), abs=1e-3)
+
+
+def test_dpo_trains_on_best_worst_pairs_unless_all_are_asked_for(tiny_llama, tmp_path, monkeypatch):
+    """Two pairs per prompt, one flagged ``best_worst``: DPO trains on the flagged ones (``dpo.pairs:
+    best_worst``) or on all; both evaluate every held-out pair. Pairs written before the flag existed fail
+    clearly under ``best_worst``."""
+    from prefect.logging import disable_run_logger
+
+    import models.sla.dpo
+    from tasks.sla import dpo_task
+
+    cfg, _ = _stage_config(tmp_path, tiny_llama, num_pairs=8)
+    pairs = make_pairs(load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32")).tokenizer, 8)
+    second = pairs.assign(rejected="I do not know.", best_worst=False)
+    write_table(pd.concat([pairs, second], ignore_index=True), cfg.path(cfg.paths.pairs))
+    trained_on = []
+
+    def fake_train_dpo(policy, train_pairs, training, out_dir):  # records the pairs; saves the policy untouched
+        trained_on.append(train_pairs)
+        policy.model.save_pretrained(out_dir)
+        policy.tokenizer.save_pretrained(out_dir)
+        return {"num_pairs": len(train_pairs)}
+
+    monkeypatch.setattr(models.sla.dpo, "train_dpo", fake_train_dpo)
+    with disable_run_logger():
+        best_worst = dpo_task.fn(cfg).metrics
+        everything = dpo_task.fn(cfg.model_copy(update={"dpo": cfg.dpo.model_copy(update={"pairs": "all"})})).metrics
+    assert len(trained_on[0]) == 6 and trained_on[0]["best_worst"].all()  # 6 training prompts, one pair each
+    assert len(trained_on[1]) == 12 and trained_on[1]["prompt_id"].nunique() == 6
+    assert best_worst["num_heldout"] == everything["num_heldout"] == 4  # the 2 held-out prompts' pairs, all
+    assert best_worst["num_heldout_prompts"] == 2
+    write_table(pairs.drop(columns="best_worst"), cfg.path(cfg.paths.pairs))
+    with disable_run_logger(), pytest.raises(ValueError, match="no best_worst column"):
+        dpo_task.fn(cfg)
 
 
 def test_dpo_task_with_too_few_pairs_fails_clearly_and_keeps_the_previous_output(tiny_llama, tmp_path):

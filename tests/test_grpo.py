@@ -135,7 +135,7 @@ def policy(tiny_llama):
     from models.engine.config import PolicySpec
     from models.engine.policy import load_pretrained
 
-    return load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu"))
+    return load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu", dtype="float32"))
 
 
 def _rollouts(policy, rewards: list[float]) -> Rollouts:
@@ -194,17 +194,26 @@ def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
     answers = ["5", "8"]
     eos = end_token_ids(policy)
     for name in ("vanilla", "mtp_rl", "frozen_mtp", "ce_only", "no_backprop"):
-        fresh = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu"))
+        fresh = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu", dtype="float32"))
         var = variant(name, cfg)
         module = MTPModule(fresh.model, MTPModuleConfig(2)) if var.drafts else None
         history = train_variant(fresh, module, var, prompts, questions, answers, VERIFIABLE, cfg, [0.6, 0.4], eos)
         assert [h["step"] for h in history] == [1, 2]
         for h in history:
             assert h["rollout_seconds"] > 0 and 0 <= h["reward"] <= 1
+            # per rollout (the intervals' units): they add up to the step's totals
+            rollouts = h["rollouts"]
+            assert len(rollouts) == 2 and sum(r["tokens"] for r in rollouts) == h["rollout_tokens"]
+            assert 0 < sum(r["seconds"] for r in rollouts) <= h["rollout_seconds"]
             if var.drafts:
                 assert h["tau"] >= 1 and 0 <= h["acceptance_rate"] <= 1
+                assert sum(r["cycles"] for r in rollouts) == h["cycles"]
+                assert h["tau"] == pytest.approx(sum(r["cycle_tokens"] for r in rollouts) / h["cycles"])
+                assert h["acceptance_rate"] == pytest.approx(sum(r["accepted"] for r in rollouts)
+                                                             / sum(r["drafted"] for r in rollouts))
             else:
                 assert h["tau"] == 1.0 and h["acceptance_rate"] == 0.0
+                assert not any(r["cycles"] or r["drafted"] for r in rollouts)
             if var.trains_module:
                 assert not math.isnan(h["mtp_ce_1"])
         assert not fresh.model.training and not any(p.requires_grad for p in fresh.model.parameters())
@@ -244,7 +253,7 @@ def _load(tiny_llama, **spec):
     from models.engine.config import PolicySpec
     from models.engine.policy import load_pretrained
 
-    return load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), **{"device": "cpu", **spec}))
+    return load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), **{"device": "cpu", "dtype": "float32", **spec}))
 
 
 def first_of_each_pair(questions, responses, answers) -> list[float]:
@@ -357,8 +366,9 @@ def _two_process_runs(tiny_llama: str, folder: str, batch_size: int) -> dict:
     module, equip = train_mtp_module(policy, sequences, states, 2,
                                      MTPTraining(epochs=1, batch_size=batch_size, learning_rate=1e-3), accelerator)
     # MTP-RL: a step of 2 prompts, split between the processes, each scoring its own rollouts
+    # adaptive drafting decides by measured wall times: the two runs would draw different (equally exact) rollouts
     cfg = MTPRLTraining(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=5, learning_rate=1e-3,
-                        mtp_learning_rate=1e-3)
+                        mtp_learning_rate=1e-3, adaptive=False)
     rl_module = MTPModule(policy.model, MTPModuleConfig(2))
     history = train_variant(policy, rl_module, variant("mtp_rl", cfg), _prompts(policy.tokenizer), QUESTIONS,
                             [None, None], first_of_each_pair, cfg, [0.6, 0.4],
@@ -399,6 +409,10 @@ def test_two_processes_train_like_one_on_the_same_global_batch(tiny_llama, tmp_p
     one = _two_process_runs(str(tiny_llama), str(tmp_path / "one"), batch_size=4)
     # the same rollouts, each process's share scored by it: advantages ±1/(√2 + ε) in both groups
     assert one["record"]["rollout_tokens"] == two["record"]["rollout_tokens"]
+    # every rollout's counts, the processes' gathered in prompt order
+    counted = ("tokens", "cycles", "cycle_tokens", "drafted", "accepted")
+    assert [[r[c] for c in counted] for r in two["record"]["rollouts"]] == [[r[c] for c in counted]
+                                                                           for r in one["record"]["rollouts"]]
     assert one["record"]["reward"] == two["record"]["reward"] == 0.5
     assert one["record"]["positive_advantage_share"] == two["record"]["positive_advantage_share"] == 0.5
     assert two["equip_loss"] == pytest.approx(one["equip_loss"], abs=1e-6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -235,17 +236,22 @@ def test_drafter_precision_only_changes_the_drafts(policy):
     assert policy.model.get_output_embeddings().weight.dtype == torch.float32  # the policy is untouched
 
 
-def test_prompt_sets_are_the_held_out_prompts_and_each_prompt_file(tmp_path):
+def test_prompt_sets_are_the_held_out_prompts_the_general_set_and_each_prompt_file(tmp_path):
     from foresight.config import parse_config
+    from foresight.prompts import general_instructions
     from tasks.medusa import _prompt_sets
 
     (tmp_path / "data/prompts").mkdir(parents=True)
     pd.DataFrame({"question": ["q1", "q2", "q3"]}).to_json(tmp_path / "data/prompts/eval.jsonl", orient="records",
                                                            lines=True)
     pd.DataFrame({"text": ["a", "b"]}).to_csv(tmp_path / "mine.csv", index=False)
-    cfg = parse_config({"medusa_benchmark": {"num_prompts": 2, "prompt_files": [{"path": "mine.csv", "text_column": "text"}]}},
+    cfg = parse_config({"medusa_benchmark": {"num_prompts": 2, "general_prompts": 3,
+                                             "prompt_files": [{"path": "mine.csv", "text_column": "text"}]}},
                        root=tmp_path)
-    assert _prompt_sets(cfg) == {"held_out": ["q1", "q2"], "mine": ["a", "b"]}
+    general = general_instructions("eval")["question"].tolist()
+    assert _prompt_sets(cfg) == {"held_out": ["q1", "q2"], "general": general[:3], "mine": ["a", "b"]}
+    without = parse_config({"medusa_benchmark": {"general_prompts": 0}}, root=tmp_path)
+    assert list(_prompt_sets(without)) == ["held_out"]
     (tmp_path / "empty.csv").write_text("")
     bad = parse_config({"medusa_benchmark": {"prompt_files": [{"path": "empty.csv"}]}}, root=tmp_path)
     with pytest.raises(ValueError, match="empty.csv is empty"):
@@ -355,3 +361,159 @@ def test_medusa_and_rlmedusa_run_end_to_end_on_cuda_in_bfloat16(tiny_llama, samp
         _medusa_end_to_end(policy, samples, tmp_path)
     finally:
         AcceleratorState._reset_state(True)
+
+
+def _timer(tokens: list[int], seconds: list[float]):
+    from foresight.benchmark import DecodeTimer
+
+    return DecodeTimer(seconds=sum(seconds), tokens=sum(tokens), calls=len(tokens), call_seconds=seconds,
+                       call_tokens=tokens)
+
+
+def test_speed_rows_against_hand_worked_numbers():
+    from tasks.medusa import _speed_rows
+
+    def record(decoder, i, tokens, forwards=None, plain=None):
+        return {"prompt_index": i, "decoder": decoder, "tokens": tokens, "new_tokens": len(tokens),
+                "forwards": forwards, "plain_forwards": plain}
+
+    records = [record("greedy", 0, [1, 2, 3, 4]), record("prompt_lookup", 0, [1, 2, 3, 4]),
+               record("medusa", 0, [1, 2, 3, 4], 2, 1),
+               record("greedy", 1, [5, 6]), record("prompt_lookup", 1, [5, 7]), record("medusa", 1, [5, 6], 1, 0),
+               record("greedy", 2, [7, 8, 9]), record("medusa", 2, [7, 8, 0], 2, 0)]  # prompt 2 is not timed
+    timers = {"greedy": _timer([4, 2], [1.0, 0.5]), "prompt_lookup": _timer([4, 2], [0.8, 0.4]),
+              "medusa": _timer([4, 2], [0.5, 0.5])}
+    rows = {r["decoder"]: r for r in _speed_rows("held_out", records, timers)}
+    assert list(rows) == ["greedy", "prompt_lookup", "medusa"]
+    medusa, greedy, lookup = rows["medusa"], rows["greedy"], rows["prompt_lookup"]
+    # τ = Σ tokens / Σ forwards = 9 / 5; per-prompt ratios 2, 2, 1.5 bound every resample's ratio
+    assert medusa["tau"] == pytest.approx(1.8) and 1.5 <= medusa["tau_low"] <= 1.8 <= medusa["tau_high"] <= 2.0
+    assert medusa["tau_significant"]  # above 1 on every resample
+    assert medusa["identical_to_greedy"] == pytest.approx(2 / 3) and medusa["plain_share"] == pytest.approx(1 / 5)
+    assert (medusa["prompts"], medusa["speed_prompts"]) == (3, 2)
+    assert medusa["speedup_vs_reference"] == pytest.approx((6 / 1.0) / (6 / 1.5))
+    assert medusa["speedup_vs_reference_low"] <= medusa["speedup_vs_reference"] <= medusa["speedup_vs_reference_high"]
+    assert greedy["tau"] == greedy["tau_low"] == greedy["tau_high"] == 1.0 and not greedy["tau_significant"]
+    assert greedy["identical_to_greedy"] == 1.0 and greedy["speedup_vs_reference"] == pytest.approx(1.0)
+    assert math.isnan(lookup["tau"]) and math.isnan(lookup["plain_share"])  # no forward counts from HF
+    assert lookup["identical_to_greedy"] == 0.5 and lookup["prompts"] == 2
+    assert lookup["speedup_vs_reference"] == pytest.approx(1.25)
+
+
+@pytest.fixture(scope="module")
+def spiky_policy_dir(tiny_llama, tmp_path_factory) -> Path:
+    """A prepared policy folder (``manifest.json`` + float32 weights) of the spiky tiny Llama, whose greedy outputs
+    vary from token to token."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from tests.tiny import load_spiky_tiny_llama
+
+    folder = tmp_path_factory.mktemp("spiky-policy")
+    load_spiky_tiny_llama(tiny_llama).save_pretrained(folder / "weights")
+    AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(folder / "weights")
+    (folder / "manifest.json").write_text(json.dumps({"path": "weights"}))
+    return folder
+
+
+def _policy_cfg(policy_dir: Path, root: Path, dtype: str = "float32", **sections):
+    from foresight.config import parse_config
+
+    return parse_config({"policy": {"model": str(policy_dir), "dtype": dtype, "device": "cpu"},
+                         "paths": {"policy_dir": str(policy_dir)}, **sections}, root=root)
+
+
+def test_divergences_report_the_margin_at_the_first_differing_token(spiky_policy_dir, tmp_path):
+    """A bf16 policy: the margins come from its own forward over prompt + common prefix, the float32 check from the
+    float32 weights on disk — each compared with an independent forward over the whole greedy output."""
+    from models.engine.decoding import GREEDY, hf_decode
+    from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
+    from tasks.data import load_stage_policy
+    from tasks.medusa import _DivergenceChecks
+
+    cfg = _policy_cfg(spiky_policy_dir, tmp_path, dtype="bfloat16")
+    policy = load_stage_policy(cfg, "base")
+    float32 = load_stage_policy(_policy_cfg(spiky_policy_dir, tmp_path), "base").model
+    assert policy.model.dtype == torch.bfloat16 and float32.dtype == torch.float32
+    prompts = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, ["Ben has 4 apples.", "0 1 2"])]
+    greedy = [hf_decode(policy, [p[0].tolist()], GREEDY, 8, end_token_ids(policy), batch_size=1)[0] for p in prompts]
+    assert len(greedy[0]) > 4
+    vocab = policy.model.config.vocab_size
+    changed = [*greedy[0][:3], (greedy[0][3] + 1) % vocab]  # differs at position 3
+    records = [{"decoder": "greedy", "prompt_index": i, "tokens": g} for i, g in enumerate(greedy)]
+    checks = _DivergenceChecks(cfg, policy)
+    assert checks("held_out", records + [{"decoder": "medusa", "prompt_index": 1, "tokens": greedy[1]}], prompts) == []
+    assert checks.float32 is None  # loaded only when a divergence needs it
+    rows = checks("held_out", records + [{"decoder": "medusa", "prompt_index": 0, "tokens": changed},
+                                         {"decoder": "medusa", "prompt_index": 1, "tokens": greedy[1][:2]}], prompts)
+    assert [(r["prompt_index"], r["position"]) for r in rows] == [(0, 3), (1, 2)]
+    assert "margin" not in rows[1]  # a shorter output has no token of its own there
+    row, g, d = rows[0], greedy[0][3], changed[3]
+    assert (row["greedy_token"], row["decoder_token"]) == (g, d)
+    assert row["greedy_text"] == policy.tokenizer.decode([g])
+    full = torch.cat([prompts[0][0], torch.tensor(greedy[0])])[None]
+    at = prompts[0].shape[1] + 3 - 1  # the logits that choose output position 3
+    with torch.no_grad():
+        logits = policy.model(input_ids=full).logits[0, at].float()
+        exact = float32(input_ids=full).logits[0, at]
+    assert row["margin"] == pytest.approx(float(logits[g] - logits[d]), abs=0.25)  # bf16: one logit ulp or two
+    top2 = logits.topk(2).values
+    assert row["top2_margin"] == pytest.approx(float(top2[0] - top2[1]), abs=0.25)
+    assert row["float32_margin"] == pytest.approx(float(exact[g] - exact[d]), abs=1e-4)
+    assert row["float32_choice"] == ("greedy" if int(exact.argmax()) == g else "other")
+    assert row["argmax"] in ("greedy", "other") and row["margin"] > -0.25
+    assert checks.float32 is not None and checks.float32.dtype == torch.float32
+
+
+def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spiky_policy_dir, tmp_path):
+    """train_medusa on task + general prompts, then benchmark_medusa on a float32 policy: each prompt set reported
+    separately, τ from the decoded outputs, greedy-verified (adaptive) Medusa identical to HF greedy everywhere."""
+    from foresight.prompts import general_instructions
+    from tasks.medusa import benchmark_medusa_task, train_medusa_task
+
+    prompts = tmp_path / "data/prompts"
+    prompts.mkdir(parents=True)
+    for split, questions in {"train": ["Ben has 4 apples.", "Ivy has 3 cookies.", "What is 7 * 8?", "0 1 2 3"],
+                             "eval": ["Ava has 2 marbles.", "What is 3 + 5?", "9 8 7"]}.items():
+        pd.DataFrame({"prompt_id": [f"{split}{i}" for i in range(len(questions))], "question": questions,
+                      "answer": None, "source": "arithmetic"}).to_json(prompts / f"{split}.jsonl", orient="records",
+                                                                       lines=True)
+    cfg = _policy_cfg(
+        spiky_policy_dir, tmp_path,
+        medusa={"num_heads": 2, "epochs": 1, "batch_size": 16, "distill_batch_size": 4, "mixed_precision": "no",
+                "general_prompts": 3, "max_new_tokens": 8, "eval_fraction": 0.4},
+        rlmedusa={"trajectory_tokens": 4, "top_pool": 10},
+        medusa_benchmark={"tree": [[0], [1], [0, 0]], "num_prompts": 3, "speed_prompts": 2, "general_prompts": 2,
+                          "max_new_tokens": 8, "decoders": ["greedy", "prompt_lookup", "medusa_supervised"]})
+
+    trained = train_medusa_task.fn(cfg)
+    responses = pd.read_parquet(tmp_path / "data/medusa/distilled/responses.parquet")
+    general = general_instructions("train", 3)["question"].tolist()
+    assert responses["prompt_set"].tolist() == ["task"] * 4 + ["general"] * 3
+    assert all(q in p for q, p in zip(general, responses["prompt"][4:], strict=True))
+    assert responses["prompt"][4].startswith("<|im_start|>user\n") and responses["prompt"][4].endswith("assistant\n")
+    assert (trained.metrics["num_task_responses"], trained.metrics["num_general_responses"]) == (4, 3)
+    evaluation = json.loads((tmp_path / "data/medusa/supervised/evaluation.json").read_text())
+    assert evaluation["held_out_by_prompt_set"] and set(evaluation["held_out_by_prompt_set"]) <= {"task", "general"}
+
+    result = benchmark_medusa_task.fn(cfg)
+    out = tmp_path / "data/benchmarks/medusa"
+    table = pd.read_csv(out / "table.csv")
+    assert table["prompt_set"].tolist() == ["held_out"] * 3 + ["general"] * 3
+    assert table["decoder"].tolist() == ["greedy", "prompt_lookup", "medusa_supervised"] * 2
+    assert "lossless" not in table.columns
+    by = table.set_index(["prompt_set", "decoder"])
+    assert by.loc[("held_out", "medusa_supervised"), "prompts"] == 3 and by.loc[("general", "greedy"), "prompts"] == 2
+    assert by.loc[("held_out", "prompt_lookup"), "prompts"] == 2 and (table["speed_prompts"] == 2).all()
+    assert (table.loc[table["decoder"] != "prompt_lookup", "identical_to_greedy"] == 1.0).all()  # float32: exact
+    outputs = pd.read_parquet(out / "outputs.parquet")
+    for (prompt_set, decoder), mine in outputs[outputs["decoder"] == "medusa_supervised"].groupby(
+            ["prompt_set", "decoder"]):
+        row = by.loc[(prompt_set, decoder)]
+        assert row["tau"] == pytest.approx(mine["new_tokens"].sum() / mine["forwards"].sum())
+        assert row["tau_low"] <= row["tau"] <= row["tau_high"] and 0 <= row["plain_share"] <= 1
+    assert pd.read_parquet(out / "divergences.parquet").empty
+    report = (out / "report.md").read_text()
+    assert "## Prompt set `held_out`" in report and "## Prompt set `general`" in report and " [" in report
+    assert result.metrics["divergences"] == 0 and "general.medusa_supervised.tau_low" in result.metrics

@@ -253,8 +253,9 @@ def test_equip_training_changes_only_the_module_and_lowers_the_loss(tiny_llama, 
     from models.engine.policy import load_pretrained
     from models.mtp.config import MTPTraining
     from models.mtp.training import chain_acceptance, frozen_states, train_mtp_module
+    from tasks.mtp import _chain_evaluation
 
-    policy = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu"))
+    policy = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu", dtype="float32"))
     sequences = _distilled_sequences(policy.tokenizer)
     hidden = frozen_states(policy, sequences, tmp_path, batch_size=3)
     assert [len(h) for h in hidden] == [len(ids) for ids, _ in sequences]
@@ -266,10 +267,65 @@ def test_equip_training_changes_only_the_module_and_lowers_the_loss(tiny_llama, 
     assert any(not torch.equal(a, b) for a, b in zip(start.state_dict().values(), module.state_dict().values()))
     assert history["loss"][-1] < history["loss"][0]
     assert len(history["ce_depth_1"]) == len(history["loss"]) == 6 * 2
-    evaluation = chain_acceptance(policy, module, sequences, hidden)
-    assert 0 <= evaluation["top1_depth_1"] <= 1 and 1 <= evaluation["expected_tau"] <= 3
+    # eight copies of one response, in batches of 3, 3 and 2: the same counts for each, padding or not
+    acceptance = chain_acceptance(policy, module, sequences, hidden, batch_size=3)
+    response_tokens = sum(sequences[0][1])  # every depth's target and every full chain lies inside it
+    assert acceptance.targets.tolist() == [[response_tokens] * 2] * 8
+    assert acceptance.positions.tolist() == [response_tokens] * 8
+    assert (acceptance.hits == acceptance.hits[0]).all() and (acceptance.accepted == acceptance.accepted[0]).all()
+    assert acceptance.accepted[0] <= 2 * response_tokens
+    evaluation = _chain_evaluation(acceptance)
+    assert evaluation["top1_depth_1"] == pytest.approx(float(acceptance.hits[0, 0] / response_tokens))
+    assert evaluation["expected_tau"] == pytest.approx(1 + float(acceptance.accepted[0] / response_tokens))
     assert evaluation["expected_acceptance_rate"] == pytest.approx((evaluation["expected_tau"] - 1) / 2)
-    assert not math.isnan(evaluation["top1_depth_2"])
+    assert evaluation["expected_tau_low"] == pytest.approx(evaluation["expected_tau"])  # identical responses
+    assert (evaluation["positions"], evaluation["responses"]) == (8 * response_tokens, 8)
+
+
+def test_chain_acceptance_counts_each_response_alone(tiny, tiny_llama, tmp_path):
+    """Per-response counts of a batch with padding equal each response's counted alone; on the model's own greedy
+    continuations (n response tokens after a prompt longer than K + 1) every depth has n targets and n positions
+    start a full chain, and the perturbed module's drafts are sometimes right."""
+    from transformers import AutoTokenizer
+
+    from models.engine.policy import Policy
+    from models.mtp.training import chain_acceptance, frozen_states
+
+    model, prompts = tiny
+    policy = Policy(model, AutoTokenizer.from_pretrained(tiny_llama), torch.device("cpu"), "spiky")
+    module = _perturbed_module(model, 2, scale=0.05)
+    sequences = []
+    for ids, n in zip(prompts, (24, 12, 3), strict=True):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)[0]
+        sequences.append((out.tolist(), [0] * ids.shape[1] + [1] * n))
+    hidden = frozen_states(policy, sequences, tmp_path, batch_size=2)
+    batched = chain_acceptance(policy, module, sequences, hidden, batch_size=2)
+    alone = [chain_acceptance(policy, module, [sequences[i]], hidden.select([i])) for i in range(3)]
+    for counts in ("hits", "targets", "accepted", "positions"):
+        assert torch.equal(getattr(batched, counts), torch.cat([getattr(a, counts) for a in alone])), counts
+    assert batched.targets.tolist() == [[24, 24], [12, 12], [3, 3]] and batched.positions.tolist() == [24, 12, 3]
+    assert batched.accepted.sum() > 0 and (batched.hits <= batched.targets).all()
+    assert (batched.accepted <= 2 * batched.positions).all()
+
+
+def test_held_out_chain_evaluation_by_hand():
+    """Two responses: depth 1 hits 1 of 2 and 3 of 4 targets, depth 2 2 of 2 and none of 2; the greedy chain
+    accepts 2 drafts over 2 positions and 1 over 2. Accuracies and τ are ratios of sums (4/6, 2/4, 1 + 3/4); a
+    resample of two responses is AA, AB or BB, each at least ¼ likely, so τ's 95 % interval runs from BB's 1.5 to
+    AA's 2, and α = (τ − 1) / K's from 0.25 to 0.5."""
+    from models.mtp.training import ChainAcceptance
+    from tasks.mtp import _chain_evaluation
+
+    evaluation = _chain_evaluation(ChainAcceptance(
+        hits=torch.tensor([[1.0, 2.0], [3.0, 0.0]]), targets=torch.tensor([[2.0, 2.0], [4.0, 2.0]]),
+        accepted=torch.tensor([2.0, 1.0]), positions=torch.tensor([2.0, 2.0])))
+    assert evaluation["top1_depth_1"] == pytest.approx(4 / 6) and evaluation["top1_depth_2"] == pytest.approx(0.5)
+    assert [evaluation[f"expected_tau{end}"] for end in ("", "_low", "_high")] == [1.75, 1.5, 2]
+    assert (evaluation["expected_acceptance_rate_low"], evaluation["expected_acceptance_rate_high"]) == (0.25, 0.5)
+    assert (evaluation["positions"], evaluation["responses"]) == (4, 2)
+    empty = _chain_evaluation(ChainAcceptance(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.zeros(1)))
+    assert math.isnan(empty["top1_depth_1"]) and math.isnan(empty["expected_tau"])
 
 
 def test_frozen_states_stream_from_disk_in_the_policy_dtype(tiny_llama, tmp_path):
@@ -315,7 +371,7 @@ def test_equip_training_in_bfloat16(tiny_llama, tmp_path):
     assert all(p.dtype == torch.bfloat16 for p in module.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(start.state_dict().values(), module.state_dict().values()))
     assert all(math.isfinite(loss) for loss in history["loss"])
-    assert chain_acceptance(policy, module, sequences, hidden)["positions"] > 0
+    assert chain_acceptance(policy, module, sequences, hidden).positions.sum() > 0
     module.save(tmp_path / "module")
     with safe_open(tmp_path / "module" / "mtp.safetensors", framework="pt") as saved:
         names = saved.keys()  # a safetensors handle, not a dict: it has no __iter__
@@ -439,6 +495,11 @@ def test_rl_stage_rewarded_by_a_reward_model_uses_prompts_without_answers(tiny_l
     table = pd.read_csv(out / "table.csv").set_index("variant")
     assert table["accuracy_before"].isna().all() and table["accuracy_after"].isna().all()
     assert table.loc["mtp_rl", "reward_after"] == pytest.approx(m["mtp_rl.reward_after"], abs=1e-12)
+    # per prompt in history.json; means with intervals over the two held-out prompts in the table and the metrics
+    assert history["held_out_per_prompt"]["after"]["mtp_rl"]["reward"] == scored[4][3]
+    assert table.loc["mtp_rl", "reward_after_low"] == m["mtp_rl.reward_after_low"] == min(scored[4][3])
+    assert table.loc["mtp_rl", "reward_change"] == pytest.approx(_mean(scored[4][3]) - _mean(scored[0][3]))
+    assert m["mtp_rl.tau_low"] <= m["mtp_rl.tau"] <= m["mtp_rl.tau_high"] and "mtp_rl.rollout_speedup_high" in m
     assert f"hf-classifier `{tiny_classifier}`" in (out / "report.md").read_text()
 
     verifiable = _rl_stage(tmp_path / "verifiable", tiny_llama, OPEN_PROMPTS, OPEN_PROMPTS)
@@ -458,6 +519,46 @@ def test_rl_stage_with_the_verifiable_labeler_leaves_out_prompts_without_answers
         (["What is 4 * 2?", "What is 9 - 7?"], ["8", "2"])]
     assert m["reward_before"] == _mean(scored[0][3]) == m["accuracy_before"]
     assert m["vanilla.reward_after"] == _mean(scored[2][3]) == m["vanilla.accuracy_after"]
+
+
+def _rollout(seconds: float, tokens: int, cycles: int = 0, cycle_tokens: int = 0, drafted: int = 0,
+             accepted: int = 0) -> dict:
+    return {"seconds": seconds, "tokens": tokens, "cycles": cycles, "cycle_tokens": cycle_tokens, "drafted": drafted,
+            "accepted": accepted}
+
+
+def test_rl_summary_intervals_by_hand():
+    """One step of two rollouts per variant. Vanilla: 10 tokens in 1 s and 10 in 2 s; MTP-RL: 10 tokens in 1 s
+    (5 cycles, 5 of 15 drafts accepted) and 30 in 1 s (10 cycles, 20 of 30). Speedup (40 / 2) / (20 / 3) = 3; a
+    paired resample is rollout 1 twice (10/1 over 10/1 = 1), rollout 2 twice (30/1 over 10/2 = 6) or both (3), so
+    the interval is [1, 6], which does not exclude 1. τ = 40 / 15 over [2, 3], α = 25 / 45 over [1/3, 2/3]. Held
+    out on two prompts: rewards 0, 0 before; 1, 1 after MTP-RL (a change of 1 on both: significant), 0, 1 after
+    vanilla (½, over [0, 1]: not); accuracy unknown."""
+    from tasks.mtp import _summary
+
+    def record(rollouts: list[dict]) -> dict:
+        cycles = sum(r["cycles"] for r in rollouts) or sum(r["tokens"] for r in rollouts)
+        return {"step": 1, "rollout_seconds": sum(r["seconds"] for r in rollouts), "rollout_tokens": sum(
+            r["tokens"] for r in rollouts), "cycles": cycles, "tau": 1.0, "reward": 0.5, "rollouts": rollouts}
+
+    histories = {"vanilla": [record([_rollout(1, 10), _rollout(2, 10)])],
+                 "mtp_rl": [record([_rollout(1, 10, 5, 10, 15, 5), _rollout(1, 30, 10, 30, 30, 20)])]}
+    rows = _summary(histories, {"vanilla": False, "mtp_rl": True}, {"reward": [0.0, 0.0]},
+                    {"vanilla": {"reward": [0.0, 1.0]}, "mtp_rl": {"reward": [1.0, 1.0]}})
+    vanilla, mtp = rows
+
+    def interval(row: dict, key: str) -> list[float]:
+        return [row[key + end] for end in ("", "_low", "_high")]
+
+    assert interval(mtp, "rollout_speedup") == pytest.approx([3.0, 1.0, 6.0])
+    assert not mtp["rollout_speedup_significant"]
+    assert interval(mtp, "tau") == pytest.approx([40 / 15, 2.0, 3.0])
+    assert interval(mtp, "acceptance_rate") == pytest.approx([25 / 45, 1 / 3, 2 / 3])
+    assert mtp["break_even_tau"] == pytest.approx((1000 * 2 / 15) / (1000 * 3 / 20))
+    assert interval(vanilla, "tau") == [1.0, 1.0, 1.0] and interval(vanilla, "rollout_speedup") == [1.0, 1.0, 1.0]
+    assert interval(mtp, "reward_change") == [1.0, 1.0, 1.0] and mtp["reward_after_significant"]
+    assert interval(vanilla, "reward_after") == interval(vanilla, "reward_change") == [0.5, 0.0, 1.0]
+    assert not vanilla["reward_after_significant"] and math.isnan(mtp["accuracy_change"])
 
 
 @pytest.mark.cuda

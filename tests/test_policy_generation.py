@@ -7,10 +7,17 @@ import pytest
 import torch
 
 from models.engine.config import PolicySpec, Sampling
-from models.engine.generation import chat_prompts, response_lengths, sample
+from models.engine.generation import (
+    chat_prompts,
+    generate_until_done,
+    response_lengths,
+    sample,
+)
 from models.engine.policy import (
     MANIFEST,
     PolicyNotFoundError,
+    cpu_has_bf16_units,
+    cpuinfo_flags,
     embedded_gguf,
     load_policy,
     load_pretrained,
@@ -22,7 +29,7 @@ from models.engine.policy import (
 
 @pytest.fixture(scope="module")
 def tiny_policy(tiny_llama, tmp_path_factory):
-    cfg = PolicySpec(model=str(tiny_llama), device="cpu")
+    cfg = PolicySpec(model=str(tiny_llama), device="cpu", dtype="float32")
     policy_dir = tmp_path_factory.mktemp("policy")
     manifest = prepare_policy(cfg, policy_dir)
     assert manifest["kind"] == "folder" and json.loads((policy_dir / MANIFEST).read_text()) == manifest
@@ -53,7 +60,7 @@ def test_embedded_model_converts_once(tmp_path):
     """The default policy: GGUF → safetensors, loadable, Llama 30 layers; a second prepare converts nothing."""
     from transformers import AutoConfig
 
-    cfg = PolicySpec(device="cpu")
+    cfg = PolicySpec(device="cpu", dtype="float32")
     prepare_policy(cfg, tmp_path)
     weights = tmp_path / "weights"
     config = AutoConfig.from_pretrained(weights)
@@ -66,10 +73,44 @@ def test_embedded_model_converts_once(tmp_path):
     assert "<|im_start|>assistant" in chat_prompts(policy.tokenizer, ["2+2?"])[0]
 
 
-def test_dtype_auto():
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+@pytest.mark.parametrize("flags, dtype", [
+    ({"avx512_f": True, "avx512_bf16": True}, torch.bfloat16),  # e.g. this CI machine (AMD EPYC, Zen 4)
+    ({"avx512_f": True, "amx_bf16": True, "amx_tile": True}, torch.bfloat16),  # Sapphire Rapids
+    ({"avx512_f": True, "avx512_vnni": True}, torch.float32),  # AVX-512 without bf16 units: emulated, slower
+    ({"avx2": True}, torch.float32),
+])
+def test_dtype_auto_picks_bf16_exactly_on_cpus_with_bf16_units(monkeypatch, flags, dtype):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: flags)
+    assert resolve_dtype("auto", torch.device("cpu")) == dtype
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+def test_bf16_detection_without_torchs_capabilities_reads_proc_cpuinfo(monkeypatch, tmp_path):
+    """torch releases without ``torch.cpu.get_capabilities`` (GPU images) read /proc/cpuinfo; on this machine both
+    ways agree."""
+    from models.engine import policy as policy_module
+
+    with_api = cpu_has_bf16_units()
+    monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
+    assert cpu_has_bf16_units() == with_api == bool(cpuinfo_flags() & {"avx512_bf16", "amx_bf16"})
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\nprocessor\t: 1\n"
+                       "flags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert cpuinfo_flags(cpuinfo) == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+    monkeypatch.setattr(policy_module, "cpuinfo_flags", lambda: cpuinfo_flags(cpuinfo))
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    cpuinfo.write_text("flags\t\t: fpu avx2 avx512f avx512_vnni\n")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert cpuinfo_flags(tmp_path / "absent") == set()
+
+
+def test_policy_dtype_defaults_to_auto_and_exact_tests_ask_for_float32(tiny_policy):
+    """``auto`` is the default (of ``policy.dtype`` too, tests/test_config.py); a test that loads with
+    ``dtype="float32"`` gets float32 weights whatever the CPU."""
+    assert PolicySpec().dtype == "auto"
+    assert tiny_policy.model.dtype == torch.float32
 
 
 def testresponse_lengths_stop_at_first_end_token():
@@ -125,20 +166,77 @@ def test_each_launched_process_takes_its_own_gpu(monkeypatch):
         resolve_device("cuda")
 
 
+def recording_generate(policy, monkeypatch) -> list[int]:
+    """Record the rows of every ``generate`` call of ``policy``."""
+    rows = []
+    generate = policy.model.generate
+
+    def record(**kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+        return generate(**kwargs)
+
+    monkeypatch.setattr(policy.model, "generate", record)
+    return rows
+
+
 def test_sampling_holds_at_most_batch_size_prompts_per_generate_call(tiny_policy, monkeypatch):
     """A benchmark that decoded every prompt in one batch ran out of memory at 8B: each ``generate`` call
     takes ``batch_size`` prompts (× ``num_samples`` rows) at most."""
-    rows = []
-    generate = tiny_policy.model.generate
-
-    def recording_generate(**kwargs):
-        rows.append((kwargs["input_ids"].shape[0], kwargs["num_return_sequences"]))
-        return generate(**kwargs)
-
-    monkeypatch.setattr(tiny_policy.model, "generate", recording_generate)
+    rows = recording_generate(tiny_policy, monkeypatch)
     prompts = chat_prompts(tiny_policy.tokenizer, ["a", "b", "c", "d", "e"])
     completions, _ = sample(tiny_policy, prompts, Sampling(num_samples=2, max_new_tokens=3, batch_size=2))
-    assert rows == [(2, 2), (2, 2), (1, 2)] and len(completions) == 10
+    assert rows == [4, 4, 2] and len(completions) == 10
+
+
+def test_finished_rows_drop_out_and_output_is_unchanged(tiny_policy, monkeypatch):
+    """Chunked generation continues only the rows that have not ended, from their KV cache. A deterministic
+    decoder (greedy, never repeating a token, so that the tiny model's output varies) gives what one long
+    ``generate`` call gives, token for token (float32), left padding and rows dropping out at different calls
+    included; seeded sampling with no row ending draws the very same tokens as one call."""
+    tok, model = tiny_policy.tokenizer, tiny_policy.model
+    tok.padding_side = "left"
+    prompts = chat_prompts(tok, ["Ben has 4 apples.", "What is 2 + 3?", "Ivy has 3 cookies and gives 1", "a",
+                                 "How many apples does Ben have now?", "7 * 8 =", "Omar bags", "total stickers"])
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert (enc["attention_mask"] == 0).any()  # prompts of different lengths: left padding
+    decoder, max_new, chunk = {"do_sample": False, "no_repeat_ngram_size": 1}, 12, 4
+    free = model.generate(**enc, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=tok.pad_token_id,
+                          **decoder)[:, enc["input_ids"].shape[1]:].tolist()
+
+    def calls_ending(token: int) -> set[int]:
+        return {row.index(token) // chunk for row in free if token in row}
+
+    # As the end token, one that some rows never produce and the others produce in as many different calls as can be.
+    end = max((t for t in {t for row in free for t in row} if any(t not in row for row in free)),
+              key=lambda t: (len(calls_ending(t)), t))
+    assert len(calls_ending(end)) >= 2
+    rows = recording_generate(tiny_policy, monkeypatch)
+    args = (enc["input_ids"], enc["attention_mask"], decoder, max_new, {end}, tok.pad_token_id)
+    chunked = generate_until_done(model, *args, chunk_tokens=chunk)
+    chunked_calls = list(rows)
+    assert torch.equal(chunked, generate_until_done(model, *args, chunk_tokens=max_new))
+    assert rows[len(chunked_calls):] == [len(prompts)]  # chunk_tokens ≥ max_new_tokens: one call
+    lengths, reasons = response_lengths(chunked, {end})
+    assert "eos" in reasons and "length" in reasons
+    for row, length in enumerate(lengths):
+        assert chunked[row, :length].tolist() == free[row][:length]
+        assert (chunked[row, length:] == tok.pad_token_id).all()
+    # call c decodes the rows that had not ended within the c calls before it
+    going = [sum(1 for length, reason in zip(lengths, reasons) if reason == "length" or length > chunk * c)
+             for c in range(max_new // chunk)]
+    assert chunked_calls == going and going[-1] < going[1] < going[0] == len(prompts)
+    del rows[:]
+    lone = generate_until_done(model, enc["input_ids"][-1:], enc["attention_mask"][-1:], decoder, max_new, {end},
+                               tok.pad_token_id, chunk_tokens=chunk)
+    assert torch.equal(lone[0, :lengths[-1]], chunked[-1, :lengths[-1]]) and rows == [1]  # a lone row: one call
+
+    sampler = {"do_sample": True, "temperature": 0.8, "top_k": 0, "top_p": 1.0, "suppress_tokens": [end]}
+    args = (enc["input_ids"], enc["attention_mask"], sampler, max_new, {end}, tok.pad_token_id)
+    torch.manual_seed(5)
+    sampled = generate_until_done(model, *args, chunk_tokens=chunk)
+    torch.manual_seed(5)
+    assert torch.equal(sampled, generate_until_done(model, *args, chunk_tokens=max_new))
+    assert len({tuple(row) for row in sampled.tolist()}) == len(prompts)
 
 
 @pytest.mark.cuda

@@ -148,3 +148,46 @@ def test_hf_dataset_offline_and_absent_is_a_clear_error(tmp_path):
     cfg = _prompts_cfg(source="dataset", dataset={"name": "nobody/no-such-dataset-xyz"})
     with pytest.raises(PromptSourceError, match="could not be loaded.*Offline"):
         load_prompts(cfg, tmp_path)
+
+
+def test_general_instruction_set_split_is_fixed_disjoint_and_varied():
+    from foresight.prompts import GENERAL_HELD_OUT, GENERAL_INSTRUCTIONS, general_instructions
+
+    rows = [json.loads(line) for line in GENERAL_INSTRUCTIONS.read_text().splitlines()]
+    texts = [r["prompt"] for r in rows]
+    assert len(texts) >= 150 and len(set(texts)) == len(texts) and all(t.strip() for t in texts)
+    train, held_out = general_instructions("train"), general_instructions("eval")
+    assert (len(train), len(held_out)) == (len(texts) - GENERAL_HELD_OUT, GENERAL_HELD_OUT)
+    assert sorted([*train["question"], *held_out["question"]]) == sorted(texts)  # a partition of the file
+    assert not set(train["prompt_id"]) & set(held_out["prompt_id"])
+    assert (train["source"] == "general").all() and held_out["answer"].isna().all()
+    # fixed: the same split on every call, and a shuffle (not the file's first rows, which are all "writing")
+    pd.testing.assert_frame_equal(general_instructions("eval"), held_out)
+    assert held_out["question"].tolist() != texts[-GENERAL_HELD_OUT:]
+    categories = {r["category"] for r in rows}
+    assert len(categories) >= 6 and set(train["category"]) == set(held_out["category"]) == categories
+    assert general_instructions("train", 5).equals(train.head(5))
+
+
+def test_general_instruction_set_errors_are_clear(tmp_path):
+    from foresight.prompts import general_instructions
+
+    with pytest.raises(PromptSourceError, match="holds 48"):
+        general_instructions("eval", 49)
+    with pytest.raises(PromptSourceError, match="general instruction set .* is missing"):
+        general_instructions("train", path=tmp_path / "gone.jsonl")
+    with pytest.raises(ValueError, match="'train' and 'eval'"):
+        general_instructions("test")
+
+
+def test_general_instruction_set_is_package_data():
+    """A non-editable install keeps only the data files pyproject declares: the set must match one of them."""
+    import tomllib
+    from pathlib import Path, PurePosixPath
+
+    from foresight.prompts import GENERAL_INSTRUCTIONS
+
+    root = Path(__file__).resolve().parent.parent
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["foresight"]
+    relative = PurePosixPath(GENERAL_INSTRUCTIONS.relative_to(root / "foresight").as_posix())
+    assert any(relative.match(pattern) for pattern in declared), (relative, declared)

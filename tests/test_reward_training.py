@@ -25,6 +25,8 @@ from models.sla.reward_training import (
     collate_pairs,
     evaluate_reward_head,
     pair_accuracy,
+    pair_curves,
+    pair_wins,
     token_reward_curve,
     tokenize_pairs,
     train_reward_heads,
@@ -44,7 +46,7 @@ FAST = dict(learning_rate=1e-2, batch_size=4, epochs=4, warmup_ratio=0.0, max_le
 
 @pytest.fixture(scope="module")
 def policy(tiny_llama):
-    return load_pretrained(tiny_llama, PolicySpec(device="cpu"))
+    return load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
 
 
 def toy_pairs(tokenizer, count: int, start: int = 0) -> pd.DataFrame:
@@ -165,6 +167,10 @@ def test_learns_a_separable_toy_preference(policy, head):
     assert evaluation["pair_accuracy"] > 0.5
     assert len(evaluation["x"]) == len(evaluation["accuracy"]) == cfg.curve_points
     assert 0.0 <= evaluation["autrc"] <= 1.0
+    # the per-pair values the intervals resample average to the reported figures
+    assert len(evaluation["pair_correct"]) == len(evaluation["pair_autrc"]) == len(held_out)
+    assert sum(evaluation["pair_correct"]) / len(held_out) == pytest.approx(evaluation["pair_accuracy"])
+    assert sum(evaluation["pair_autrc"]) / len(held_out) == pytest.approx(evaluation["autrc"])
 
 
 @pytest.mark.cuda
@@ -223,13 +229,32 @@ def test_reward_curve_and_autrc_by_hand():
     assert xs == [0.25, 0.5, 0.75, 1.0]
     # prefix lengths ⌈x·T⌉: pair 1 chosen 1,2,3,4 vs rejected 1,1,2,2 → 0>1 F, 1>1 F, 2>1 T, 3>1 T
     #                       pair 2 chosen 1,1,1,1 vs rejected 1,2,3,4 → 5>0 T, 5>0 T, 5>9 F, 5>0 T
+    assert pair_curves(scored, points=4)[1].tolist() == [[0, 0, 1, 1], [1, 1, 0, 1]]
     assert accuracies == [0.5, 0.5, 0.5, 1.0]
     # trapezoid: 0.25 · (0.5 + 0.5 + 0.75) = 0.4375 over the width 0.75
     assert autrc(xs, accuracies) == pytest.approx(0.4375 / 0.75)
-    assert pair_accuracy(scored) == 1.0  # means 1.5 > 1.0 and 5.0 > 2.25
+    # per pair: 0.25 · (0 + 0.5 + 1) / 0.75 = 0.5 and 0.25 · (1 + 0.5 + 0.5) / 0.75 = 2/3; their mean is the AuTRC
+    assert [autrc(xs, [0, 0, 1, 1]), autrc(xs, [1, 1, 0, 1])] == [pytest.approx(0.5), pytest.approx(2 / 3)]
+    assert (0.5 + 2 / 3) / 2 == pytest.approx(0.4375 / 0.75)
+    assert pair_accuracy(scored) == 1.0 and pair_wins(scored).tolist() == [1.0, 1.0]  # 1.5 > 1.0, 5.0 > 2.25
     tie = PairRewards(chosen=[torch.tensor([1.0, 2.0])], rejected=[torch.tensor([1.0, 2.0])])
     assert pair_accuracy(tie) == 0.0 and token_reward_curve(tie, points=3)[1] == [0.0, 0.0, 0.0]
     assert autrc([0.01, 1.0], [1.0, 1.0]) == pytest.approx(1.0)
+
+
+def test_intervals_resample_prompts_not_pairs():
+    """Held-out pairs of one prompt share its responses: the intervals are a bootstrap over prompts."""
+    from foresight.statistics import ratio_of_means
+    from tasks.sla import with_intervals
+
+    evaluation = {"pair_accuracy": 0.75, "pair_correct": [1.0, 1.0, 0.0, 1.0], "x": [1.0], "accuracy": [0.75]}
+    result = with_intervals(evaluation, ["a", "a", "b", "c"], {"pair_accuracy": "pair_correct"})
+    # per prompt (right, pairs): a (2, 2), b (0, 1), c (1, 1)
+    expected = ratio_of_means([2.0, 0.0, 1.0], [2.0, 1.0, 1.0])
+    assert (result["pair_accuracy"], result["pair_accuracy_low"], result["pair_accuracy_high"]) == (
+        0.75, expected.low, expected.high)
+    assert result["pair_accuracy_significant"] == expected.excludes(0.5)
+    assert (result["num_pairs"], result["num_prompts"]) == (4, 3) and "pair_correct" not in result
 
 
 @pytest.fixture()
@@ -256,11 +281,17 @@ def test_task_writes_heads_curves_plots_and_metrics(reward_cfg):
     assert (m["num_train_pairs"], m["num_eval_pairs"]) == (6, 2)  # eval_fraction 0.25 of 8 prompts
     for key in ("channel", "adapter1", "adapter4"):
         assert 0.0 <= m[f"pair_accuracy_{key}"] <= 1.0 and 0.0 <= m[f"autrc_{key}"] <= 1.0
+        for figure in (f"pair_accuracy_{key}", f"autrc_{key}"):  # intervals over the 2 held-out prompts
+            assert m[f"{figure}_low"] <= m[figure] <= m[f"{figure}_high"], figure
+            assert isinstance(m[f"{figure}_significant"], bool)
         assert m[f"{key}_params"] > 0
     assert m["train_seconds"] > 0  # all heads train in one pass
     assert m["adapter1_params"] == 32 + 1 and m["channel_params"] > m["adapter1_params"]  # tiny Llama: d = 32
     curves = json.loads((out_dir / "curves.json").read_text())
     assert set(curves) == set(heads) and len(curves["channel"]["accuracy"]) == reward_cfg.reward.curve_points
+    assert {"autrc_low", "autrc_high", "pair_accuracy_low", "pair_accuracy_high"} <= set(curves["channel"])
+    assert (curves["channel"]["num_pairs"], curves["channel"]["num_prompts"]) == (2, 2)
+    assert "pair_correct" not in curves["channel"] and "pair_autrc" not in curves["channel"]
     assert set(json.loads((out_dir / "history.json").read_text())) == set(heads)
     assert result.artifacts == {"reward": out_dir}
     policy = load_pretrained(reward_cfg.policy.model, component(PolicySpec, reward_cfg.policy))
@@ -323,7 +354,7 @@ def _train_on_two_ranks(tiny_llama: str, out_dir: str) -> None:
     AcceleratorState._reset_state(True)  # the forked process inherits the parent's single-process state
     accelerator = Accelerator(cpu=True)
     assert accelerator.num_processes == 2
-    policy = load_pretrained(Path(tiny_llama), PolicySpec(device="cpu"))
+    policy = load_pretrained(Path(tiny_llama), PolicySpec(device="cpu", dtype="float32"))
 
     models, histories = train_reward_heads(policy, toy_pairs(policy.tokenizer, 8), TWO_RANKS, {"channel": CHANNEL},
                                            accelerator)

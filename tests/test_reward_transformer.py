@@ -31,7 +31,7 @@ def _num_params(module: torch.nn.Module) -> int:
 
 @pytest.fixture(scope="module")
 def policy(tiny_llama):
-    return load_pretrained(tiny_llama, PolicySpec(device="cpu"))
+    return load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ full no-cache forward. They must agree token for token.
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 
 import pytest
@@ -15,7 +16,15 @@ import torch
 
 from models.sla.config import SLASearch
 from models.sla.reward_transformer import RewardTransformer
-from models.sla.search import Node, SLAStats, backup, greedy_generate, select_action, sla_generate, sla_stream
+from models.sla.search import (
+    Node,
+    SLAStats,
+    backup,
+    greedy_generate,
+    select_action,
+    sla_generate,
+    sla_stream,
+)
 from tests.tiny import load_spiky_tiny_llama
 
 QUESTIONS = ["Ben has 4 apples. How many?", "Ivy has 3 cookies and gives 1 to Omar.", "0 1 2 3", "What is 7 * 8?"]
@@ -252,56 +261,216 @@ def test_sla_and_greedy_decode_on_the_gpu_in_bf16(tiny_llama):
         assert sla_generate(model, ids, cfg, 9, set())[0] == tokens  # deterministic
 
 
-def test_forward_overhead_times_each_forward_between_synchronisations(tiny, monkeypatch):
+def test_forward_overhead_times_interleaved_pairs_between_synchronisations(tiny, monkeypatch):
     """CUDA kernels run asynchronously: without a synchronise on both sides a timing measures the launches.
-    On the CPU the order of the calls is what can be checked."""
+    On the CPU the order of the calls is what can be checked: warm-up pairs, then pairs of (policy alone,
+    policy + channel) whose order alternates, each decode step on a fresh copy of the prompt's cache."""
     import tasks.sla
 
     model, _, prompts = tiny
-    events = []
+    ids = prompts[0]
+    events, inputs = [], []
     monkeypatch.setattr(tasks.sla, "synchronize", lambda: events.append("sync"))
-    hook = model.policy.register_forward_hook(lambda *_: events.append("forward"))
+
+    def record_inputs(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        inputs.append((kwargs["input_ids"].shape[1], cache.get_seq_length() if cache is not None else 0))
+
+    hooks = [model.policy.register_forward_hook(lambda *_: events.append("forward")),
+             model.head.register_forward_hook(lambda *_: events.append("channel")),
+             model.policy.register_forward_pre_hook(record_inputs, with_kwargs=True)]
     try:
-        overhead = tasks.sla.forward_overhead(model, prompts[0], repeats=3)
+        rows = tasks.sla.forward_overhead(model, ids, repeats=3, warm_up=2)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    policy, joint = ["sync", "forward", "sync"], ["sync", "forward", "channel", "sync"]
+    pairs = [policy + joint if repeat % 2 == 0 else joint + policy for repeat in range(-2, 3)]
+    per_forward = [event for pair in pairs for event in pair]
+    assert events == ["forward"] + per_forward * 2  # the prompt's cache once, then decode steps and prompts
+    length = ids.shape[1]
+    assert inputs == [(length - 1, 0)] + [(1, length - 1)] * 10 + [(length, 0)] * 10
+    assert [row["forward"] for row in rows] == ["decode step", "prompt"]
+    for row in rows:
+        assert row["repeats"] == 3 and row["policy_ms"] > 0 and row["reward_transformer_ms"] > 0
+        assert row["overhead"] == pytest.approx(row["reward_transformer_ms"] / row["policy_ms"] - 1)
+        assert row["overhead_low"] <= row["overhead"] <= row["overhead_high"]
+
+
+def test_forward_overhead_detects_a_slow_channel(tiny):
+    """A channel that costs 5 ms more than the tiny policy's forward: an overhead far above 0, significant."""
+    from tasks.sla import forward_overhead
+
+    model, _, prompts = tiny
+    hook = model.head.register_forward_pre_hook(lambda *_: time.sleep(0.005))
+    try:
+        rows = forward_overhead(model, prompts[0], repeats=8)
     finally:
         hook.remove()
-    # per timed function: one warm-up forward, then each repeat bracketed
-    assert events == (["forward"] + ["sync", "forward", "sync"] * 3) * 2
-    assert overhead["policy_forward_ms"] > 0 and overhead["reward_transformer_forward_ms"] > 0
+    for row in rows:
+        assert row["overhead_low"] > 0.5 and row["overhead_significant"], row
+        assert row["reward_transformer_ms"] - row["policy_ms"] >= 4.5  # sleep may overshoot on a busy machine
 
 
-def test_benchmark_decodes_the_classical_decoders_in_batches(tiny_llama, tmp_path, monkeypatch):
-    """The held-out prompts go to ``generate`` at most ``sla_benchmark.batch_size`` at a time (all of them at
-    once ran out of GPU memory as ``num_prompts`` grew, beam search most), and every prompt is decoded."""
-    from transformers import GenerationMixin
+def _sla_project(tmp_path, tiny_llama, **benchmark):
+    """A tiny project for the SLA benchmark: the prepared tiny policy (also as the "DPO" policy), a random
+    reward channel for each, and held-out prompts with answers."""
+    import pandas as pd
 
     from foresight.config import component, parse_config
+    from foresight.prompts import PROMPT_COLUMNS
+    from foresight.storage import write_table
     from models.engine.config import PolicySpec
     from models.engine.policy import load_policy, prepare_policy
     from models.sla.reward_transformer import RewardHeadConfig
-    from tasks.sla import _decode_all
     from tests.conftest import tiny_params
 
-    benchmark = {"num_prompts": 5, "batch_size": 2, "max_new_tokens": 3, "decoders": ["greedy", "beam", "sla"]}
-    cfg = parse_config(tiny_params(tmp_path, tiny_llama, sla_benchmark=benchmark), root=tmp_path)
+    cfg = parse_config(tiny_params(tmp_path, tiny_llama, policy={"dtype": "float32"}, sla_benchmark=benchmark,
+                                   paths={"dpo_dir": str(tiny_llama)}), root=tmp_path)
     spec = component(PolicySpec, cfg.policy)
     prepare_policy(spec, cfg.path(cfg.paths.policy_dir))
     policy = load_policy(spec, cfg.path(cfg.paths.policy_dir))
-    RewardTransformer(policy.model, RewardHeadConfig(hidden_size=8)).save_head(
-        cfg.path(cfg.paths.reward_dir) / "base" / "channel")
+    for which, seed in (("base", 0), ("dpo", 1)):
+        torch.manual_seed(seed)
+        RewardTransformer(policy.model, RewardHeadConfig(hidden_size=8)).save_head(
+            cfg.path(cfg.paths.reward_dir) / which / "channel")
+    questions = [f"What is {i} + {i + 1}?" for i in range(6)]
+    table = pd.DataFrame({"prompt_id": [f"eval{i}" for i in range(6)], "question": questions,
+                          "answer": [str(2 * i + 1) for i in range(6)], "source": "file"})
+    write_table(table[PROMPT_COLUMNS], cfg.path(cfg.paths.prompts_dir) / "eval.jsonl")
+    return cfg
 
-    batches = []  # rows of every generate call, as the model received them
-    generate = GenerationMixin.generate
+
+def test_benchmark_decodes_each_prompt_once_timed_prompts_interleaved(tiny_llama, tmp_path, monkeypatch):
+    """The speed prompts are decoded at batch 1 by every timed decoder in turn (after one warm-up call each),
+    the rest untimed: the classical decoders ``sla_benchmark.batch_size`` prompts per ``generate`` call (all at
+    once ran out of GPU memory as ``num_prompts`` grew, beam search most), SLA per prompt. Each (decoder,
+    prompt) is decoded once; beam search, not in ``timed_decoders``, decodes every prompt in batches."""
+    from transformers import GenerationMixin
+
+    import models.sla.search
+    from tasks.sla import _decode_all
+
+    cfg = _sla_project(tmp_path, tiny_llama, num_prompts=5, speed_prompts=2, batch_size=2, max_new_tokens=3,
+                       overhead_repeats=2, timed_decoders=["sla"])  # greedy, the reference, is timed anyway
+    calls = []  # (decoder, rows) of every decoding call, in order
+    generate, sla_generate = GenerationMixin.generate, models.sla.search.sla_generate
 
     def recording_generate(self, *args, **kwargs):
-        batches.append(kwargs["input_ids"].shape[0])
+        calls.append(("beam" if kwargs.get("num_beams", 1) > 1 else "greedy", kwargs["input_ids"].shape[0]))
         return generate(self, *args, **kwargs)
 
+    def recording_sla(model, ids, *args):
+        calls.append(("sla", ids.shape[0]))
+        return sla_generate(model, ids, *args)
+
     monkeypatch.setattr(GenerationMixin, "generate", recording_generate)
+    monkeypatch.setattr(models.sla.search, "sla_generate", recording_sla)
     questions = [f"What is {i} + {i}?" for i in range(5)]
-    records, _ = _decode_all(cfg, "base", questions, {"sla": SLASearch(depth=1, width=2, step=2)},
-                             time_sampling=False)
-    # greedy and beam: 2 + 2 + 1 prompts each; then HF greedy timed at batch 1 on the speed prompt
-    assert batches == [2, 2, 1] * 2 + [1] * cfg.sla_benchmark.speed_prompts
-    decoded = Counter(r["decoder"] for r in records)
-    assert decoded == {"greedy": 5, "beam": 5, "sla": 5}
+    records, speed = _decode_all(cfg, "base", questions, ["greedy", "beam", "sla"],
+                                 {"sla": SLASearch(depth=1, width=2, step=2)})
+    batch_1 = [("greedy", 1), ("sla", 1)]  # warm-up, prompt 0, prompt 1
+    assert calls == batch_1 * 3 + [("greedy", 2), ("greedy", 1), ("beam", 2), ("beam", 2), ("beam", 1)] + [
+        ("sla", 1)] * 3
+    assert Counter((r["decoder"], r["prompt_index"]) for r in records) == {
+        (d, i): 1 for d in ("greedy", "beam", "sla") for i in range(5)}
+    assert {(r["decoder"], r["prompt_index"]) for r in records if r["timed"]} == {
+        (d, i) for d in ("greedy", "sla") for i in range(2)}
+    assert {name: timer.calls for name, timer in speed["timers"].items()} == {"greedy": 2, "sla": 2}
+    assert [r["new_tokens"] for r in records if r["decoder"] == "greedy" and r["timed"]] == (
+        speed["timers"]["greedy"].call_tokens)
+    assert [row["forward"] for row in speed["overhead"]] == ["decode step", "prompt"]
+
+
+def test_table_intervals_and_significance_by_hand():
+    """10 prompts: SLA right on 9 where greedy is right on 1 (and ties on the other): accuracy, mean reward and
+    win rate all differ significantly; the DPO policy's greedy equals base greedy: nothing differs."""
+    import pandas as pd
+
+    from foresight.benchmark import DecodeTimer
+    from tasks.sla import _metrics, _table
+
+    greedy = [1.0] + [0.0] * 9
+    sla = [1.0] * 9 + [0.0]
+    outputs = pd.DataFrame([{"policy": p, "decoder": d, "prompt_index": i, "score": v, "correct": bool(v)}
+                            for p, d, values in (("base", "greedy", greedy), ("base", "sla", sla),
+                                                 ("dpo", "greedy", greedy), ("dpo", "sla", greedy))
+                            for i, v in enumerate(values)])
+    outputs["correct"] = outputs["correct"].astype("boolean")
+
+    def timer(seconds):
+        return DecodeTimer(seconds=sum(seconds), tokens=20, calls=2, call_seconds=seconds, call_tokens=[10, 10])
+
+    timers = {"greedy": timer([1.0, 1.0]), "sla": timer([2.0, 1.5])}
+    speed = {p: {"timers": timers, "overhead": [{"forward": "decode step", "overhead": 0.05, "overhead_low": 0.02,
+                                                 "overhead_high": 0.08, "overhead_significant": True}]}
+             for p in ("base", "dpo")}
+    rows = {(r["policy"], r["decoder"], r["versus"]): r for r in _table(outputs, speed)}
+    assert list(rows) == [("base", "greedy", "base+greedy"), ("base", "sla", "base+greedy"),
+                          ("dpo", "greedy", "base+greedy"), ("dpo", "sla", "base+greedy"), ("dpo", "sla", "dpo+greedy")]
+    better = rows[("base", "sla", "base+greedy")]
+    # outcomes: prompt 0 a tie (½), prompts 1–8 wins, prompt 9 a tie → (8 + 1) / 10
+    assert (better["win"], better["tie"], better["loss"], better["win_rate"]) == (0.8, 0.2, 0.0, 0.9)
+    assert better["win_rate_low"] > 0.5 and better["win_rate_significant"]
+    assert better["accuracy"] == 0.9 and better["accuracy_low"] < 0.9 < better["accuracy_high"]
+    assert better["accuracy_significant"] and better["mean_reward_significant"]
+    assert better["latency_vs_reference"] == pytest.approx(3.5 / 2)
+    assert better["latency_vs_reference_low"] == pytest.approx(1.5) and better["latency_vs_reference_high"] == 2.0
+    same = rows[("dpo", "greedy", "base+greedy")]
+    assert (same["win_rate"], same["win_rate_low"], same["win_rate_high"]) == (0.5, 0.5, 0.5)
+    assert not (same["win_rate_significant"] or same["accuracy_significant"] or same["mean_reward_significant"])
+    assert same["accuracy"] == 0.1 and same["accuracy_low"] == 0.0  # resamples without prompt 0 exist
+    metrics = _metrics(list(rows.values()), speed)
+    assert metrics["base_sla.win_rate"] == 0.9 and metrics["base_sla.accuracy_significant"] is True
+    assert metrics["dpo_sla_vs_dpo_greedy.win_rate"] == 0.5
+    assert metrics["base_sla.latency_vs_greedy_high"] == 2.0
+    assert (metrics["base.reward_channel_overhead"], metrics["base.reward_channel_overhead_low"]) == (0.05, 0.02)
+
+
+def test_benchmark_task_reports_intervals_everywhere(tiny_llama, tmp_path, monkeypatch):
+    """The stage end to end on the tiny model: table.csv, metrics, report, Prefect table and plots carry the
+    intervals, the DPO policy runs only ``dpo_decoders``, and the figures match the decoded outputs."""
+    import pandas as pd
+    from prefect.logging import disable_run_logger
+
+    from foresight.benchmark import win_tie_loss
+    from models.labeling import answers
+    from tasks import data
+    from tasks.sla import benchmark_sla_task
+
+    cfg = _sla_project(tmp_path, tiny_llama, num_prompts=6, speed_prompts=2, max_new_tokens=4, overhead_repeats=3,
+                       decoders=["greedy", "top_k", "sla"], dpo_decoders=["greedy", "sla"])
+    monkeypatch.setattr(answers, "is_correct", lambda response, answer: len(response) % 2 == 0)
+    data.PENDING_ARTIFACTS.clear()
+    with disable_run_logger():
+        result = benchmark_sla_task.fn(cfg)
+    out = cfg.path(cfg.paths.benchmarks_dir) / "sla"
+    assert {p.name for p in out.iterdir()} == {"outputs.parquet", "table.csv", "overhead.csv", "win_rate.png",
+                                               "latency.png", "report.md"}
+    outputs = pd.read_parquet(out / "outputs.parquet")
+    assert sorted(set(zip(outputs["policy"], outputs["decoder"]))) == [
+        ("base", "greedy"), ("base", "sla"), ("base", "top_k"), ("dpo", "greedy"), ("dpo", "sla")]
+    table = pd.read_csv(out / "table.csv")
+    for column in ("win_rate", "mean_reward", "accuracy", "latency_vs_reference"):
+        rows = table.dropna(subset=[column])
+        assert (rows[f"{column}_low"] <= rows[column] + 1e-12).all(), column
+        assert (rows[column] <= rows[f"{column}_high"] + 1e-12).all(), column
+    timed = table.set_index(["policy", "decoder", "versus"])["latency_vs_reference"].notna()
+    assert timed[("base", "sla", "base+greedy")] and timed[("dpo", "sla", "dpo+greedy")]
+    assert not timed[("base", "top_k", "base+greedy")]  # not in timed_decoders: decoded in batches, untimed
+    base = outputs[outputs["policy"] == "base"].pivot(index="prompt_index", columns="decoder", values="score")
+    correct = outputs[outputs["policy"] == "base"].pivot(index="prompt_index", columns="decoder", values="correct")
+    sla_row = table[(table["policy"] == "base") & (table["decoder"] == "sla")].iloc[0]
+    assert sla_row["win_rate"] == pytest.approx(win_tie_loss(base["sla"].tolist(), base["greedy"].tolist())["win_rate"])
+    assert sla_row["accuracy"] == pytest.approx(correct["sla"].astype(float).mean())
+    m = result.metrics
+    for key in ("base_sla.win_rate", "base_sla.accuracy", "base_sla.latency_vs_greedy", "dpo_sla_vs_dpo_greedy.win_rate",
+                "base.reward_channel_overhead", "dpo.reward_channel_overhead", "base.reward_channel_overhead_prompt"):
+        assert m[f"{key}_low"] <= m[key] <= m[f"{key}_high"], key
+    assert "dpo.reward_channel_overhead_prompt" not in m  # the prefill is timed once, on the base policy
+    report = (out / "report.md").read_text()
+    assert "6 held-out prompts" in report and "first 2" in report and "on 3 interleaved pairs" in report
+    assert "`*` marks" in report and " [" in report
+    (artifact,) = [a for a in data.PENDING_ARTIFACTS if a.get("key") == "sla-benchmark"]
+    cells = {(row["policy"], row["decoder"], row["versus"]): row for row in artifact["table"]}
+    assert cells[("base", "sla", "base+greedy")]["win_rate"].startswith(f"{sla_row['win_rate']:.3g} [")

@@ -7,22 +7,26 @@ gathering); HF greedy ``generate`` token for token (losslessness).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import DynamicCache
 
-from models.engine.config import TypicalAcceptance
+from models.engine.config import Adaptation, TypicalAcceptance
 from models.engine.speculative import (
     Draft,
     SamplingVerifier,
     SpeculativeStats,
     TreeDrafter,
     TreeVerifier,
+    Verdict,
     _parents,
     build_tree,
     chain_tree,
     draw,
     keep_accepted,
+    root_tree,
     sparse_tree,
     speculative_cache,
     speculative_generate,
@@ -340,6 +344,12 @@ def test_speculative_decoding_is_lossless_beyond_a_sliding_window(kind, attn_imp
                                                set(), stats) for t in step]
     assert tokens == reference and len(set(reference)) > 5  # not one token repeated
     assert max(stats.accepted_lengths) > 1
+    # plain steps keep the window's cache as they found it (nothing to gather, the window still cut back)
+    noise = torch.Generator().manual_seed(0)
+    drafter = TreeDrafter(tree, lambda h, r: torch.randn(3, model.config.vocab_size, generator=noise))
+    adaptive, stats = speculative_generate(model, drafter, TreeVerifier(), SLIDING_PROMPT, 30, set(),
+                                           adaptation=Adaptation(window=2, probe_every=4, cycle_cost=1.5))
+    assert adaptive == reference and stats.plain_forwards > 10
 
 
 @pytest.mark.parametrize("kind", ["mistral", "mixed"])
@@ -454,3 +464,240 @@ def test_a_generator_on_another_device_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match="generator is on cpu"):
         verify_speculative_sampling([1], torch.zeros(1, 8), torch.full((2, 8), 1 / 8, device="meta"),
                                     torch.Generator())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the adaptive loop: draft only while it pays (models.engine.config.Adaptation)
+
+
+class Scripted:
+    """Draft logits that are exactly right (the greedy continuation at rank 0 at every depth) at the positions
+    ``right(done)`` says, and never right elsewhere (random, the right token pushed to the bottom); counts calls."""
+
+    def __init__(self, reference: list[int], stats: SpeculativeStats, vocab: int, depth: int, right, seed: int = 0):
+        self.reference, self.stats, self.vocab, self.depth, self.right = reference, stats, vocab, depth, right
+        self.gen = torch.Generator().manual_seed(seed)
+        self.calls = 0
+
+    def __call__(self, hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+        self.calls += 1
+        done = self.stats.generated_tokens  # tokens out so far, the root included
+        logits = torch.randn(self.depth, self.vocab, generator=self.gen)
+        for d in range(min(self.depth, len(self.reference) - done)):
+            logits[d, self.reference[done + d]] = 100.0 if self.right(done) else -100.0
+        return logits
+
+
+@pytest.mark.parametrize(("right_from", "depth", "lengths", "plain"), [
+    # useless drafts: 4 cycles of 1 token (τ 1 < c 1.5) → 8 plain steps, one probing cycle, 8 plain, …
+    (None, 3, [1] * 7, 32),
+    # right from the 20th token on: the probe at 13 still fails, the one at 22 gains 4 → τ = (1+1+1+4)/4 = 1.75 ≥ c:
+    # drafting resumes and stays (the last cycle is cut at 40 tokens)
+    (20, 3, [1, 1, 1, 1, 1, 4, 4, 4, 4, 2], 16),
+    # always right: never a plain step
+    (0, 3, [4] * 9 + [3], 0),
+])
+@torch.no_grad()
+def test_adaptive_decoding_falls_back_probes_and_resumes_losslessly(tiny, right_from, depth, lengths, plain):
+    """Hand-worked decisions of the rule (window 4, probe every 8 plain tokens, c = 1.5 plain steps) on a prompt of
+    40 greedy tokens: the output is greedy's, token for token, and the drafter is called once per cycle only (a
+    plain step runs no drafter)."""
+    model, prompts = tiny
+    adaptation = Adaptation(window=4, probe_every=8, cycle_cost=1.5)
+    for ids in prompts:
+        reference = _greedy(model, ids, 40, set())
+        stats = SpeculativeStats()
+        drafts = Scripted(reference, stats, model.config.vocab_size, depth,
+                          lambda done: right_from is not None and done >= right_from)
+        tokens, _ = speculative_generate(model, TreeDrafter(chain_tree(depth), drafts), TreeVerifier(), ids, 40, set(),
+                                         stats, adaptation=adaptation)
+        assert tokens == reference
+        assert stats.accepted_lengths == lengths and stats.plain_forwards == plain
+        assert drafts.calls == len(lengths)
+        assert stats.forwards == 1 + len(lengths) + plain and stats.generated_tokens == 40
+        assert stats.drafted_tokens == depth * len(lengths)  # τ and α count the cycles only
+
+
+def _ticks(stats: SpeculativeStats, drafts: Scripted):
+    """A clock that ticks 1 per model forward and 3 per draft."""
+    return lambda: stats.forwards + 3 * drafts.calls
+
+
+@torch.no_grad()
+def test_a_measured_cycle_cost_decides_from_the_clock(tiny):
+    """c measured from the run's own step times, on a clock that ticks 1 per model forward and 3 per draft (a cycle
+    costs 4 plain steps): the first step is plain (it times one); a perfect 3-deep chain gains 4 per cycle and keeps
+    drafting, a perfect 1-deep chain gains 2 and falls back to plain steps, probing every 8."""
+    model, prompts = tiny
+    ids = prompts[0]
+    reference = _greedy(model, ids, 40, set())
+    adaptation = Adaptation(window=4, probe_every=8)
+    for depth, lengths, plain in ((3, [4] * 9 + [2], 1), (1, [2] * 7, 25)):
+        stats = SpeculativeStats()
+        drafts = Scripted(reference, stats, model.config.vocab_size, depth, lambda done: True)
+        tokens, _ = speculative_generate(model, TreeDrafter(chain_tree(depth), drafts), TreeVerifier(), ids, 40, set(),
+                                         stats, adaptation=adaptation, clock=_ticks(stats, drafts))
+        assert tokens == reference
+        assert stats.accepted_lengths == lengths and stats.plain_forwards == plain
+
+
+@torch.no_grad()
+def test_adaptive_medusa_decoding_equals_greedy_and_skips_the_heads(tiny):
+    """Real Medusa heads, made useless at random: the adaptive decoder gives HF greedy's tokens (as the plain engine
+    does), mostly in plain steps, and its heads run once per draft cycle — never in a plain step."""
+    from models.medusa.heads import MedusaDrafter, heads_for
+
+    model, prompts = tiny
+    heads = heads_for(model, num_heads=3)
+    gen = torch.Generator().manual_seed(0)
+    for p in heads.parameters():
+        p.data.add_(torch.randn(p.shape, generator=gen))
+    tree = build_tree(CHOICES)
+    calls = []
+    for ids in prompts:
+        reference = _greedy(model, ids, 32, set())
+        plain_engine, _ = speculative_generate(model, MedusaDrafter(model, heads, tree), TreeVerifier(), ids, 32, set())
+        drafter = MedusaDrafter(model, heads, tree)
+        calls.clear()
+        drafter.heads.register_forward_hook(lambda *_: calls.append(1))
+        tokens, stats = speculative_generate(model, drafter, TreeVerifier(), ids, 32, set(),
+                                             adaptation=Adaptation(window=2, probe_every=4, cycle_cost=1.5))
+        assert tokens == plain_engine == reference
+        assert stats.plain_forwards > len(stats.accepted_lengths) and len(calls) == len(stats.accepted_lengths)
+
+
+@torch.no_grad()
+def test_adaptive_mtp_decoding_equals_greedy_and_drafts_as_if_it_never_paused(tiny):
+    """MTP's chained drafter across plain steps: greedy's tokens, the shared layer runs K times per cycle and never in
+    a plain step, and each cycle's draft logits equal those the always-drafting engine computes at the same output
+    length (the depth caches catch up on the skipped positions exactly)."""
+    from models.mtp.module import MTPDrafter, mtp_generate
+    from tests.test_mtp import _perturbed_module
+
+    model, prompts = tiny
+    module = _perturbed_module(model, 3, scale=0.05)
+
+    class Recording(MTPDrafter):
+        def draft(self, choose):
+            drafts, logits = super().draft(choose)
+            self.seen[len(self.tokens)] = logits
+            return drafts, logits
+
+    def run(adaptation):
+        drafter = Recording(model, module)
+        drafter.seen = {}
+        stats = SpeculativeStats()
+        tokens, _ = speculative_generate(model, drafter, TreeVerifier(), ids, 32, set(), stats, adaptation=adaptation)
+        return tokens, stats, drafter.seen
+
+    compared = paused = 0
+    calls = []
+    hook = module.layer.register_forward_hook(lambda *_: calls.append(1))
+    for ids in prompts:
+        reference = _greedy(model, ids, 32, set())
+        always, _, always_seen = run(None)
+        calls.clear()
+        tokens, stats, seen = run(Adaptation(window=2, probe_every=3, cycle_cost=2.5))
+        assert tokens == always == reference
+        assert len(calls) == 3 * len(stats.accepted_lengths)
+        assert mtp_generate(model, model, module, ids, 32, set(), adaptation=Adaptation(cycle_cost=2.5)) == reference
+        paused += stats.plain_forwards
+        for length in seen.keys() & always_seen.keys():
+            torch.testing.assert_close(seen[length], always_seen[length], atol=2e-4, rtol=1e-4)
+            compared += 1
+    hook.remove()
+    assert paused > 0 and compared > len(prompts)  # drafts after plain steps were compared
+
+
+V = 5
+_TARGET = torch.softmax(torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 1.5, dim=-1)  # p(next | last)
+_DRAFTS = torch.softmax(torch.randn(V, V, generator=torch.Generator().manual_seed(1)) * 1.5, dim=-1)  # q(next | last)
+
+
+_CHAIN = chain_tree(2)
+
+
+def _bigram_forward(model, tokens: torch.Tensor, tree, cache):
+    """A bigram "model": the logits after each node depend on its token alone."""
+    return _TARGET[tokens].log(), tokens[:, None].float()
+
+
+class BigramChain:
+    """Two chained drafts sampled from the bigram q (their law stated), and plain steps, for speculative sampling."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def prefill(self, model, input_ids, cache, verifier):
+        self.root = verifier.choose(_TARGET[int(input_ids[0, -1])].log())
+        return [self.root]
+
+    def propose(self, room: int) -> Draft:
+        drafts, laws, last = [], [], self.root
+        for _ in range(2):
+            laws.append(_DRAFTS[last])
+            last = draw(laws[-1], self.generator)
+            drafts.append(last)
+        return Draft(_CHAIN, torch.tensor([self.root, *drafts]), torch.stack(laws))
+
+    def plain(self) -> Draft:
+        return Draft(root_tree(), torch.tensor([self.root]))
+
+    def accept(self, draft, out, verdict) -> None:
+        self.root = verdict.tokens[-1]
+
+
+class Gullible(SamplingVerifier):
+    """The negative control: takes every draft as it comes (then the model's bonus token)."""
+
+    def __call__(self, draft, out):
+        if draft.tree.size == 1:
+            return super().__call__(draft, out)
+        drafts = draft.tokens[1:].tolist()
+        return Verdict(list(range(len(drafts) + 1)), [*drafts, self.choose(out[0][-1])])
+
+
+@torch.no_grad()
+def test_adaptive_speculative_sampling_samples_the_model_exactly():
+    """Speculative sampling whose every next step is decided by the last cycle's acceptance (window 1, c = 2.5: a
+    cycle that did not accept both drafts is followed by a plain step, then a probe): on a bigram model the law of
+    each of the 5 output tokens, and of tokens 3–4 jointly, is exactly the model's (p's powers), with drafts from a
+    very different q. Taking every draft (the negative control) fails the same test."""
+    from transformers import LlamaConfig
+
+    from tests.test_mtp import _chi_square_p
+
+    model = SimpleNamespace(config=LlamaConfig(vocab_size=V, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                               num_attention_heads=1), device=torch.device("cpu"))
+    prompt = torch.tensor([[0]])
+    adaptation = Adaptation(window=1, probe_every=1, cycle_cost=2.5)
+    exact = [torch.linalg.matrix_power(_TARGET, k)[0] for k in range(1, 6)]  # law of the k-th output token
+    joint = exact[2][:, None] * _TARGET  # (token 3, token 4)
+    draws = 2000
+
+    def sample(verifier_class) -> tuple[torch.Tensor, SpeculativeStats]:
+        gen, stats = torch.Generator().manual_seed(0), SpeculativeStats()
+        outputs = [speculative_generate(model, BigramChain(gen), verifier_class(1.0, gen), prompt, 5, set(), stats,
+                                        _bigram_forward, adaptation)[0] for _ in range(draws)]
+        return torch.tensor(outputs), stats
+
+    def p_values(outputs: torch.Tensor) -> list[float]:
+        laws = [_chi_square_p(dict(enumerate(torch.bincount(outputs[:, k], minlength=V).tolist())),
+                              {v: float(exact[k][v]) for v in range(V)}, draws) for k in range(5)]
+        pairs = torch.bincount(outputs[:, 2] * V + outputs[:, 3], minlength=V * V).tolist()
+        return [*laws, _chi_square_p(dict(enumerate(pairs)), dict(enumerate(joint.flatten().tolist())), draws)]
+
+    outputs, stats = sample(SamplingVerifier)
+    assert outputs.shape == (draws, 5)
+    assert stats.plain_forwards > 0 and 0 < stats.accepted_drafts < stats.drafted_tokens  # every kind of step ran
+    assert min(p_values(outputs)) > 1e-3
+    assert min(p_values(sample(Gullible)[0])[1:]) < 1e-6
+
+
+def test_adaptation_is_refused_without_plain_steps_and_checks_its_settings(tiny):
+    model, prompts = tiny
+    with pytest.raises(TypeError, match="has no plain"):
+        speculative_generate(model, object(), TreeVerifier(), prompts[0], 4, set(), adaptation=Adaptation())
+    for bad in ({"window": 0}, {"probe_every": 0}, {"cycle_cost": 0.0}):
+        with pytest.raises(ValueError):
+            Adaptation(**bad)

@@ -101,7 +101,7 @@ def test_recorder_is_transparent_and_a_method_call_reads_the_whole_section():
         device: str
         threads: int = 1
 
-    assert component(Placement, policy) == Placement(dtype="float32", device="auto")
+    assert component(Placement, policy) == Placement(dtype="auto", device="auto")
     assert recording.reads == {"policy.dtype", "policy.device"}
     deeper = recording.sla.model_copy(update={"depth": 3})
     assert deeper.depth == 3 and "sla" in recording.reads

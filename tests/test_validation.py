@@ -35,7 +35,8 @@ def make_samples(num_prompts: int = 3, per_prompt: int = 3) -> pd.DataFrame:
 
 
 def make_scores(samples: pd.DataFrame | None = None) -> pd.DataFrame:
-    """The samples with verifiable-style scores: sample 1 of each prompt is the correct one."""
+    """The samples with verifiable-style scores: sample 1 of each prompt is the correct one (so ``pairing: all``
+    gives 2 pairs per prompt of 3 samples)."""
     scores = (make_samples() if samples is None else samples).copy()
     correct = scores["sample_index"] == 1
     scores["score"] = correct.astype(float)
@@ -158,7 +159,7 @@ def test_chosen_not_above_rejected_fails_pairs_suite(tmp_path, rejected_delta):
     assert failed(err, "pairs") == [pair_check]
     message = str(err)
     assert "[chosen_score, rejected_score]" in message
-    assert "1 of 3 rows unexpected" in message
+    assert "1 of 6 rows unexpected" in message
     assert "chosen_score strictly greater than rejected_score" in message
 
 
@@ -186,9 +187,9 @@ def test_empty_table_fails_with_row_count(tmp_path, frame):
 
 def test_too_few_pairs_fails(tmp_path):
     pairs = make_pairs_table()
-    err = expect_failure({"pairs": (pairs, pairs_suite(ValidateConfig(min_pairs=5)))}, tmp_path / "docs")
+    err = expect_failure({"pairs": (pairs, pairs_suite(ValidateConfig(min_pairs=7)))}, tmp_path / "docs")
     assert failed(err, "pairs") == [("expect_table_row_count_to_be_between", None)]
-    assert "3 rows (expected min_value=5)" in str(err)
+    assert "6 rows (expected min_value=7)" in str(err)
 
 
 def test_missing_column_is_named(tmp_path):
@@ -259,13 +260,37 @@ def test_make_pairs_output_passes_pairs_suite(tmp_path):
     scores = make_scores(make_samples(num_prompts=4, per_prompt=3))
     # Prompt p3: every sample scores the same, so make_pairs drops it (no preference).
     scores.loc[scores["prompt_id"] == "p3", "score"] = 0.0
-    pairs, stats = make_pairs(scores, CFG.min_score_gap)
-    assert stats["num_pairs"] == 3 and stats["dropped_no_spread"] == 1
-    assert list(pairs.columns) == PAIR_COLUMNS
+    for pairing, num_pairs in (("all", 6), ("best_worst", 3)):
+        cfg = ValidateConfig(pairing=pairing)
+        pairs, stats = make_pairs(scores, cfg.min_score_gap, cfg.pairing)
+        assert stats["num_pairs"] == num_pairs and stats["dropped_no_spread"] == 1
+        assert list(pairs.columns) == PAIR_COLUMNS and pairs["best_worst"].sum() == 3
 
-    summary = validate_tables({"pairs": (pairs, pairs_suite(CFG))}, tmp_path / "docs")
-    assert summary["success"] is True
-    assert summary["suites"]["pairs"]["evaluated"] == len(pairs_suite(CFG).expectations)
+        summary = validate_tables({"pairs": (pairs, pairs_suite(cfg))}, tmp_path / pairing)
+        assert summary["success"] is True
+        assert summary["suites"]["pairs"]["evaluated"] == len(pairs_suite(cfg).expectations)
+
+
+def test_pairs_suite_checks_best_worst_and_duplicate_pairs(tmp_path):
+    pairs = make_pairs_table()
+    assert pairs["prompt_id"].value_counts().tolist() == [2, 2, 2]  # several pairs per prompt pass
+    p0 = pairs.index[pairs["prompt_id"] == "p0"]
+    broken = pairs.copy()
+    broken.loc[p0, "best_worst"] = True  # two best-worst pairs for p0
+    broken.loc[broken.index[-1], ["chosen_sample_id", "rejected_sample_id"]] = broken.loc[
+        broken.index[-2], ["chosen_sample_id", "rejected_sample_id"]].to_numpy()  # the same pair twice
+    err = expect_failure({"pairs": (broken, pairs_suite(CFG))}, tmp_path / "docs")
+    assert failed(err, "pairs") == [("expect_compound_columns_to_be_unique", "chosen_sample_id, rejected_sample_id"),
+                                    ("expect_column_values_to_be_unique", "prompt_id")]
+    assert "at most one best–worst pair per prompt" in str(err) and "'p0'" in str(err)
+    # a missing flag fails; under pairing: best_worst every row must be a best-worst pair
+    missing = pairs.astype({"best_worst": "boolean"})
+    missing.loc[p0[0], "best_worst"] = pd.NA
+    err = expect_failure({"pairs": (missing, pairs_suite(CFG))}, tmp_path / "missing")
+    assert failed(err, "pairs") == [("expect_column_values_to_not_be_null", "best_worst")]
+    err = expect_failure({"pairs": (pairs, pairs_suite(ValidateConfig(pairing="best_worst")))}, tmp_path / "bw")
+    assert failed(err, "pairs") == [("expect_column_values_to_be_in_set", "best_worst")]
+    assert "3 of 6 rows unexpected" in str(err)
 
 
 def test_rerun_replaces_previous_site(tmp_path):

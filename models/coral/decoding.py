@@ -48,6 +48,7 @@ from models.engine.speculative import (
     Verdict,
     Verifier,
     build_tree,
+    root_tree,
     sparse_tree,
     speculative_generate,
     tree_candidates,
@@ -97,12 +98,6 @@ def candidate_choices(log_pi: torch.Tensor, num_new_from: int, settings: CoralDe
              for d in range(depth)]
     rank_accuracy = [(top[d] * scale[d]).tolist() for d in range(depth)]
     return sorted(set(sparse_tree(rank_accuracy, settings.tree_size)) | {chain})
-
-
-def _root_only_tree() -> Tree:
-    """The first step's "tree": the prompt's last token alone (no candidates yet)."""
-    return Tree(choices=(), depths=torch.tensor([0]), ranks=torch.tensor([0]), ancestors=torch.ones(1, 1, dtype=torch.bool),
-                paths=torch.tensor([[0]]))
 
 
 @dataclass
@@ -225,7 +220,7 @@ class EnsembleDrafter:
         depth = min(capacity, last_tentative + s.forward_window - start + 1) if self.predictions else 0
         root = self.sequence[start - 1]
         if depth == 0:  # the first step: the root alone predicts ahead
-            return BlockDraft(_root_only_tree(), torch.tensor([root]), full=False)
+            return BlockDraft(root_tree(), torch.tensor([root]), full=False)
         log_pi = torch.stack([ensemble(self.predictions[j], s) for j in range(start, start + depth)])  # (D, V)
         tree = build_tree(candidate_choices(log_pi, last_tentative - start + 1, s))
         return BlockDraft(tree, tree_candidates(root, log_pi, tree), full=depth >= capacity)

@@ -206,24 +206,25 @@ def _train_trunk(model: nn.Module, cfg: CoralTraining, run: Callable) -> tuple[n
 
 
 @torch.no_grad()
-def offset_accuracy(policy: Policy, sequences: Sequences, forward_window: int, batch_size: int = 8
-                    ) -> dict[str, float]:
-    """Held-out top-1 accuracy of forward prediction per offset (+1 … +k_f) on clean response tokens."""
+def offset_hits(policy: Policy, sequences: Sequences, forward_window: int, batch_size: int = 8
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Held-out top-1 hits of forward prediction per sequence and offset (+1 … +k_f) on clean response tokens:
+    ``hits`` and ``counts`` (targets), both (S, k_f). Per sequence, so that the accuracy Σ hits / Σ counts can
+    get an interval over sequences (the tokens of one response are not independent units)."""
     from models.coral.target_aware import offset_targets, target_aware_hidden
 
     offsets = tuple(range(1, forward_window + 1))
     lm_head = policy.model.get_output_embeddings()
-    hits, counts = torch.zeros(len(offsets)), torch.zeros(len(offsets))
+    hits, counts = torch.zeros(len(sequences), len(offsets)), torch.zeros(len(sequences), len(offsets))
     for start in range(0, len(sequences), batch_size):
         batch = {k: v.to(policy.device) for k, v in right_pad(sequences[start : start + batch_size],
                                                                padding_id(policy.tokenizer)).items()}
         hidden = target_aware_hidden(policy.model, batch["input_ids"], offsets, attention_mask=batch["attention_mask"])
         targets, valid = offset_targets(batch["input_ids"], batch["response_mask"], offsets)
-        rows = valid.nonzero(as_tuple=True)
+        rows = valid.nonzero(as_tuple=True)  # (sequence, offset, position) of every target
         predicted = torch.cat([lm_head(chunk).argmax(-1) for chunk in logit_chunks(hidden[rows])])  # (N,)
         correct = (predicted == targets[rows]).float().cpu()
-        offset_index = rows[1].cpu()
-        hits += torch.zeros(len(offsets)).index_add(0, offset_index, correct)
-        counts += torch.bincount(offset_index, minlength=len(offsets)).float()
-    return {f"top1_forward_{o}": float(h / c) if c else math.nan for o, h, c in zip(offsets, hits, counts, strict=True)}
-
+        cell = (rows[0].cpu() + start) * len(offsets) + rows[1].cpu()  # flat (sequence, offset) index
+        hits.view(-1).index_add_(0, cell, correct)
+        counts.view(-1).index_add_(0, cell, torch.ones_like(correct))
+    return hits, counts

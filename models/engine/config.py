@@ -35,12 +35,14 @@ class Sampling:
     top_p: float = 1.0  # 1.0 = off
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 64
-    batch_size: int = 24  # prompts per generate call, each bringing num_samples sequences
+    batch_size: int = 24  # prompts per batch, each bringing num_samples sequences
+    chunk_tokens: int = 8  # new tokens per generate call; then rows that have ended drop out
     seed: int = 0  # batch b is seeded with seed + b
 
 
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
-"""A model's weights dtype; ``auto`` = bfloat16 on CUDA, float32 on CPU (see :func:`models.engine.policy.resolve_dtype`)."""
+"""A model's weights dtype; ``auto`` = bfloat16 on CUDA and on a CPU with native bf16 units (AVX512-BF16 or AMX),
+else float32 (see :func:`models.engine.policy.resolve_dtype`)."""
 
 
 DeviceName = Literal["auto", "cpu", "cuda"]
@@ -54,11 +56,14 @@ DraftDtypeName = Literal["float32", "bfloat16"]
 @dataclass(frozen=True)
 class PolicySpec:
     """Which policy to load and how: the model (embedded alias, local folder or hub id) and its revision, and
-    the dtype, device and code trust it is loaded with."""
+    the dtype, device and code trust it is loaded with.
+
+    ``dtype`` defaults to ``auto`` (bf16 where the hardware computes it natively), like ``policy.dtype``; code and
+    tests that need float32's exact arithmetic (token-for-token identity with greedy) ask for ``float32``."""
 
     model: str = "smollm2-135m-instruct"
     revision: str | None = None  # hub revision when ``model`` is a hub id
-    dtype: DtypeName = "float32"
+    dtype: DtypeName = "auto"
     device: DeviceName = "auto"
     trust_remote_code: bool = False  # let the model folder's own Python code run
 
@@ -73,3 +78,30 @@ class TypicalAcceptance:
     posterior_threshold: float = 0.09  # ε
     posterior_alpha: float = 0.3  # α (Medusa's default is √ε)
     temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    """When speculative decoding drafts (:func:`models.engine.speculative.speculative_stream`): while it pays.
+
+    A draft–verify cycle costs ``c`` plain one-token steps and gains τ tokens; drafting pays while τ ≥ c. The
+    engine keeps τ as the mean tokens gained per cycle over the last ``window`` cycles; once that window is
+    full and τ < c, it decodes plainly (the root alone, no drafter forward), and every ``probe_every`` plain
+    tokens it drafts one cycle again, which re-measures τ. Lossless either way: greedy verification and a
+    plain greedy step both emit greedy's token, and a plain sampling step samples the model itself.
+    """
+
+    window: int = 4
+    """Draft cycles whose mean gain is τ: fewer react sooner, more are steadier."""
+    probe_every: int = 16
+    """Plain tokens between two probing cycles while drafting does not pay (each probe costs c − τ steps)."""
+    cycle_cost: float | None = None
+    """c, a cycle's cost in plain steps; None: measured during the run (the median wall time of the window's
+    cycles over that of the last plain steps; the first step is plain, to time one). A fixed c makes the decisions
+    depend on acceptance alone, so sampled output repeats exactly under a seed."""
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.probe_every < 1:
+            raise ValueError(f"adaptation needs window ≥ 1 and probe_every ≥ 1, got {self.window}, {self.probe_every}")
+        if self.cycle_cost is not None and self.cycle_cost <= 0:
+            raise ValueError(f"a cycle's cost in plain steps must be > 0, got {self.cycle_cost}")

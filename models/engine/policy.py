@@ -71,10 +71,46 @@ def resolve_device(device: DeviceName) -> torch.device:
     return torch.device("cuda", int(local_rank))
 
 
-def resolve_dtype(dtype: DtypeName, device: torch.device) -> torch.dtype:
-    """``auto`` = bfloat16 on CUDA, float32 on CPU (half precision matmuls are slow on CPU)."""
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+"""x86 features that give a CPU native bfloat16 arithmetic (AVX512-BF16 dot products, AMX tiles): the names of
+both ``torch.cpu.get_capabilities()`` and the Linux ``/proc/cpuinfo`` flags."""
+
+
+def cpu_has_bf16_units() -> bool:
+    """Whether this CPU computes bfloat16 natively (:data:`BF16_CPU_FLAGS`).
+
+    torch's own detection (``torch.cpu.get_capabilities``, from cpuinfo, any OS) where this torch has it;
+    older releases (the GPU images' torch) read the Linux ``/proc/cpuinfo`` flags instead, and no flags there
+    mean no.
+    """
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if capabilities is not None:
+        return any(capabilities().get(flag, False) for flag in BF16_CPU_FLAGS)
+    return bool(cpuinfo_flags() & BF16_CPU_FLAGS)
+
+
+def cpuinfo_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU feature flags Linux lists in ``/proc/cpuinfo``; empty elsewhere."""
+    if not cpuinfo.is_file():
+        return set()
+    return {flag for line in cpuinfo.read_text().splitlines() if line.startswith("flags")
+            for flag in line.split(":", 1)[1].split()}
+
+
+def resolve_dtype(dtype: DtypeName, device: torch.device, training: bool = False) -> torch.dtype:
+    """``auto`` = bfloat16 on CUDA and on a CPU with native bf16 units (:func:`cpu_has_bf16_units`), else float32;
+    except float32 for a stage that trains through the policy on a CPU (``training``).
+
+    Decoding a small model on a CPU is memory-bound, and bf16 halves the bytes per forward: 1.6× faster one-token
+    forwards for SmolLM2-135M on 2 cores with AVX512-BF16 (docs/gpu.md). Without those units bf16 matmuls are
+    emulated and slower than float32. Exact token-for-token identity of speculative decoders with greedy is a
+    float32 property; in bf16 the benchmarks report the identical share and explain each divergence.
+    """
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        # CPU training under bf16 autocast (float32 master weights) measured far slower than float32 here: a DPO
+        # step of SmolLM2-135M took ~95 s against ~15 s (the backward's bf16 kernels), so bf16 is for decoding only
+        native_bf16 = device.type == "cuda" or (device.type == "cpu" and not training and cpu_has_bf16_units())
+        return torch.bfloat16 if native_bf16 else torch.float32
     return getattr(torch, dtype)
 
 
@@ -168,19 +204,21 @@ def policy_path(policy_dir: Path) -> Path:
     return path if path.is_absolute() else Path(policy_dir) / path
 
 
-def load_policy(cfg: PolicySpec, policy_dir: Path) -> Policy:
-    """Load the prepared policy in eval mode on the configured device and dtype."""
-    return load_pretrained(policy_path(policy_dir), cfg)
+def load_policy(cfg: PolicySpec, policy_dir: Path, training: bool = False) -> Policy:
+    """Load the prepared policy in eval mode on the configured device and dtype (``training``: see
+    :func:`resolve_dtype`)."""
+    return load_pretrained(policy_path(policy_dir), cfg, training)
 
 
-def load_pretrained(path: Path, cfg: PolicySpec) -> Policy:
-    """Load a Hugging Face model folder (e.g. a fine-tuned policy) with the policy's device and dtype."""
+def load_pretrained(path: Path, cfg: PolicySpec, training: bool = False) -> Policy:
+    """Load a Hugging Face model folder (e.g. a fine-tuned policy) with the policy's device and dtype (``training``:
+    a stage that trains through the policy, see :func:`resolve_dtype`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (Path(path) / "config.json").is_file():
         raise PolicyNotFoundError(f"no model in {path}: run the stage that writes it first")
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype = resolve_dtype(cfg.dtype, device, training)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     # device_map: the weights go straight to the device (no full copy in CPU RAM first: 16 GB at 8B in bf16)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device},

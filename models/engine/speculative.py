@@ -45,15 +45,28 @@ The loop. :func:`speculative_stream` is the one outer loop of every method; what
 * COrAL: its ensemble drafter + eq. 6/7/8 verifier + target-aware tree forward; its root is the prompt's
   last token (prefilled without it, re-fed each step), and a step may accept a prefix of a path, no bonus.
 
+Adapting (:class:`models.engine.config.Adaptation`). A cycle pays only when it gains more tokens than the plain
+steps its time would buy: on open-ended text Medusa's heads gained τ ≈ 1.08 per cycle (0.65× greedy), MTP's
+drafts τ ≈ 1.3 per cycle of ~2 plain forwards (0.5× sampling). So the loop watches τ over the last few cycles
+against a cycle's cost c (configured, or measured from the run's own step times) and, while τ < c, runs plain
+steps — ``drafter.plain``: the root alone on :func:`root_tree`, one token, no drafter forward — probing with one
+cycle every so many plain tokens. A plain step is greedy's step (greedy verification) or a draw from the
+model itself (speculative sampling), so the output stays exactly what it was.
+
 Why it pays on a CPU. A forward of a 135M model at batch 1 is memory-bound (every weight is read once
 per forward), so scoring ~20 tree tokens costs little more than scoring one.
 
-τ (mean accepted length) = generated tokens / model forwards, the prefill included: greedy is 1.0.
+Counters (:class:`SpeculativeStats`): generated tokens / model forwards, the prefill and plain steps included
+(greedy is 1.0); τ per draft–verify cycle and the acceptance rate α count cycles only.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
+import statistics
+import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -63,7 +76,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from models.engine.config import TypicalAcceptance
+from models.engine.config import Adaptation, TypicalAcceptance
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,13 @@ def sparse_tree(rank_accuracy: Sequence[Sequence[float]], size: int) -> list[tup
 def chain_tree(depth: int) -> Tree:
     """A single path of top-1 drafts (what MTP and most draft models propose)."""
     return build_tree([(0,) * depth])
+
+
+@functools.cache
+def root_tree() -> Tree:
+    """The "tree" of a step that drafts nothing: the root alone, so its forward is a plain one-token forward."""
+    return Tree(choices=(), depths=torch.tensor([0]), ranks=torch.tensor([0]),
+                ancestors=torch.ones(1, 1, dtype=torch.bool), paths=torch.tensor([[0]]))
 
 
 def tree_candidates(root_token: int, draft_logits: torch.Tensor, tree: Tree) -> torch.Tensor:
@@ -328,20 +348,23 @@ def keep_accepted(cache: DynamicCache, past_length: int, accepted_nodes: Sequenc
     sliding-window layer (recording its past, :func:`speculative_cache`) its most recent ones. Its kept prefix
     and accepted nodes are gathered; a sliding-window layer is then cut back to the ``window − 1`` positions
     its next forward can see, and told its new length (``cumulative_length``: it places the next masks).
+    A step that keeps all its nodes in order (a plain step: the root alone) has nothing to gather.
     """
     accepted = torch.as_tensor(accepted_nodes, dtype=torch.long)
     new_length = past_length + len(accepted)
+    in_order = list(accepted_nodes) == list(range(len(accepted)))
     for layer in cache.layers:
         if isinstance(layer, DummyLayer) or not layer.is_initialized:  # holds nothing (shared KV, no attention)
             continue
         if _unsupported_layer(layer):
             raise NotImplementedError(f"keep_accepted cannot roll back a {type(layer).__name__} cache layer")
         nodes = layer.get_seq_length() - past_length  # the tree's nodes, stored after the kept prefix
-        kept_prefix = layer.keys.shape[-2] - nodes
-        device = layer.keys.device
-        keep = torch.cat([torch.arange(kept_prefix, device=device), kept_prefix + accepted.to(device)])
-        layer.keys = layer.keys[:, :, keep]  # (B, heads, kept prefix + accepted, head_dim)
-        layer.values = layer.values[:, :, keep]
+        if not (in_order and nodes == len(accepted)):
+            kept_prefix = layer.keys.shape[-2] - nodes
+            device = layer.keys.device
+            keep = torch.cat([torch.arange(kept_prefix, device=device), kept_prefix + accepted.to(device)])
+            layer.keys = layer.keys[:, :, keep]  # (B, heads, kept prefix + accepted, head_dim)
+            layer.values = layer.values[:, :, keep]
         if isinstance(layer, DynamicSlidingWindowLayer):
             visible = layer.sliding_window - 1  # what transformers keeps of a sliding layer between forwards
             layer.keys, layer.values = layer.keys[:, :, -visible:], layer.values[:, :, -visible:]
@@ -423,6 +446,14 @@ class Drafter(Protocol):
         """Follow the verdict on ``draft`` (``out``: the tree forward's output); the cache already keeps it."""
 
 
+class AdaptiveDrafter(Drafter, Protocol):
+    """A drafter that can sit a step out, for the adaptive loop (:class:`models.engine.config.Adaptation`)."""
+
+    def plain(self) -> Draft:
+        """The next step without drafting: the root alone on :func:`root_tree`, at no drafter cost. ``accept``
+        follows it like any step (the drafter catches up on the tokens it skipped when it next drafts)."""
+
+
 Forward = Callable[[object, torch.Tensor, Tree, DynamicCache], object]
 """``forward(model, tokens (N+1,), tree, cache)`` → what the verifier reads; appends the N + 1 nodes to the cache."""
 
@@ -433,24 +464,78 @@ class SpeculativeStats:
 
     forwards: int = 0  # model forwards, the prefill included
     generated_tokens: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)  # output tokens gained per tree forward
+    accepted_lengths: list[int] = field(default_factory=list)  # output tokens gained per draft–verify cycle
     drafted_tokens: int = 0  # draft tokens offered for verification (tree nodes besides the root)
     accepted_drafts: int = 0  # of which in the output
+    plain_forwards: int = 0  # steps that drafted nothing (the adaptive loop's; one token each)
 
     @property
     def mean_accepted_length(self) -> float:
-        """τ: generated tokens per model forward (greedy decoding = 1.0)."""
+        """Generated tokens per model forward, plain steps included (greedy decoding = 1.0)."""
         return self.generated_tokens / self.forwards if self.forwards else float("nan")
 
     @property
     def tokens_per_cycle(self) -> float:
-        """τ as MTP-RL counts it: tokens accepted per draft–verify cycle, the bonus token included."""
+        """τ as MTP-RL counts it: tokens accepted per draft–verify cycle, the bonus token included (plain steps,
+        which draft nothing, are no cycles)."""
         return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else float("nan")
 
     @property
     def acceptance_rate(self) -> float:
         """α: the share of draft tokens accepted."""
         return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else float("nan")
+
+
+class _Adapter:
+    """The decisions of :class:`models.engine.config.Adaptation` for one run: draft the next step, or not.
+
+    τ = the mean gain of the last ``window`` cycles; c = the configured cycle cost, or the median wall time of the
+    window's cycles over the median of the last ``window`` plain steps. Drafting continues while the window is
+    not yet full or τ ≥ c; else plain steps, with a probing cycle after every ``probe_every`` plain tokens.
+    """
+
+    def __init__(self, adaptation: Adaptation):
+        self.adaptation = adaptation
+        self.gains: deque[int] = deque(maxlen=adaptation.window)  # tokens gained per recent cycle
+        self.cycle_seconds: deque[float] = deque(maxlen=adaptation.window)
+        self.plain_seconds: deque[float] = deque(maxlen=adaptation.window)
+        self.paying = True  # the last decision: drafting pays
+        self.plain_tokens = 0  # plain tokens since the last cycle
+
+    @property
+    def measures(self) -> bool:
+        """Whether c is measured (steps are timed)."""
+        return self.adaptation.cycle_cost is None
+
+    def drafts(self) -> bool:
+        """Whether the next step drafts: while it pays, or to probe; not before a plain step is timed (c measured)."""
+        if self.measures and not self.plain_seconds:
+            return False
+        return self.paying or self.plain_tokens >= self.adaptation.probe_every
+
+    def cost(self) -> float:
+        """c: a cycle's cost in plain steps."""
+        if not self.measures:
+            return self.adaptation.cycle_cost
+        return statistics.median(self.cycle_seconds) / max(statistics.median(self.plain_seconds), 1e-9)
+
+    def record(self, drafted: bool, tokens: int, seconds: float) -> None:
+        """A finished step: a cycle's gain and time update τ (and c) and the decision; a plain step counts."""
+        if not drafted:
+            self.plain_seconds.append(seconds)
+            self.plain_tokens += tokens
+            return
+        self.gains.append(tokens)
+        self.cycle_seconds.append(seconds)
+        self.plain_tokens = 0
+        full = len(self.gains) == self.adaptation.window
+        self.paying = not full or statistics.fmean(self.gains) >= self.cost()
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels (CUDA runs them asynchronously), so that the clock times them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _output(tokens: list[int], room: int, eos_token_ids: set[int]) -> tuple[list[int], bool]:
@@ -463,16 +548,27 @@ def _output(tokens: list[int], room: int, eos_token_ids: set[int]) -> tuple[list
 @torch.no_grad()
 def speculative_stream(model, drafter: Drafter, verifier: Verifier, input_ids: torch.Tensor, max_new_tokens: int,
                        eos_token_ids: set[int], stats: SpeculativeStats | None = None,
-                       forward: Forward = tree_forward) -> Iterator[list[int]]:
+                       forward: Forward = tree_forward, adaptation: Adaptation | None = None,
+                       clock: Callable[[], float] = time.perf_counter) -> Iterator[list[int]]:
     """Decode one prompt (1, L), yielding each step's new tokens as soon as they are verified.
 
     prefill → repeat: draft (``drafter.propose``) → ONE ``forward`` of the tree → verdict (``verifier``) →
     keep the accepted nodes' cache → ``drafter.accept``. Stops after an end token (yielded) or
     ``max_new_tokens`` tokens; tokens verified beyond either reach neither the output nor the counters.
     ``stats`` may carry counts of earlier runs: they are added to.
+
+    ``adaptation``: draft only while it pays (:class:`models.engine.config.Adaptation`); the other steps are
+    plain (``drafter.plain``: an :class:`AdaptiveDrafter`, and a verifier that ends each step with the model's own
+    token). Each emitted token is still greedy's, or a draw from the model given everything before it, whatever
+    decided how its step ran. ``clock``: what times the steps when the cycle cost is measured.
     """
     if input_ids.shape[0] != 1:
         raise ValueError(f"speculative decoding takes one prompt at a time, got a batch of {input_ids.shape[0]}")
+    if adaptation is not None and not callable(getattr(drafter, "plain", None)):
+        raise TypeError(f"adaptive decoding needs a drafter that can skip a step ({type(drafter).__name__} has no "
+                        "plain())")
+    adapter = _Adapter(adaptation) if adaptation is not None else None
+    timed = adapter is not None and adapter.measures
     stats = stats if stats is not None else SpeculativeStats()
     cache = speculative_cache(model)
     first = drafter.prefill(model, input_ids, cache, verifier)
@@ -483,7 +579,9 @@ def speculative_stream(model, drafter: Drafter, verifier: Verifier, input_ids: t
     if step:
         yield step
     while not ended and generated < max_new_tokens:
-        draft = drafter.propose(max_new_tokens - generated)
+        started = clock() if timed else 0.0
+        drafts = adapter is None or adapter.drafts()
+        draft = drafter.propose(max_new_tokens - generated) if drafts else drafter.plain()
         past_length = cache.get_seq_length()
         out = forward(model, draft.tokens, draft.tree, cache)
         verdict = verifier(draft, out)
@@ -491,24 +589,31 @@ def speculative_stream(model, drafter: Drafter, verifier: Verifier, input_ids: t
         generated += len(step)
         stats.forwards += 1
         stats.generated_tokens += len(step)
-        stats.accepted_lengths.append(len(step))
-        stats.drafted_tokens += draft.tree.size - 1
-        stats.accepted_drafts += min(len(verdict.path) - 1, len(step))  # the bonus is no draft
+        if drafts:
+            stats.accepted_lengths.append(len(step))
+            stats.drafted_tokens += draft.tree.size - 1
+            stats.accepted_drafts += min(len(verdict.path) - 1, len(step))  # the bonus is no draft
+        else:
+            stats.plain_forwards += 1
+        if not ended and generated < max_new_tokens:
+            keep_accepted(cache, past_length, verdict.path[: len(verdict.tokens)])
+            drafter.accept(draft, out, verdict)
+            if adapter is not None:
+                if timed:
+                    _synchronize(model.device)
+                adapter.record(drafts, len(step), clock() - started if timed else 0.0)
         if step:
             yield step
-        if ended or generated >= max_new_tokens:
-            return
-        keep_accepted(cache, past_length, verdict.path[: len(verdict.tokens)])
-        drafter.accept(draft, out, verdict)
 
 
 def speculative_generate(model, drafter: Drafter, verifier: Verifier, input_ids: torch.Tensor, max_new_tokens: int,
                          eos_token_ids: set[int], stats: SpeculativeStats | None = None,
-                         forward: Forward = tree_forward) -> tuple[list[int], SpeculativeStats]:
+                         forward: Forward = tree_forward, adaptation: Adaptation | None = None,
+                         clock: Callable[[], float] = time.perf_counter) -> tuple[list[int], SpeculativeStats]:
     """:func:`speculative_stream` collected: the new tokens and the run's counters."""
     stats = stats if stats is not None else SpeculativeStats()
     tokens = [t for step in speculative_stream(model, drafter, verifier, input_ids, max_new_tokens, eos_token_ids,
-                                               stats, forward) for t in step]
+                                               stats, forward, adaptation, clock) for t in step]
     return tokens, stats
 
 
@@ -537,6 +642,9 @@ class TreeDrafter:
 
     def propose(self, room: int) -> Draft:
         return Draft(self.tree, tree_candidates(self.root, self.draft_logits(self.hidden, self.root), self.tree))
+
+    def plain(self) -> Draft:
+        return Draft(root_tree(), torch.tensor([self.root], device=self.hidden.device))
 
     def accept(self, draft: Draft, out: tuple[torch.Tensor, torch.Tensor], verdict: Verdict) -> None:
         _, hiddens = out
@@ -574,6 +682,8 @@ class SamplingVerifier:
     def __call__(self, draft: Draft, out: tuple[torch.Tensor, torch.Tensor]) -> Verdict:
         logits, _ = out
         drafts = draft.tokens[1:].tolist()
+        if not drafts:  # a plain step: a draw from the model at the root
+            return Verdict([0], [self.choose(logits[0])])
         accepted, token = verify_speculative_sampling(drafts, draft.probs, temperature_probs(logits, self.temperature),
                                                       self.generator)
         return Verdict(list(range(accepted + 1)), [*drafts[:accepted], token])

@@ -38,6 +38,8 @@ class MTPRLTraining:
     advantage_epsilon: float = 1.0e-4  # ε in A = (r − mean) / (std + ε)
     draft_temperature: float = 0.0  # 0: top-1 drafts; > 0: drafts sampled at this temperature
     draft_dtype: DraftDtypeName = "bfloat16"  # the drafts' precision only: never what is sampled
+    adaptive: bool = True  # draft only while drafting pays (models.engine.config.Adaptation), else sample plainly
+    cycle_cost: float | None = None  # a draft cycle's cost in plain steps for ``adaptive``; None: measured
     lora_rank: int = 0  # > 0: train PEFT LoRA adapters of this rank instead of the policy's weights (models/common/lora.py)
     gradient_checkpointing: bool = False  # recompute the backbone's activations in the backward pass
     seed: int = 0  # prompt order and every rollout's sampling stream (the same for every variant)

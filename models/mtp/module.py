@@ -23,7 +23,9 @@ The decoder layer attends over earlier positions *of its own depth*, so the draf
 depth holding the positions whose inputs are final (depth k: positions ≤ L − k) and recomputes only the
 k − 1 positions that still depend on drafts: the drafts equal a teacher-forced forward over the same tokens
 (tests compare them). :func:`mtp_generate` plugs it into the speculative loop of :mod:`models.engine.speculative`
-with greedy verification (lossless) or speculative sampling (exact in distribution).
+with greedy verification (lossless) or speculative sampling (exact in distribution), and can run plain steps
+while the drafts do not pay (:class:`models.engine.config.Adaptation`): no depth runs then, and the next draft
+catches every depth up over the skipped positions in one forward each.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from models.common.files import atomic_path
+from models.engine.config import Adaptation
 from models.engine.speculative import (
     BonusVerifier,
     Draft,
@@ -52,6 +55,7 @@ from models.engine.speculative import (
     chain_tree,
     draw,
     prefill,
+    root_tree,
     speculative_generate,
     temperature_probs,
 )
@@ -288,6 +292,10 @@ class MTPDrafter:
         tokens = torch.tensor([self.tokens[-1], *drafts], device=self.hidden.device)  # (K+1,) the root first
         return Draft(self.tree, tokens, temperature_probs(logits, self.draft_temperature))
 
+    def plain(self) -> Draft:
+        # no depth runs now: the next draft brings each depth's cache up to date over the skipped positions
+        return Draft(root_tree(), torch.tensor([self.tokens[-1]], device=self.hidden.device))
+
     def accept(self, draft: Draft, out: tuple[torch.Tensor, torch.Tensor], verdict: Verdict) -> None:
         _, hiddens = out
         self.update(hiddens[verdict.path[: len(verdict.tokens)]], verdict.tokens)
@@ -326,7 +334,8 @@ class MTPDrafter:
 
 def mtp_generate(model, draft_base, module: MTPModule, input_ids: torch.Tensor, max_new_tokens: int,
                  eos_token_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
-                 stats: SpeculativeStats | None = None, draft_temperature: float = 0.0) -> list[int]:
+                 stats: SpeculativeStats | None = None, draft_temperature: float = 0.0,
+                 adaptation: Adaptation | None = None) -> list[int]:
     """Decode one prompt (1, L) with K chained MTP drafts and one verification forward per cycle.
 
     ``temperature`` 0: greedy verification — output identical to greedy decoding. ``temperature`` > 0:
@@ -334,13 +343,16 @@ def mtp_generate(model, draft_base, module: MTPModule, input_ids: torch.Tensor, 
     top-k / top-p), whatever the drafts. ``draft_temperature``: 0 = the MTP module's top-1 tokens (as MTP-RL
     drafts; under sampling a draft then passes with probability p(draft)); > 0 = drafts sampled from the
     module at that temperature (they pass with probability Σ min(p, q)). ``draft_base``/``module``:
-    :func:`draft_parts`. Stops after an end token or ``max_new_tokens`` tokens; returns the new tokens.
+    :func:`draft_parts`. ``adaptation``: draft only while the drafts pay for themselves (plain steps otherwise,
+    :class:`models.engine.config.Adaptation`); the output stays as exact. Stops after an end token or
+    ``max_new_tokens`` tokens; returns the new tokens.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be ≥ 0, got {temperature}")
     verifier = TreeVerifier() if temperature == 0 else SamplingVerifier(temperature, generator)
     drafter = MTPDrafter(draft_base, module, draft_temperature, generator)
-    tokens, _ = speculative_generate(model, drafter, verifier, input_ids, max_new_tokens, eos_token_ids, stats)
+    tokens, _ = speculative_generate(model, drafter, verifier, input_ids, max_new_tokens, eos_token_ids, stats,
+                                     adaptation=adaptation)
     return tokens
 
 

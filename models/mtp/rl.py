@@ -31,7 +31,7 @@ import copy
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +39,7 @@ import torch
 from models.common.lora import adapters_disabled, is_lora, memory_saving, merged
 from models.common.sequences import padding_id, right_pad
 from models.common.training import float32_master_weights, half_dtype, step_precision
+from models.engine.config import Adaptation
 from models.engine.policy import Policy
 from models.engine.speculative import SpeculativeStats
 from models.mtp.config import MTPRLTraining, VariantName
@@ -93,6 +94,24 @@ def variant(name: VariantName, cfg: MTPRLTraining) -> Variant:
     return variants[name]
 
 
+@dataclass(frozen=True)
+class RolloutCounts:
+    """One rollout's wall time, tokens and draft counters: the unit that the stage's intervals of rollout speed,
+    τ and α resample (a step's totals hide how much rollouts vary)."""
+
+    seconds: float  # the phase's set-up (the draft copies) counts in its first rollout's
+    tokens: int
+    cycles: int  # draft–verify cycles (0 for plain sampling)
+    cycle_tokens: int  # tokens those cycles produced, each cycle's bonus token included
+    drafted: int  # draft tokens offered for verification
+    accepted: int  # of which accepted
+
+
+def _draft_counters(stats: SpeculativeStats) -> tuple[int, int, int, int]:
+    """``stats``' running totals behind :class:`RolloutCounts`' cycles, cycle tokens, drafted and accepted."""
+    return len(stats.accepted_lengths), sum(stats.accepted_lengths), stats.drafted_tokens, stats.accepted_drafts
+
+
 @dataclass
 class Rollouts:
     """One step's completions, group by group (G consecutive rows per prompt)."""
@@ -103,6 +122,7 @@ class Rollouts:
     seconds: float  # wall time of the rollout phase (sampling; scoring not included)
     stats: SpeculativeStats  # draft counters (empty for plain sampling)
     reward_seconds: float = 0.0  # wall time of scoring the rollouts
+    counts: list[RolloutCounts] = field(default_factory=list)  # per rollout, in order
 
 
 def rollout_generator(seed: int, step: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -158,24 +178,32 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
     if module is not None:
         draft_dtype = getattr(torch, cfg.draft_dtype)
         draft_base, draft_module = draft_parts(model, module.eval(), draft_dtype)
-    prompt_ids, completions = [], []
+        # draft only while it pays (the rollouts' distribution stays exact)
+        adaptation = Adaptation(cycle_cost=cfg.cycle_cost) if cfg.adaptive else None
+    prompt_ids, completions, counts = [], [], []
+    rollout_started = started  # the first rollout carries the phase's set-up (the draft copies)
     for p, ids in enumerate(prompts, start=first_prompt):
         for g in range(cfg.group_size):
             generator = rollout_generator(cfg.seed, step, p * cfg.group_size + g, device)
             ids = ids.to(device)
+            counters = _draft_counters(stats)
             if module is None:
                 tokens = sample_plainly(model, ids, cfg.max_new_tokens, eos_token_ids, cfg.temperature, generator)
             else:
                 tokens = mtp_generate(model, draft_base, draft_module, ids, cfg.max_new_tokens, eos_token_ids,
-                                      cfg.temperature, generator, stats, cfg.draft_temperature)
+                                      cfg.temperature, generator, stats, cfg.draft_temperature, adaptation)
+            # the tokens are a list: the rollout's device work is done when the clock is read
+            since = [now - before for now, before in zip(_draft_counters(stats), counters, strict=True)]
+            counts.append(RolloutCounts(time.perf_counter() - rollout_started, len(tokens), *since))
             prompt_ids.append(ids[0].tolist())
             completions.append(tokens)
             if on_rollout is not None:
                 on_rollout()
+            rollout_started = time.perf_counter()
     scoring = time.perf_counter()
     responses = [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in completions]
     rewards = rollout_rewards(reward_fn, questions, answers, responses, cfg.group_size)
-    return Rollouts(prompt_ids, completions, rewards, scoring - started, stats, time.perf_counter() - scoring)
+    return Rollouts(prompt_ids, completions, rewards, scoring - started, stats, time.perf_counter() - scoring, counts)
 
 
 def rollout_batch(rollouts: Rollouts, pad_token_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -302,7 +330,10 @@ def process_share(prompts_per_step: int, accelerator: Accelerator) -> slice:
 def step_record(step: int, rollouts: Rollouts, advantages: torch.Tensor, stats: dict[str, float], drafts: bool,
                 update_seconds: float, accelerator: Accelerator) -> dict:
     """The step's numbers over every process: rollout counts summed, the rollout and scoring phases' wall times
-    the slowest process's, the loss terms (each process's share) summed. ``reward``: the mean reward."""
+    the slowest process's, the loss terms (each process's share) summed. ``reward``: the mean reward.
+    ``rollouts``: every rollout's :class:`RolloutCounts`, the processes' in process order (so in prompt order)."""
+    from accelerate.utils import gather_object
+
     counters = rollouts.stats
     local = torch.tensor([rollouts.rewards.sum().item(), len(rollouts.rewards),
                           sum(len(c) for c in rollouts.completion_ids), advantage_mask(advantages).sum().item(),
@@ -319,7 +350,8 @@ def step_record(step: int, rollouts: Rollouts, advantages: torch.Tensor, stats: 
             "cycles": int(cycles) if drafts else int(tokens),
             "tau": (cycle_tokens / cycles if cycles else nan) if drafts else 1.0,
             "acceptance_rate": (accepted / drafted if drafted else nan) if drafts else 0.0,
-            **dict(zip(stats, terms, strict=True))}
+            **dict(zip(stats, terms, strict=True)),
+            "rollouts": gather_object([asdict(c) for c in rollouts.counts])}
 
 
 def train_variant(policy: Policy, module: MTPModule | None, var: Variant, prompts: Sequence[torch.Tensor],

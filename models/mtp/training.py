@@ -13,12 +13,14 @@ position i is the main model's greedy choice, so under greedy verification a cha
 while depth k's argmax equals t_{i+k+1} — and as long as it is accepted, the chained draft inputs equal the
 teacher-forced ones. The run length of consecutive hits of one teacher-forced pass therefore *is* the number
 of accepted drafts a cycle starting at i would get; τ ≈ 1 + its mean (the bonus token counts), α = its mean / K.
+Everything is counted per response (:class:`ChainAcceptance`), the unit the stage's intervals resample.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -151,34 +153,45 @@ def train_mtp_module(policy: Policy, sequences: Sequences, hidden: Sequence[torc
     return module.eval().requires_grad_(False), history
 
 
+@dataclass(frozen=True)
+class ChainAcceptance:
+    """:func:`chain_acceptance`'s counts per held-out response (the unit an interval resamples: the tokens of one
+    response are not independent): top-1 ``hits`` and ``targets`` per depth, (S, K); ``accepted``, the drafts a
+    greedy chain would get accepted summed over the response's positions with a full chain of K targets ahead,
+    and ``positions``, how many those are, (S,). Accuracy at depth k = Σ hits / Σ targets; expected τ =
+    1 + Σ accepted / Σ positions (the bonus token counts); α = (τ − 1) / K."""
+
+    hits: torch.Tensor
+    targets: torch.Tensor
+    accepted: torch.Tensor
+    positions: torch.Tensor
+
+
 @torch.no_grad()
 def chain_acceptance(policy: Policy, module: MTPModule, sequences: Sequences, hidden: Sequence[torch.Tensor],
-                     batch_size: int = 8) -> dict[str, float]:
-    """Held-out top-1 accuracy per depth (teacher-forced) and the greedy chain's expected τ and α (module
-    docstring) over every response position with a full chain of K targets ahead."""
+                     batch_size: int = 8) -> ChainAcceptance:
+    """Held-out top-1 hits per depth (teacher-forced) and the greedy chain's accepted drafts (module docstring),
+    counted per response."""
     base, num_depths = policy.model, module.config.num_depths
     pad = padding_id(policy.tokenizer)
-    hits, counts = torch.zeros(num_depths), torch.zeros(num_depths)
-    run_lengths = []
+    hits, targets = torch.zeros(len(sequences), num_depths), torch.zeros(len(sequences), num_depths)
+    accepted, positions = torch.zeros(len(sequences)), torch.zeros(len(sequences))
     rows = _Rows(sequences, hidden)
     for start in range(0, len(rows), batch_size):
         batch = _collate([rows[i] for i in range(start, min(start + batch_size, len(rows)))], pad)
+        this = slice(start, start + len(batch["input_ids"]))
         input_ids = batch["input_ids"].to(policy.device)
         states = module(base, input_ids, batch["hidden"].to(device=policy.device, dtype=base.dtype))
         correct, valid = [], []
         for k, state in enumerate(states, start=1):
-            targets, ok = depth_targets(input_ids, batch["response_mask"].to(policy.device), k)
-            hit = (mtp_logits(base, state).argmax(-1) == targets) & ok  # (B, T)
-            hits[k - 1] += hit.sum().item()
-            counts[k - 1] += ok.sum().item()
+            target, ok = depth_targets(input_ids, batch["response_mask"].to(policy.device), k)
+            hit = (mtp_logits(base, state).argmax(-1) == target) & ok  # (B, T)
+            hits[this, k - 1] = hit.sum(dim=1).float().cpu()
+            targets[this, k - 1] = ok.sum(dim=1).float().cpu()
             correct.append(hit)
             valid.append(ok)
         full_chain = valid[-1]  # the deepest target exists, so every shallower one does
-        consecutive = torch.stack(correct, dim=-1).long().cumprod(dim=-1).sum(dim=-1)  # (B, T)
-        run_lengths.append(consecutive[full_chain].float().cpu())
-    runs = torch.cat(run_lengths) if run_lengths else torch.zeros(0)
-    mean_run = runs.mean().item() if len(runs) else math.nan
-    return {**{f"top1_depth_{k}": (hits[k - 1] / counts[k - 1]).item() if counts[k - 1] else math.nan
-               for k in range(1, num_depths + 1)},
-            "expected_tau": 1 + mean_run, "expected_acceptance_rate": mean_run / num_depths,
-            "positions": int(len(runs))}
+        consecutive = torch.stack(correct, dim=-1).long().cumprod(dim=-1).sum(dim=-1)  # (B, T): accepted drafts
+        accepted[this] = (consecutive * full_chain).sum(dim=1).float().cpu()
+        positions[this] = full_chain.sum(dim=1).float().cpu()
+    return ChainAcceptance(hits, targets, accepted, positions)

@@ -238,11 +238,13 @@ def preference_accuracy(policy: nn.Module, reference: nn.Module, tokenizer, pair
 
     ``accuracy`` counts an exact tie as half (the win + tie/2 convention of the benchmarks), so the
     untrained policy (``policy is reference``: every margin is exactly 0) scores 0.5; ``margin`` is the
-    mean of r(x, y_w) − r(x, y_l). When ``policy is reference`` the log-probs are computed once.
+    mean of r(x, y_w) − r(x, y_l); ``pair_outcomes`` the per-pair 1 / ½ / 0 that ``accuracy`` averages (for
+    intervals over pairs). When ``policy is reference`` the log-probs are computed once.
     """
     chosen_logps, rejected_logps = pair_logps(policy, tokenizer, pairs, max_length)
     reference_chosen_logps, reference_rejected_logps = (
         (chosen_logps, rejected_logps) if reference is policy else pair_logps(reference, tokenizer, pairs, max_length))
     margins = beta * ((chosen_logps - reference_chosen_logps) - (rejected_logps - reference_rejected_logps))
     wins = (margins > 0).float() + 0.5 * (margins == 0).float()
-    return {"accuracy": float(wins.mean()), "margin": float(margins.mean()), "num_pairs": len(pairs)}
+    return {"accuracy": float(wins.mean()), "margin": float(margins.mean()), "num_pairs": len(pairs),
+            "pair_outcomes": wins.tolist()}

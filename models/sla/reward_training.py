@@ -21,7 +21,9 @@ area under that curve, normalised to [0, 1]. It measures what SLA needs: whether
 
 One causal forward over a whole sequence gives R' of every prefix (a prefix's reward depends on its own
 tokens only), so evaluation scores each pair once (:func:`score_pairs`) and the metrics are pure
-functions of those per-token rewards (:func:`pair_accuracy`, :func:`token_reward_curve`, :func:`autrc`).
+functions of those per-token rewards (:func:`pair_accuracy`, :func:`token_reward_curve`, :func:`autrc`),
+per pair first (:func:`pair_wins`, :func:`pair_curves`), so that the stage can give them 95 % intervals over
+the held-out prompts.
 """
 
 from __future__ import annotations
@@ -199,26 +201,37 @@ def score_pairs(model: RewardTransformer, tokenizer, pairs: pd.DataFrame, max_le
     return scored
 
 
+def pair_wins(scored: PairRewards) -> np.ndarray:
+    """Per pair: 1 when the chosen response has the higher mean token reward (the eq. 17 sequence score), else 0."""
+    return np.array([float(chosen.mean() > rejected.mean())
+                     for chosen, rejected in zip(scored.chosen, scored.rejected, strict=True)])
+
+
 def pair_accuracy(scored: PairRewards) -> float:
     """Share of pairs whose chosen response has the higher mean token reward (the eq. 17 sequence score)."""
-    wins = [chosen.mean() > rejected.mean() for chosen, rejected in zip(scored.chosen, scored.rejected, strict=True)]
-    return float(np.mean(wins))
+    return float(pair_wins(scored).mean())
+
+
+def pair_curves(scored: PairRewards, points: int = 100) -> tuple[list[float], np.ndarray]:
+    """Per pair and x = 1/points … 1 of each response's length: 1 when R'(chosen prefix) > R'(rejected prefix).
+
+    At fraction x the chosen prefix has ⌈x·T_w⌉ response tokens and the rejected one ⌈x·T_l⌉ (at least
+    one, and the whole response with its end token at x = 1). Returns (xs, a (pairs, points) 0/1 array).
+    """
+    xs = [i / points for i in range(1, points + 1)]
+    wins = np.zeros((len(scored.chosen), points))
+    for p, (chosen, rejected) in enumerate(zip(scored.chosen, scored.rejected, strict=True)):
+        for i in range(1, points + 1):
+            # ⌈i·T/points⌉ in integers (no float rounding at the steps); a prefix of k tokens is index k − 1
+            wins[p, i - 1] = chosen[-(-i * len(chosen) // points) - 1] > rejected[-(-i * len(rejected) // points) - 1]
+    return xs, wins
 
 
 def token_reward_curve(scored: PairRewards, points: int = 100) -> tuple[list[float], list[float]]:
-    """Accuracy of R'(chosen prefix) > R'(rejected prefix) at x = 1/points … 1 of each response's length.
-
-    At fraction x the chosen prefix has ⌈x·T_w⌉ response tokens and the rejected one ⌈x·T_l⌉ (at least
-    one, and the whole response with its end token at x = 1). Returns (xs, accuracies).
-    """
-    xs = [i / points for i in range(1, points + 1)]
-    accuracies = []
-    for i in range(1, points + 1):
-        # ⌈i·T/points⌉ in integers (no float rounding at the steps); a prefix of k tokens is index k − 1
-        wins = [chosen[-(-i * len(chosen) // points) - 1] > rejected[-(-i * len(rejected) // points) - 1]
-                for chosen, rejected in zip(scored.chosen, scored.rejected, strict=True)]
-        accuracies.append(float(np.mean(wins)))
-    return xs, accuracies
+    """Accuracy of R'(chosen prefix) > R'(rejected prefix) over the pairs at x = 1/points … 1 of each response's
+    length (:func:`pair_curves`). Returns (xs, accuracies)."""
+    xs, wins = pair_curves(scored, points)
+    return xs, wins.mean(axis=0).tolist()
 
 
 def autrc(xs: Sequence[float], accuracies: Sequence[float]) -> float:
@@ -228,7 +241,11 @@ def autrc(xs: Sequence[float], accuracies: Sequence[float]) -> float:
 
 
 def evaluate_reward_head(model: RewardTransformer, tokenizer, pairs: pd.DataFrame, cfg: RewardTraining) -> dict:
-    """Pair accuracy, the token-level reward curve and its AuTRC on (held-out) pairs."""
+    """Pair accuracy, the token-level reward curve and its AuTRC on (held-out) pairs, and per pair the values
+    these average (for intervals over pairs): ``pair_correct`` (0/1) and ``pair_autrc``, a pair's own AuTRC
+    (the area under its 0/1 curve; the trapezoid rule is linear, so their mean is the AuTRC)."""
     scored = score_pairs(model, tokenizer, pairs, cfg.max_length, cfg.batch_size)
-    xs, accuracies = token_reward_curve(scored, cfg.curve_points)
-    return {"pair_accuracy": pair_accuracy(scored), "x": xs, "accuracy": accuracies, "autrc": autrc(xs, accuracies)}
+    xs, wins = pair_curves(scored, cfg.curve_points)
+    accuracies = wins.mean(axis=0).tolist()
+    return {"pair_accuracy": pair_accuracy(scored), "x": xs, "accuracy": accuracies, "autrc": autrc(xs, accuracies),
+            "pair_correct": pair_wins(scored).tolist(), "pair_autrc": [autrc(xs, curve) for curve in wins]}
