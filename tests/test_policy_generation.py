@@ -83,6 +83,9 @@ def test_dtype_auto_picks_bf16_exactly_on_cpus_with_bf16_units(monkeypatch, flag
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: flags)
     assert resolve_dtype("auto", torch.device("cpu")) == dtype
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    # a stage that trains through the policy on a CPU stays float32 (bf16 backward kernels are slow there)
+    assert resolve_dtype("auto", torch.device("cpu"), training=True) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda"), training=True) == torch.bfloat16
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from models.engine.config import ClassicalDecoding, HFDecoder, Sampling
-from models.engine.generation import generate_until_done, response_lengths
+from models.engine.config import ClassicalDecoding, HFDecoder
+from models.engine.generation import response_lengths
 from models.engine.policy import Policy
 
 GREEDY = {"do_sample": False}
@@ -36,17 +36,13 @@ def generate_kwargs(decoder: HFDecoder, cfg: ClassicalDecoding) -> dict:
 
 @torch.no_grad()
 def hf_decode(policy: Policy, prompt_ids: Sequence[Sequence[int]], kwargs: dict, max_new_tokens: int,
-              eos_ids: set[int], batch_size: int, seed: int = 0,
-              chunk_tokens: int = Sampling.chunk_tokens) -> list[list[int]]:
+              eos_ids: set[int], batch_size: int, seed: int = 0) -> list[list[int]]:
     """Decode each prompt (token ids) with ``generate(**kwargs)`` (e.g. :func:`generate_kwargs`); batches
-    are left-padded, and rows that have ended stop costing compute (:func:`generate_until_done`, every
-    ``chunk_tokens`` new tokens) except under beam search, whose beams cannot be continued apart (one call).
+    are left-padded.
 
     Batch ``b`` of a sampling decoder is seeded with ``seed + b``, so results are reproducible.
     """
     tok, model = policy.tokenizer, policy.model
-    if kwargs.get("num_beams", 1) > 1:
-        chunk_tokens = max_new_tokens
     outputs: list[list[int]] = []
     for b, start in enumerate(range(0, len(prompt_ids), batch_size)):
         chunk = [list(p) for p in prompt_ids[start : start + batch_size]]
@@ -54,8 +50,9 @@ def hf_decode(policy: Policy, prompt_ids: Sequence[Sequence[int]], kwargs: dict,
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in chunk], device=policy.device)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=policy.device)
         torch.manual_seed(seed + b)
-        new = generate_until_done(model, input_ids, attention_mask, kwargs, max_new_tokens, eos_ids,
-                                  tok.pad_token_id, chunk_tokens)  # (B, max_new_tokens)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                             pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids), **kwargs)
+        new = out[:, width:]  # (B, T_new)
         lengths, _ = response_lengths(new, eos_ids)
         outputs += [new[row, :length].tolist() for row, length in enumerate(lengths)]
     return outputs

@@ -90,7 +90,7 @@ def generate_until_done(model, input_ids: torch.Tensor, attention_mask: torch.Te
     cache, done = None, 0
     while len(rows):
         remaining = max_new_tokens - done
-        # A lone row needs no chunks: generate stops at its end (and a batch-1 timing pays no extra calls).
+        # A lone row needs no chunks: generate stops at its own end.
         step_tokens = remaining if len(rows) == 1 else min(chunk_tokens, remaining)
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
                              max_new_tokens=step_tokens, pad_token_id=pad_token_id,
