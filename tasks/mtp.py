@@ -166,7 +166,7 @@ def _write_mtp(out: Path, module, evaluations: dict, histories: dict, ablation: 
                  reference_line=1.0)
 
 
-ROLLOUT_COLUMNS = ["variant", "steps", "tau_first", "tau_last", "tau", "acceptance_rate",
+ROLLOUT_COLUMNS = ["variant", "steps", "tau_first", "tau_last", "tau_pooled", "acceptance_rate_pooled",
                    "total_rollout_seconds", "rollout_speedup", "rollout_tokens_per_s", "ms_per_cycle", "break_even_tau",
                    "reward_mean"]
 JUDGED = ("reward", "accuracy")  # what the held-out greedy responses are judged by
@@ -361,8 +361,8 @@ def _summary(histories: dict[str, list[dict]], drafting: dict[str, bool], before
                                       column("vanilla", "seconds")) if vanilla
                    else statistics.Interval(math.nan, math.nan, math.nan, 0))
         rows.append({"variant": name, "steps": len(history), "tau_first": history[0]["tau"],
-                     "tau_last": history[-1]["tau"], **statistics.interval_columns("tau", tau),
-                     **statistics.interval_columns("acceptance_rate", alpha), "total_rollout_seconds": seconds,
+                     "tau_last": history[-1]["tau"], **statistics.interval_columns("tau_pooled", tau),
+                     **statistics.interval_columns("acceptance_rate_pooled", alpha), "total_rollout_seconds": seconds,
                      **statistics.interval_columns("rollout_speedup", speedup, reference=1.0),
                      "rollout_tokens_per_s": tokens / seconds, "ms_per_cycle": ms_per_cycle,
                      # the τ at which this variant's cycles would match vanilla's speed per token
@@ -392,7 +392,7 @@ def _held_out_columns(before: dict[str, list[float]], after: dict[str, list[floa
 def _plots(histories: dict[str, list[dict]], rows: list[dict], folder, scorer: str) -> None:
     """Per-step curves of every variant, and the run's rollout speedup and τ per variant with their intervals."""
     bar_plot({"rollout speedup vs vanilla": {row["variant"]: interval_bar(row, "rollout_speedup") for row in rows},
-              "τ": {row["variant"]: interval_bar(row, "tau") for row in rows}},
+              "τ": {row["variant"]: interval_bar(row, "tau_pooled") for row in rows}},
              "GRPO variants: rollout tokens/s over vanilla's and τ (1 = no drafts)", "value", folder / "speedup.png",
              reference_line=1.0)
     drafting = {name: h for name, h in histories.items() if name != "vanilla"}

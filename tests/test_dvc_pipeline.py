@@ -155,7 +155,12 @@ def test_pipeline_flow_runs_every_stage_and_pushes(dvc_repo, pipeline_result, ti
     assert scores["score"].nunique() == len(scores)  # continuous reward-model scores, one per sample
     assert {len(r) for r in scores["objective_rewards"]} == {5}  # the tiny ArmoRM's objectives behind each score
     pairs = pd.read_parquet(repo / "data/pairs/pairs.parquet")
-    assert 1 <= len(pairs) <= NUM_TRAIN and (pairs["chosen_score"] > pairs["rejected_score"]).all()
+    assert (pairs["chosen_score"] > pairs["rejected_score"]).all()
+    # every (higher, lower) pair of a prompt's samples (validate.pairing: all), one of them its best–worst pair
+    per_prompt = pairs.groupby("prompt_id")
+    assert 1 <= per_prompt.ngroups <= NUM_TRAIN
+    assert (per_prompt.size() <= NUM_SAMPLES * (NUM_SAMPLES - 1) // 2).all()
+    assert (per_prompt["best_worst"].sum() == 1).all()
     assert (repo / "data/reports/datadocs").is_dir()
     for stage in STAGES:
         assert (repo / f"data/metrics/{stage}.json").is_file(), stage

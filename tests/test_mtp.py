@@ -499,7 +499,8 @@ def test_rl_stage_rewarded_by_a_reward_model_uses_prompts_without_answers(tiny_l
     assert history["held_out_per_prompt"]["after"]["mtp_rl"]["reward"] == scored[4][3]
     assert table.loc["mtp_rl", "reward_after_low"] == m["mtp_rl.reward_after_low"] == min(scored[4][3])
     assert table.loc["mtp_rl", "reward_change"] == pytest.approx(_mean(scored[4][3]) - _mean(scored[0][3]))
-    assert m["mtp_rl.tau_low"] <= m["mtp_rl.tau"] <= m["mtp_rl.tau_high"] and "mtp_rl.rollout_speedup_high" in m
+    assert m["mtp_rl.tau_pooled_low"] <= m["mtp_rl.tau_pooled"] <= m["mtp_rl.tau_pooled_high"]
+    assert "mtp_rl.rollout_speedup_high" in m
     assert f"hf-classifier `{tiny_classifier}`" in (out / "report.md").read_text()
 
     verifiable = _rl_stage(tmp_path / "verifiable", tiny_llama, OPEN_PROMPTS, OPEN_PROMPTS)
