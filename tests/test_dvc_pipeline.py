@@ -185,8 +185,11 @@ def test_pipeline_flow_runs_every_stage_and_pushes(dvc_repo, pipeline_result, ti
     for folder in ("supervised", "rl/base", "rl/supervised"):
         assert (repo / "data/medusa" / folder / "heads.safetensors").is_file(), folder
     speed = pd.read_csv(repo / "data/benchmarks/medusa/table.csv")
-    assert speed["decoder"].tolist() == ["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl_base",
-                                         "medusa_rl_supervised"]
+    # each prompt set (the task's held-out prompts, the general instructions) with every decoder
+    assert speed["prompt_set"].unique().tolist() == ["held_out", "general"]
+    for _, prompt_set in speed.groupby("prompt_set"):
+        assert prompt_set["decoder"].tolist() == ["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl_base",
+                                                  "medusa_rl_supervised"]
     assert (speed["identical_to_greedy"] == 1.0).all()
     assert (repo / "data/coral/config.json").is_file() and (repo / "data/coral/loss.png").is_file()
     coral = pd.read_csv(repo / "data/benchmarks/coral/table.csv")
