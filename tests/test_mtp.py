@@ -553,10 +553,10 @@ def test_rl_summary_intervals_by_hand():
 
     assert interval(mtp, "rollout_speedup") == pytest.approx([3.0, 1.0, 6.0])
     assert not mtp["rollout_speedup_significant"]
-    assert interval(mtp, "tau") == pytest.approx([40 / 15, 2.0, 3.0])
-    assert interval(mtp, "acceptance_rate") == pytest.approx([25 / 45, 1 / 3, 2 / 3])
+    assert interval(mtp, "tau_pooled") == pytest.approx([40 / 15, 2.0, 3.0])
+    assert interval(mtp, "acceptance_rate_pooled") == pytest.approx([25 / 45, 1 / 3, 2 / 3])
     assert mtp["break_even_tau"] == pytest.approx((1000 * 2 / 15) / (1000 * 3 / 20))
-    assert interval(vanilla, "tau") == [1.0, 1.0, 1.0] and interval(vanilla, "rollout_speedup") == [1.0, 1.0, 1.0]
+    assert interval(vanilla, "tau_pooled") == [1.0, 1.0, 1.0] and interval(vanilla, "rollout_speedup") == [1.0, 1.0, 1.0]
     assert interval(mtp, "reward_change") == [1.0, 1.0, 1.0] and mtp["reward_after_significant"]
     assert interval(vanilla, "reward_after") == interval(vanilla, "reward_change") == [0.5, 0.0, 1.0]
     assert not vanilla["reward_after_significant"] and math.isnan(mtp["accuracy_change"])
