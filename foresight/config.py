@@ -355,9 +355,10 @@ class SLABenchmarkConfig(_Section):
     """Beams of the ``beam`` decoder."""
     seed: int = 0
     """Seed of the sampling decoders."""
-    batch_size: int = Field(8, ge=1)
-    """Prompts per ``generate`` call of the classical decoders (beam search holds ``num_beams`` rows per prompt):
-    lower it when decoding runs out of GPU memory."""
+    batch_size: int = Field(32, ge=1)
+    """Prompts decoded at a time, untimed: per ``generate`` call of the classical decoders (beam search holds
+    ``num_beams`` rows per prompt) and per SLA search (k^d rows per prompt): lower it when decoding runs out of
+    GPU memory."""
     sweep_depth: list[int] = Field(default_factory=list)
     """Optional SLA sweep (Figure 3): depths to try with the other settings at their defaults."""
     sweep_width: list[int] = Field(default_factory=list)

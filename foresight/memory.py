@@ -296,11 +296,13 @@ def _dpo(stage, cfg, shapes, nbytes):
 
 def _benchmark_sla(stage, cfg, shapes, nbytes):
     s, b, shape = cfg.sla, cfg.sla_benchmark, shapes.policy
-    rows = max(b.num_beams, s.width ** max(s.depth, 1))
+    # untimed decoding: batch_size prompts at a time, each num_beams rows (beam search) or k^d (an SLA tree)
+    rows = b.batch_size * max(b.num_beams, s.width ** max(s.depth, 1))
     return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
                             "KV cache": kv_cache(shape, rows, PROMPT_TOKENS + b.max_new_tokens + s.step, nbytes),
                             **_labeler_parts(cfg, shapes)},
-                    (halve("sla.width"), halve("label.batch_size")), _labeler_note(shapes))
+                    (halve("sla_benchmark.batch_size"), halve("sla.width"), halve("label.batch_size")),
+                    _labeler_note(shapes))
 
 
 def _train_medusa(stage, cfg, shapes, nbytes):

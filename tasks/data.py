@@ -66,11 +66,11 @@ def _retry_on_transient_cuda_error(task, task_run, state) -> bool:
     return False
 
 
-def gpu_task(name: str):
+def gpu_task(name: str, log_prints: bool | None = None):
     """A stage task that runs a neural network: tagged ``gpu``, uncached, retried once after a transient CUDA
-    error (:func:`is_transient_cuda_error`)."""
+    error (:func:`is_transient_cuda_error`). ``log_prints``: the flow's setting unless given."""
     return task(name=name, tags=[GPU_TAG], cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10,
-                retry_condition_fn=_retry_on_transient_cuda_error)
+                retry_condition_fn=_retry_on_transient_cuda_error, log_prints=log_prints)
 
 
 def in_prefect_run() -> bool:

@@ -114,7 +114,7 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     the (identical) trained heads, and only the main process writes.
     """
     from models.sla.config import RewardTraining
-    from models.sla.reward_training import evaluate_reward_head, train_reward_heads
+    from models.sla.reward_training import evaluate_reward_heads, train_reward_heads
     from models.sla.reward_transformer import RewardHeadConfig
 
     logger = stage_logger()
@@ -152,10 +152,11 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     metrics["train_seconds"] = time.perf_counter() - train_started
     curves: dict[str, dict] = {}
     prompt_ids = held_out["prompt_id"].tolist()
-    for name, model in models.items():  # every process evaluates (a small held-out set): all return the metrics
-        curves[name] = evaluation = with_intervals(
-            evaluate_reward_head(model, policy.tokenizer, held_out, training), prompt_ids,
-            {"pair_accuracy": "pair_correct", "autrc": "pair_autrc"})
+    # every process evaluates (a small held-out set), all heads in one pass: all return the metrics
+    evaluations = evaluate_reward_heads(models, policy.tokenizer, held_out, training)
+    for name, model in models.items():
+        curves[name] = evaluation = with_intervals(evaluations[name], prompt_ids,
+                                                   {"pair_accuracy": "pair_correct", "autrc": "pair_autrc"})
         key = _metric_key(name)
         metrics |= {
             **_interval_metrics(evaluation, "pair_accuracy", f"pair_accuracy_{key}"),
@@ -188,7 +189,10 @@ def _write_reward_heads(out_dir: Path, models: dict, curves: dict[str, dict],
         plot_losses(histories, tmp / "loss.png")
 
 
-@gpu_task("train-dpo")
+# prints stay plain: ``datasets`` (TRL's preprocessing) hashes functions with dill, which reads their globals off a
+# ``dis`` listing it prints into a swapped ``sys.stdout``; Prefect's print-to-log patch would log that listing
+# instead (hundreds of bytecode lines per run) and hand dill nothing to read
+@gpu_task("train-dpo", log_prints=False)
 def dpo_task(cfg: Config) -> StageResult:
     """Train the DPO policy into ``paths.dpo_dir`` (atomically) and evaluate it on the held-out pairs."""
     from models.sla.config import DPOTraining
@@ -304,13 +308,15 @@ def _decode_all(cfg: Config, which: str, questions: list[str], decoders: list[st
     batch 1 by greedy and the other ``sla_benchmark.timed_decoders`` in turn, prompt by prompt
     (:func:`interleaved_decoding`), and timed: speed ratios pair a decoder's call with greedy's on the same
     prompt. The rest goes untimed: the classical decoders ``sla_benchmark.batch_size`` prompts at a time (all
-    at once would not fit at 8B: beam search holds ``num_beams`` rows per prompt), SLA at batch 1.
+    at once would not fit at 8B: beam search holds ``num_beams`` rows per prompt), SLA as many prompts at a time,
+    their trees searched in lockstep (:func:`models.sla.search.sla_generate_batch`: k^d rows per prompt).
     ``decoders``: the classical ones by name (greedy first), ``sla`` for ``sla_settings``.
     """
+    from models.common.sequences import padding_id
     from models.engine.config import ClassicalDecoding
     from models.engine.decoding import generate_kwargs, hf_decode
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
-    from models.sla.search import sla_generate
+    from models.sla.search import sla_generate, sla_generate_batch
 
     b = cfg.sla_benchmark
     classical = component(ClassicalDecoding, b)
@@ -340,9 +346,15 @@ def _decode_all(cfg: Config, which: str, questions: list[str], decoders: list[st
         batched = hf_decode(policy, plain[start:], generate_kwargs(decoder, classical), b.max_new_tokens, eos,
                             batch_size=b.batch_size, seed=b.seed + start) if start < len(plain) else []
         outputs |= {(decoder, start + i): tokens for i, tokens in enumerate(batched)}
-    for name in sla_settings:
-        for i in tqdm(range(untimed_from[name], len(prompt_ids)), desc=f"{which} {name}", unit="prompt"):
-            outputs[(name, i)] = decode(name, i, b.max_new_tokens)[0]
+    for name, setting in sla_settings.items():
+        untimed = list(range(untimed_from[name], len(prompt_ids)))
+        with tqdm(total=len(untimed), desc=f"{which} {name}", unit="prompt") as progress:
+            for start in range(0, len(untimed), b.batch_size):
+                batch = untimed[start:start + b.batch_size]
+                responses = sla_generate_batch(reward_model, [prompt_ids[i] for i in batch], setting, b.max_new_tokens,
+                                               eos, padding_id(policy.tokenizer))
+                outputs |= {(name, i): tokens for i, tokens in zip(batch, responses, strict=True)}
+                progress.update(len(batch))
     records = [{"policy": which, "decoder": name, "prompt_index": i,
                 "timed": name in timed_names and i < speed_prompts,
                 "new_tokens": len(outputs[(name, i)]),

@@ -24,6 +24,7 @@ from models.sla.reward_training import (
     autrc,
     collate_pairs,
     evaluate_reward_head,
+    evaluate_reward_heads,
     pair_accuracy,
     pair_curves,
     pair_wins,
@@ -207,8 +208,9 @@ def test_training_and_scoring_compute_the_logits_of_one_position_only(policy):
     assert all(shape[1] == 1 for shape in shapes), shapes
 
 
-def test_joint_training_equals_training_each_head_alone(policy):
-    """One shared policy pass per batch: each head gets exactly its own gradient, Adam is element-wise."""
+def test_joint_training_equals_training_each_head_alone(policy, tiny_llama):
+    """One shared policy pass per batch: each head gets exactly its own gradient, Adam is element-wise; and one
+    scores exactly as it does alone."""
     pairs = toy_pairs(policy.tokenizer, 6)
     cfg = RewardTraining(**{**FAST, "epochs": 2})
     adapter = RewardHeadConfig(kind="adapter", adapter_layers=2, hidden_size=8)
@@ -218,6 +220,18 @@ def test_joint_training_equals_training_each_head_alone(policy):
         torch.testing.assert_close(joint["channel"].head.state_dict()[key], value, atol=1e-6, rtol=1e-5)
     assert joint_histories["channel"]["loss"] == pytest.approx(alone_histories["channel"]["loss"], abs=1e-6)
     assert joint["adapter"].head is not joint["channel"].head and joint["adapter"].policy is policy.model
+
+    # evaluated together (one policy pass per batch), each head scores exactly as it does alone
+    held_out = toy_pairs(policy.tokenizer, 3, start=50)
+    torch.manual_seed(0)
+    heads = {**joint, "untrained": RewardTransformer(policy.model, RewardHeadConfig(kind="adapter", adapter_layers=1))}
+    together = evaluate_reward_heads(heads, policy.tokenizer, held_out, cfg)
+    for name, model in heads.items():
+        assert together[name] == evaluate_reward_head(model, policy.tokenizer, held_out, cfg)
+    assert together["untrained"] != together["channel"]  # each head its own column, not one head's scores twice
+    other = RewardTransformer(load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32")).model, CHANNEL)
+    with pytest.raises(ValueError, match="share one policy"):
+        evaluate_reward_heads({"a": joint["channel"], "b": other}, policy.tokenizer, held_out, cfg)
 
 
 def test_reward_curve_and_autrc_by_hand():

@@ -23,6 +23,7 @@ from models.sla.search import (
     greedy_generate,
     select_action,
     sla_generate,
+    sla_generate_batch,
     sla_stream,
 )
 from tests.tiny import load_spiky_tiny_llama
@@ -155,6 +156,22 @@ def test_sla_equals_brute_force_reference(tiny, eos, d, k, n):
         assert sla_generate(model, ids, SLASearch(depth=d, width=k, step=n), 20, eos_ids)[0] == expected
     assert finished > 0  # trees with finished (end-token) branches were exercised
 
+
+
+@pytest.mark.parametrize(("d", "k", "n"), [(2, 2, 3), (1, 3, 2), (0, 2, 4)])
+def test_a_batch_of_prompts_decodes_as_each_prompt_alone(tiny, eos, d, k, n):
+    """Prompts of four lengths searched in lockstep (left padding, masks and positions re-indexed with the cache,
+    prompts dropping out when done) give each prompt's one-prompt output, token for token (float32)."""
+    model, tok, prompts = tiny
+    assert len({ids.shape[1] for ids in prompts}) == len(prompts)  # every prompt is padded but the longest
+    cfg = SLASearch(depth=d, width=k, step=n)
+    alone = [sla_generate(model, ids, cfg, 20, eos)[0] for ids in prompts]
+    assert len({len(tokens) for tokens in alone}) > 1  # some prompts stop early on the end token, some do not
+    stats = SLAStats()
+    assert sla_generate_batch(model, prompts, cfg, 20, eos, tok.pad_token_id or 0, stats) == alone
+    assert stats.committed_tokens == sum(len(tokens) for tokens in alone)
+    with pytest.raises(ValueError, match="non-empty list"):
+        sla_generate_batch(model, [], cfg, 20, eos, 0)
 
 def test_backup_takes_the_best_leaf_and_ties_go_to_the_likelier_child():
     def node(total, count, *children, finished=False):
@@ -344,8 +361,8 @@ def _sla_project(tmp_path, tiny_llama, **benchmark):
 def test_benchmark_decodes_each_prompt_once_timed_prompts_interleaved(tiny_llama, tmp_path, monkeypatch):
     """The speed prompts are decoded at batch 1 by every timed decoder in turn (after one warm-up call each),
     the rest untimed: the classical decoders ``sla_benchmark.batch_size`` prompts per ``generate`` call (all at
-    once ran out of GPU memory as ``num_prompts`` grew, beam search most), SLA per prompt. Each (decoder,
-    prompt) is decoded once; beam search, not in ``timed_decoders``, decodes every prompt in batches."""
+    once ran out of GPU memory as ``num_prompts`` grew, beam search most), SLA as many prompts per search. Each
+    (decoder, prompt) is decoded once; beam search, not in ``timed_decoders``, decodes every prompt in batches."""
     from transformers import GenerationMixin
 
     import models.sla.search
@@ -355,6 +372,7 @@ def test_benchmark_decodes_each_prompt_once_timed_prompts_interleaved(tiny_llama
                        overhead_repeats=2, timed_decoders=["sla"])  # greedy, the reference, is timed anyway
     calls = []  # (decoder, rows) of every decoding call, in order
     generate, sla_generate = GenerationMixin.generate, models.sla.search.sla_generate
+    sla_generate_batch = models.sla.search.sla_generate_batch
 
     def recording_generate(self, *args, **kwargs):
         calls.append(("beam" if kwargs.get("num_beams", 1) > 1 else "greedy", kwargs["input_ids"].shape[0]))
@@ -364,14 +382,19 @@ def test_benchmark_decodes_each_prompt_once_timed_prompts_interleaved(tiny_llama
         calls.append(("sla", ids.shape[0]))
         return sla_generate(model, ids, *args)
 
+    def recording_sla_batch(model, prompts, *args):
+        calls.append(("sla", len(prompts)))
+        return sla_generate_batch(model, prompts, *args)
+
     monkeypatch.setattr(GenerationMixin, "generate", recording_generate)
     monkeypatch.setattr(models.sla.search, "sla_generate", recording_sla)
+    monkeypatch.setattr(models.sla.search, "sla_generate_batch", recording_sla_batch)
     questions = [f"What is {i} + {i}?" for i in range(5)]
     records, speed = _decode_all(cfg, "base", questions, ["greedy", "beam", "sla"],
                                  {"sla": SLASearch(depth=1, width=2, step=2)})
     batch_1 = [("greedy", 1), ("sla", 1)]  # warm-up, prompt 0, prompt 1
-    assert calls == batch_1 * 3 + [("greedy", 2), ("greedy", 1), ("beam", 2), ("beam", 2), ("beam", 1)] + [
-        ("sla", 1)] * 3
+    assert calls == batch_1 * 3 + [("greedy", 2), ("greedy", 1), ("beam", 2), ("beam", 2), ("beam", 1),
+                                   ("sla", 2), ("sla", 1)]
     assert Counter((r["decoder"], r["prompt_index"]) for r in records) == {
         (d, i): 1 for d in ("greedy", "beam", "sla") for i in range(5)}
     assert {(r["decoder"], r["prompt_index"]) for r in records if r["timed"]} == {

@@ -127,8 +127,9 @@ def train(model: nn.Module, data, step: Step, params: Iterable[nn.Parameter] | I
                 logged = dict(zip(stats, accelerator.reduce(values, "mean").tolist(), strict=True))
                 for key, value in logged.items():
                     history.setdefault(key, []).append(value)
+                # no forced redraw: the bar keeps its minimum interval (the pipeline's log gets a line per 10 s)
+                bar.set_postfix({key: f"{logged[key]:.4f}" for key in show}, refresh=False)
                 bar.update(1)
-                bar.set_postfix({key: f"{logged[key]:.4f}" for key in show})
                 if on_step is not None and accelerator.is_main_process:
                     on_step(bar.n, local_steps, logged)
             if on_epoch_end is not None:

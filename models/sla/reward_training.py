@@ -177,14 +177,15 @@ def train_reward_heads(policy: Policy, train_pairs: pd.DataFrame, cfg: RewardTra
 class PairRewards:
     """R' of every response prefix of each pair: entry t = the reward after response token t (end token last)."""
 
-    chosen: list[torch.Tensor]  # each (T_w,)
-    rejected: list[torch.Tensor]  # each (T_l,)
+    chosen: list[torch.Tensor]  # each (T_w,), or (T_w, H) for stacked heads
+    rejected: list[torch.Tensor]  # each (T_l,), or (T_l, H)
 
 
 @torch.no_grad()
 def score_pairs(model: RewardTransformer, tokenizer, pairs: pd.DataFrame, max_length: int,
                 batch_size: int = 8) -> PairRewards:
-    """One forward per pair (both sides batched): the per-prefix rewards of each chosen and rejected response.
+    """One forward per pair (both sides batched): the per-prefix rewards of each chosen and rejected response,
+    (T,) each, or (T, H) for :class:`StackedHeads`.
 
     Runs on the model's device in one process (held-out sets are small).
     """
@@ -193,7 +194,7 @@ def score_pairs(model: RewardTransformer, tokenizer, pairs: pd.DataFrame, max_le
     scored = PairRewards(chosen=[], rejected=[])
     for batch in loader:
         rewards = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                        logits_to_keep=1).rewards.float().cpu()  # (2B, T)
+                        logits_to_keep=1).rewards.float().cpu()  # (2B, T) or (2B, T, H)
         per_response = [row[mask.bool()] for row, mask in zip(rewards, batch["response_mask"], strict=True)]
         half = len(per_response) // 2
         scored.chosen += per_response[:half]
@@ -240,12 +241,32 @@ def autrc(xs: Sequence[float], accuracies: Sequence[float]) -> float:
     return float(np.trapezoid(accuracies, xs) / (xs[-1] - xs[0]))
 
 
+def evaluate_reward_heads(models: dict[str, RewardTransformer], tokenizer, pairs: pd.DataFrame,
+                          cfg: RewardTraining) -> dict[str, dict]:
+    """Per head: pair accuracy, the token-level reward curve and its AuTRC on (held-out) pairs, and per pair the
+    values these average (for intervals over pairs): ``pair_correct`` (0/1) and ``pair_autrc``, a pair's own AuTRC
+    (the area under its 0/1 curve; the trapezoid rule is linear, so their mean is the AuTRC).
+
+    The heads must sit on one (frozen) policy: one policy forward per batch scores them all (:class:`StackedHeads`),
+    which gives each head exactly the rewards it gets alone, at the cost of one head's evaluation.
+    """
+    policies = {id(model.policy) for model in models.values()}
+    if len(policies) != 1:
+        raise ValueError(f"heads evaluated together must share one policy, got {len(policies)} policies")
+    policy = next(iter(models.values())).policy
+    stacked = RewardTransformer(policy, head=StackedHeads({name: model.head for name, model in models.items()}))
+    scored = score_pairs(stacked, tokenizer, pairs, cfg.max_length, cfg.batch_size)  # rewards (T, H) per response
+    evaluations = {}
+    for h, name in enumerate(models):
+        head_scored = PairRewards(chosen=[c[:, h] for c in scored.chosen], rejected=[r[:, h] for r in scored.rejected])
+        xs, wins = pair_curves(head_scored, cfg.curve_points)
+        accuracies = wins.mean(axis=0).tolist()
+        evaluations[name] = {"pair_accuracy": pair_accuracy(head_scored), "x": xs, "accuracy": accuracies,
+                             "autrc": autrc(xs, accuracies), "pair_correct": pair_wins(head_scored).tolist(),
+                             "pair_autrc": [autrc(xs, curve) for curve in wins]}
+    return evaluations
+
+
 def evaluate_reward_head(model: RewardTransformer, tokenizer, pairs: pd.DataFrame, cfg: RewardTraining) -> dict:
-    """Pair accuracy, the token-level reward curve and its AuTRC on (held-out) pairs, and per pair the values
-    these average (for intervals over pairs): ``pair_correct`` (0/1) and ``pair_autrc``, a pair's own AuTRC
-    (the area under its 0/1 curve; the trapezoid rule is linear, so their mean is the AuTRC)."""
-    scored = score_pairs(model, tokenizer, pairs, cfg.max_length, cfg.batch_size)
-    xs, wins = pair_curves(scored, cfg.curve_points)
-    accuracies = wins.mean(axis=0).tolist()
-    return {"pair_accuracy": pair_accuracy(scored), "x": xs, "accuracy": accuracies, "autrc": autrc(xs, accuracies),
-            "pair_correct": pair_wins(scored).tolist(), "pair_autrc": [autrc(xs, curve) for curve in wins]}
+    """:func:`evaluate_reward_heads` of one head."""
+    return evaluate_reward_heads({"head": model}, tokenizer, pairs, cfg)["head"]

@@ -31,6 +31,13 @@ per row, and a committed prefix's keys/values are simply the shared first column
 Rows that hit an end token before the others keep being fed (their own last token) until the level
 finishes; what they compute afterwards is ignored and such rows are never expanded.
 
+Several prompts at once (:func:`sla_generate_batch`). Their trees are searched in lockstep, every level of
+all of them one batch: each step still expands one level per tree, so the rows of all trees have the same
+length. Prompts of unequal length are left-padded at the prefill, and the level carries an attention mask
+(padding 0) and explicit position ids (real tokens before each row's new one), re-indexed with the cache. A
+prompt whose answer is complete drops out (its rows are not kept at the next re-indexing). One prompt, or
+prompts of equal length, need no mask: the forwards are then exactly the one-prompt search's.
+
 ``depth = 0`` means no search: n greedy tokens per step, identical to greedy decoding (as is k = 1).
 """
 
@@ -67,6 +74,7 @@ class Node:
     children: list[Node] = field(default_factory=list)
     row: int | None = None  # row of the current level's cache (deepest level only)
     next_tokens: list[int] = field(default_factory=list)  # top-k next tokens after the segment (unfinished only)
+    prompt: int = 0  # which prompt's tree the node belongs to
 
     @property
     def score(self) -> float:
@@ -76,10 +84,11 @@ class Node:
 
 @dataclass
 class Level:
-    """The deepest level of the tree: its nodes and the batched KV cache whose rows they index."""
+    """The deepest level of the trees: their nodes and the batched KV cache whose rows they index."""
 
     cache: object | None  # DynamicCache with one row per node (None when the level is empty)
     nodes: list[Node]
+    attention_mask: torch.Tensor | None = None  # (B, L): 0 on left padding; None when no row is padded
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -90,37 +99,56 @@ def _device(model: RewardTransformer) -> torch.device:
     return next(model.parameters()).device
 
 
-def _forward(model: RewardTransformer, input_ids: torch.Tensor, cache, stats: SLAStats):
+def _forward(model: RewardTransformer, input_ids: torch.Tensor, cache, stats: SLAStats,
+             attention_mask: torch.Tensor | None = None):
     """One cached forward over ``input_ids`` (B, T): last-position logits (B, V), rewards (B, T), cache.
 
     Only the last position's logits are computed (a prompt's (T, V) logits would be thrown away). The ids
     move to the model's device (a prompt tokenized on the CPU decodes on the GPU); rewards stay in the
     model's dtype: they are read as Python floats, so a bf16 policy is scored at its own precision.
+    ``attention_mask`` (B, L): cache and new tokens, 0 on left padding; each token's position is then the
+    count of real tokens before it (Hugging Face's default, cache length + offset, assumes no padding).
     """
-    out = model(input_ids=input_ids.to(_device(model)), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    position_ids = None
+    if attention_mask is not None:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]  # (B, T)
+    out = model(input_ids=input_ids.to(_device(model)), attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
     stats.forward_calls += 1
     stats.tokens_processed += input_ids.numel()
     return out.logits[:, -1, :], out.rewards, out.past_key_values
 
 
 @torch.inference_mode()
-def prefill(model: RewardTransformer, input_ids: torch.Tensor, width: int, stats: SLAStats) -> tuple[Node, Level]:
-    """Process the prompt (1, T): the root node (no tokens, top-k next tokens) and its one-row level."""
-    logits, _, cache = _forward(model, input_ids, None, stats)  # (1, V)
-    root = Node(tokens=[], reward_sum=0.0, reward_count=0, row=0,
-                next_tokens=logits[0].topk(width).indices.tolist())
-    return root, Level(cache, [root])
+def prefill(model: RewardTransformer, prompts: list[torch.Tensor], width: int, pad_token_id: int,
+            stats: SLAStats) -> tuple[list[Node], Level]:
+    """Process the prompts (each (1, T_p)), left-padded into one batch: a root per prompt (no tokens, its top-k
+    next tokens) and the level of their rows."""
+    device = _device(model)
+    longest = max(ids.shape[1] for ids in prompts)
+    input_ids = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long, device=device)  # (P, T)
+    attention_mask = torch.zeros_like(input_ids)
+    for p, ids in enumerate(prompts):
+        input_ids[p, longest - ids.shape[1]:] = ids[0].to(device)
+        attention_mask[p, longest - ids.shape[1]:] = 1
+    mask = None if bool(attention_mask.all()) else attention_mask  # no padding: exactly the one-prompt forwards
+    logits, _, cache = _forward(model, input_ids, None, stats, mask)  # (P, V)
+    top = logits.topk(width, dim=-1).indices.tolist()  # (P, k)
+    roots = [Node(tokens=[], reward_sum=0.0, reward_count=0, row=p, next_tokens=top[p], prompt=p)
+             for p in range(len(prompts))]
+    return roots, Level(cache, list(roots), mask)
 
 
 @torch.inference_mode()
 def decode_segments(model: RewardTransformer, cache, first_tokens: list[int], step: int, width: int,
-                    eos_token_ids: set[int], stats: SLAStats) -> list[tuple[list[int], list[float], list[int]]]:
+                    eos_token_ids: set[int], stats: SLAStats, attention_mask: torch.Tensor | None = None,
+                    ) -> tuple[list[tuple[list[int], list[float], list[int]]], torch.Tensor | None]:
     """Greedy-decode one segment per cache row, all rows as one batch, starting from ``first_tokens``.
 
     Each segment gets ``step`` tokens unless it reaches an end token (included, then it stops). Every
     token of a segment is fed, so its reward is known and the row's cache covers the whole segment.
-    Returns, per row, (tokens, their rewards, top-``width`` next tokens — empty when finished);
-    ``cache`` is extended in place.
+    Returns, per row, (tokens, their rewards, top-``width`` next tokens — empty when finished), and the
+    attention mask (B, L) grown by the fed tokens (None stays None); ``cache`` is extended in place.
     """
     device = _device(model)
     tokens = [[t] for t in first_tokens]
@@ -129,7 +157,9 @@ def decode_segments(model: RewardTransformer, cache, first_tokens: list[int], st
     active = [True] * len(first_tokens)  # the row's last token still has to be fed
     while True:
         feed = torch.tensor([[row[-1]] for row in tokens], device=device)  # (B, 1); done rows repeat their last
-        logits, step_rewards, cache = _forward(model, feed, cache, stats)  # (B, V), (B, 1)
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(tokens), 1)], dim=1)  # (B, L+1)
+        logits, step_rewards, cache = _forward(model, feed, cache, stats, attention_mask)  # (B, V), (B, 1)
         step_rewards = step_rewards[:, -1].tolist()
         greedy = logits.argmax(dim=-1).tolist()  # (B,)
         complete = []
@@ -149,7 +179,7 @@ def decode_segments(model: RewardTransformer, cache, first_tokens: list[int], st
             for i, t in zip(complete, top, strict=True):
                 next_tokens[i] = t
         if not any(active):
-            return list(zip(tokens, rewards, next_tokens, strict=True))
+            return list(zip(tokens, rewards, next_tokens, strict=True)), attention_mask
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -167,19 +197,20 @@ def expand(model: RewardTransformer, level: Level, width: int, step: int, eos_to
     rows = torch.tensor([p.row for p in parents for _ in range(width)], device=_device(model))
     cache = level.cache
     cache.reorder_cache(rows)  # (B, H, L, D) per layer: each parent's row repeated k times, others dropped
+    mask = level.attention_mask[rows] if level.attention_mask is not None else None  # (B, L)
     first = [t for p in parents for t in p.next_tokens]  # (B,) forked tokens, top-1 first
-    segments = decode_segments(model, cache, first, step, width, eos_token_ids, stats)
+    segments, mask = decode_segments(model, cache, first, step, width, eos_token_ids, stats, mask)
     children = []
     for b, (tokens, rewards, next_tokens) in enumerate(segments):
         parent = parents[b // width]
         child = Node(tokens=tokens, reward_sum=parent.reward_sum + sum(rewards),
                      reward_count=parent.reward_count + len(rewards), finished=tokens[-1] in eos_token_ids,
-                     parent=parent, row=b, next_tokens=next_tokens)
+                     parent=parent, row=b, next_tokens=next_tokens, prompt=parent.prompt)
         parent.children.append(child)
         children.append(child)
     for parent in parents:
         parent.row = None  # rows now belong to the children
-    return Level(cache, children)
+    return Level(cache, children, mask)
 
 
 def backup(node: Node) -> float:
@@ -195,22 +226,56 @@ def select_action(root: Node) -> int:
     return max(range(len(q)), key=q.__getitem__)  # max keeps the first of equal values
 
 
-def prune(level: Level, new_root: Node) -> Level:
-    """Keep only the level's nodes below ``new_root`` (or the root itself); their cache rows stay put."""
+def prune(level: Level, new_roots: list[Node]) -> Level:
+    """Keep only the level's nodes below one of ``new_roots`` (or a root itself); their cache rows stay put (the
+    next :func:`expand` drops the others' rows)."""
+    roots = {id(root) for root in new_roots}
 
     def below(node: Node | None) -> bool:
         while node is not None:
-            if node is new_root:
+            if id(node) in roots:
                 return True
             node = node.parent
         return False
 
-    new_root.parent = None  # detach: the committed path no longer matters
-    return Level(level.cache, [node for node in level.nodes if below(node)])
+    kept = [node for node in level.nodes if below(node)]
+    for root in new_roots:
+        root.parent = None  # detach: the committed path no longer matters
+    return Level(level.cache, kept, level.attention_mask)
 
 
 # ---------------------------------------------------------------------------------------------------
 # public API
+
+
+def _search(model: RewardTransformer, prompts: list[torch.Tensor], cfg: SLASearch, max_new_tokens: int,
+            eos_token_ids: set[int], pad_token_id: int, stats: SLAStats) -> Iterator[list[tuple[int, list[int]]]]:
+    """SLA(d, k, n) on the prompts' trees in lockstep; yields, per step, (prompt, committed segment) for every
+    prompt still decoding. A prompt stops after a segment that contains an end token (kept, like HF greedy
+    output) or once ``max_new_tokens`` of its tokens are out (the last segment truncated to that)."""
+    if max_new_tokens <= 0:
+        return
+    eos = set(eos_token_ids)
+    depth, width = (cfg.depth, cfg.width) if cfg.depth > 0 else (1, 1)  # d = 0: plain greedy, n per step
+    roots, level = prefill(model, prompts, width, pad_token_id, stats)
+    for _ in range(depth):  # build the initial trees
+        level = expand(model, level, width, cfg.step, eos, stats)
+    committed = [0] * len(prompts)
+    while roots:
+        decided, next_roots = [], []
+        for root in roots:
+            chosen = root.children[select_action(root)]
+            chunk = chosen.tokens[: max_new_tokens - committed[root.prompt]]
+            committed[root.prompt] += len(chunk)
+            stats.committed_tokens += len(chunk)
+            stats.steps += 1
+            decided.append((root.prompt, chunk))
+            if not (chosen.finished or committed[root.prompt] >= max_new_tokens):
+                next_roots.append(chosen)  # streaming: keep its subtree, levels 1..d−1
+        yield decided
+        roots = next_roots
+        if roots:
+            level = expand(model, prune(level, roots), width, cfg.step, eos, stats)  # restore depth d
 
 
 def sla_stream(model: RewardTransformer, input_ids: torch.LongTensor, cfg: SLASearch, max_new_tokens: int,
@@ -223,25 +288,8 @@ def sla_stream(model: RewardTransformer, input_ids: torch.LongTensor, cfg: SLASe
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"SLA decodes one prompt at a time: input_ids must be (1, T), got {tuple(input_ids.shape)}")
     stats = stats if stats is not None else SLAStats()
-    if max_new_tokens <= 0:
-        return
-    eos = set(eos_token_ids)
-    depth, width = (cfg.depth, cfg.width) if cfg.depth > 0 else (1, 1)  # d = 0: plain greedy, n per step
-    step = cfg.step
-
-    root, level = prefill(model, input_ids, width, stats)
-    for _ in range(depth):  # build the initial tree
-        level = expand(model, level, width, step, eos, stats)
-    while True:
-        chosen = root.children[select_action(root)]
-        chunk = chosen.tokens[: max_new_tokens - stats.committed_tokens]
-        stats.committed_tokens += len(chunk)
-        stats.steps += 1
+    for ((_, chunk),) in _search(model, [input_ids], cfg, max_new_tokens, eos_token_ids, 0, stats):
         yield chunk
-        if chosen.finished or stats.committed_tokens >= max_new_tokens:
-            return
-        root = chosen  # streaming: keep its subtree, levels 1..d−1
-        level = expand(model, prune(level, root), width, step, eos, stats)  # restore depth d
 
 
 def sla_generate(model: RewardTransformer, input_ids: torch.LongTensor, cfg: SLASearch, max_new_tokens: int,
@@ -250,6 +298,21 @@ def sla_generate(model: RewardTransformer, input_ids: torch.LongTensor, cfg: SLA
     stats = SLAStats()
     tokens = [t for chunk in sla_stream(model, input_ids, cfg, max_new_tokens, eos_token_ids, stats) for t in chunk]
     return tokens, stats
+
+
+def sla_generate_batch(model: RewardTransformer, prompts: list[torch.LongTensor], cfg: SLASearch,
+                       max_new_tokens: int, eos_token_ids: set[int], pad_token_id: int,
+                       stats: SLAStats | None = None) -> list[list[int]]:
+    """SLA responses to several prompts (each (1, T_p)), their trees searched as one batch: each response is the
+    one :func:`sla_generate` gives that prompt alone, up to the rounding of a padded batch."""
+    if not prompts or any(ids.dim() != 2 or ids.shape[0] != 1 for ids in prompts):
+        raise ValueError("sla_generate_batch takes a non-empty list of (1, T) prompts")
+    responses: list[list[int]] = [[] for _ in prompts]
+    for decided in _search(model, prompts, cfg, max_new_tokens, eos_token_ids, pad_token_id,
+                           stats if stats is not None else SLAStats()):
+        for p, chunk in decided:
+            responses[p] += chunk
+    return responses
 
 
 @torch.inference_mode()
