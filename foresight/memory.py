@@ -329,9 +329,15 @@ def _benchmark_medusa(stage, cfg, shapes, nbytes):
     b, m, shape = cfg.medusa_benchmark, cfg.medusa, shapes.policy
     heads = m.num_heads * m.num_layers * (shape.hidden ** 2 + shape.hidden)
     nodes = b.tree_size + 1 if b.tree == "auto" else len(b.tree) + 1
-    return Estimate(stage, {"weights": weights(shape.parameters, nbytes), "heads": heads * nbytes,
-                            "KV cache": kv_cache(shape, 1, PROMPT_TOKENS + b.max_new_tokens + nodes, nbytes),
-                            "tree logits": logits(shape, nodes, 1)}, (halve("medusa_benchmark.tree_size"),))
+    parts = {"weights": weights(shape.parameters, nbytes), "heads": heads * nbytes,
+             "KV cache": kv_cache(shape, 1, PROMPT_TOKENS + b.max_new_tokens + nodes, nbytes),
+             "tree logits": logits(shape, nodes, 1)}
+    fixes = [halve("medusa_benchmark.tree_size")]
+    if b.float32_recheck and nbytes < 4:  # a float32 copy of the policy scores the divergences from greedy
+        parts["float32 recheck copy"] = weights(shape.parameters, 4)
+        fixes.insert(0, lambda cfg: ({"medusa_benchmark.float32_recheck": False}
+                                     if cfg.medusa_benchmark.float32_recheck else None))
+    return Estimate(stage, parts, tuple(fixes))
 
 
 def _coral_offsets(c) -> int:

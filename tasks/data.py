@@ -210,6 +210,12 @@ def read_prompts(cfg: Config, split: str) -> pd.DataFrame:
     return read_table(_prompt_split_path(cfg, split), PROMPT_SPLITS[split])
 
 
+def reference_answers(table: pd.DataFrame) -> list[str | None]:
+    """The table's ``answer`` column as Python values, None where a prompt has no reference answer (NaN in a
+    parquet or jsonl column)."""
+    return [None if pd.isna(answer) else answer for answer in table["answer"]]
+
+
 @task(name="prepare-policy", retries=2, retry_delay_seconds=10, cache_policy=NO_CACHE)
 def prepare_policy_task(cfg: Config) -> StageResult:
     """Make the configured policy available locally (retried: a hub download can fail transiently)."""
@@ -312,7 +318,7 @@ def label_task(cfg: Config) -> StageResult:
     samples = read_table(cfg.path(cfg.paths.samples), "samples")
     if samples.empty:
         raise ValueError(f"{cfg.path(cfg.paths.samples)} has no rows: nothing to label")
-    answers = [None if pd.isna(a) else a for a in samples["answer"]]
+    answers = reference_answers(samples)
     references = samples.drop_duplicates("prompt_id")["answer"].dropna()
     unreadable = len(unreadable_references(references))
     if unreadable:

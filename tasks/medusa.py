@@ -406,8 +406,9 @@ def _speed_rows(set_name: str, records: list[dict], timers: dict) -> list[dict]:
         identical = [float(mine["tokens"][i] == reference[i]) for i in mine.index]
         # greedy makes one forward per token, the prefill included; prompt lookup does not expose its forwards
         forwards = mine["new_tokens"] if decoder == "greedy" else mine["forwards"]
-        # τ = Σ tokens / Σ forwards: the mean over the mean of the same prompts, resampled together
-        tau = (statistics.interval_columns("tau", statistics.ratio_of_means(mine["new_tokens"], forwards), 1.0)
+        # τ = Σ tokens / Σ forwards over the prompts, resampled together
+        tau = (statistics.interval_columns("tau", statistics.ratio_of_sums(mine["new_tokens"].tolist(),
+                                                                           forwards.tolist()), 1.0)
                if forwards.notna().all() else {"tau": float("nan")})
         plain = mine["plain_forwards"]
         rows.append({"prompt_set": set_name, "decoder": decoder, **tau,

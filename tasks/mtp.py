@@ -41,6 +41,7 @@ from tasks.data import (
     markdown_artifact,
     progress_artifact,
     read_prompts,
+    reference_answers,
     sft_responses,
     split_responses,
     stage_accelerator,
@@ -213,10 +214,6 @@ def _rl_prompts(cfg: Config, split: str) -> pd.DataFrame:
     return table
 
 
-def _answers(table: pd.DataFrame) -> list[str | None]:
-    return [None if pd.isna(answer) else answer for answer in table["answer"]]
-
-
 def _scorer(label) -> str:
     """Which labeler scored, in words."""
     return "the verifiable answer check" if label.labeler == "verifiable" else f"{label.labeler} `{label.model}`"
@@ -257,7 +254,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
               for p in chat_prompts(policy.tokenizer, train_prompts["question"].tolist(), system)]
     eval_ids = [encode_prompt(policy, p)[0].tolist()
                 for p in chat_prompts(policy.tokenizer, eval_prompts["question"].tolist(), system)]
-    eval_set = (eval_ids, eval_prompts["question"].tolist(), _answers(eval_prompts), r.max_new_tokens)
+    eval_set = (eval_ids, eval_prompts["question"].tolist(), reference_answers(eval_prompts), r.max_new_tokens)
     before = _held_out(policy, labeler, *eval_set)
     logger.info("held-out greedy responses before RL, scored by %s: %s on %d prompts", _scorer(cfg.label),
                 _judged_text(before), len(eval_ids))
@@ -285,7 +282,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                         record["rollout_seconds"], record["tau"], record["acceptance_rate"], record["reward"])
 
         histories[name] = train_variant(policy, module, var, rl_ids, train_prompts["question"].tolist(),
-                                        _answers(train_prompts), labeler.score, training, weights, eos, accelerator,
+                                        reference_answers(train_prompts), labeler.score, training, weights, eos, accelerator,
                                         on_step, on_rollout)
         after[name] = _held_out(policy, labeler, *eval_set)
         logger.info("%s: held-out greedy responses after RL: %s", name, _judged_text(after[name]))
@@ -298,7 +295,8 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-    rows = _summary(histories, {name: variant(name, training).drafts for name in histories}, before, after)
+    rows = _summary(histories, {name: variant(name, training).drafts for name in histories}, before, after,
+                    r.adaptive)
     logger.info("\n%s", markdown_table(rows, SUMMARY_COLUMNS))
     out = cfg.path(cfg.paths.mtp_rl_dir)
     report = _report(rows, cfg, len(eval_ids), num_depths)
@@ -332,12 +330,14 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
 
 
 def _summary(histories: dict[str, list[dict]], drafting: dict[str, bool], before: dict[str, list[float]],
-             after: dict[str, dict[str, list[float]]]) -> list[dict]:
+             after: dict[str, dict[str, list[float]]], adaptive: bool) -> list[dict]:
     """One row per variant, with 95 % intervals over its rollouts (each step's ``rollouts``): τ and α pooled over
     its draft cycles (``tau_first`` / ``tau_last``: the first and last step's τ; 1 and 0 for a variant that does not
     draft); ``rollout_speedup``, its tokens/s over vanilla's, the rollouts paired by their place in the run (the
     same prompt and sampling stream: the different samples of different policies, but of the same prompt), NaN
-    without vanilla; then the held-out columns (:func:`_held_out_columns`)."""
+    without vanilla; then the held-out columns (:func:`_held_out_columns`). ``adaptive``: the drafting variants
+    also took plain steps, which their rollout time includes and their cycle count does not, so a cycle's time (and
+    the break-even τ) cannot be told from the totals: NaN."""
     units = {name: [rollout for record in history for rollout in record["rollouts"]]
              for name, history in histories.items()}
 
@@ -351,7 +351,8 @@ def _summary(histories: dict[str, list[dict]], drafting: dict[str, bool], before
     for name, history in histories.items():
         seconds = sum(h["rollout_seconds"] for h in history)
         tokens = sum(h["rollout_tokens"] for h in history)
-        ms_per_cycle = 1000 * seconds / sum(h["cycles"] for h in history)
+        ms_per_cycle = (math.nan if adaptive and drafting[name]
+                        else 1000 * seconds / sum(h["cycles"] for h in history))
         if drafting[name]:
             tau = statistics.ratio_of_sums(column(name, "cycle_tokens"), column(name, "cycles"))
             alpha = statistics.ratio_of_sums(column(name, "accepted"), column(name, "drafted"))
@@ -429,7 +430,8 @@ def _report(rows: list[dict], cfg: Config, num_eval: int, num_depths: int) -> st
         "responses of other lengths, so the rate is the fair comparison). `ms_per_cycle` = rollout time per "
         "draft–verify cycle (per token for vanilla); `break_even_tau` = the τ at which a variant's cycles would "
         "produce tokens as fast as vanilla sampling (its ms per cycle / vanilla's ms per token): drafting pays only "
-        "where τ exceeds it. Every variant starts from the same "
+        "where τ exceeds it (both – under adaptive drafting, `mtp_rl.adaptive`: the rollout time then includes plain "
+        "steps that no cycle counts). Every variant starts from the same "
         f"policy and MTP module and draws from the same seeded streams. Held-out: the greedy responses to {num_eval} "
         f"prompts, `reward_*` their mean score by {_scorer(cfg.label)}, `accuracy_*` their share of right answers "
         "(NaN unless every held-out prompt has a known answer); `*_change` = after − before, prompt by prompt.\n",

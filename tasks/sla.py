@@ -56,6 +56,7 @@ from tasks.data import (
     load_stage_policy,
     markdown_artifact,
     read_prompts,
+    reference_answers,
     stage_accelerator,
     stage_logger,
     table_artifact,
@@ -450,7 +451,7 @@ def _scored(outputs: pd.DataFrame, held_out: pd.DataFrame, cfg: Config) -> pd.Da
     from models.labeling.config import LabelerSpec
     from models.labeling.labelers import build_labeler
 
-    answers = [None if pd.isna(a) else a for a in held_out["answer"]]
+    answers = reference_answers(held_out)
     outputs["question"] = [held_out["question"].iloc[i] for i in outputs["prompt_index"]]
     outputs["answer"] = [answers[i] for i in outputs["prompt_index"]]
     labeler = build_labeler(component(LabelerSpec, cfg.label))

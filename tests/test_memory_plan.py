@@ -83,6 +83,21 @@ def test_lora_makes_every_stage_fit_one_80_gb_gpu(tmp_path, llama3_8b, llama3_sh
     assert 45 * GIB < dpo.per_gpu < 55 * GIB
 
 
+
+def test_the_float32_recheck_of_medusa_divergences_is_counted_and_can_be_switched_off(tmp_path, llama3_8b,
+                                                                                       llama3_shapes):
+    """The Medusa benchmark loads a float32 copy of a bf16 policy to score divergences: 4 bytes a parameter on top
+    of the bf16 weights (32 GB at 8B); on a 40 GB GPU switching the recheck off is the first fix."""
+    medusa = _by_stage(plan(_cfg(tmp_path, llama3_8b), 40, 1, shapes=llama3_shapes))["benchmark_medusa"]
+    assert medusa.estimate.parts["float32 recheck copy"] == 4 * llama3_shapes.policy.parameters
+    assert not medusa.fits and medusa.fix == {"medusa_benchmark.float32_recheck": False}
+    off = _cfg(tmp_path, llama3_8b, medusa_benchmark={"float32_recheck": False})
+    medusa = _by_stage(plan(off, 40, 1, shapes=llama3_shapes))["benchmark_medusa"]
+    assert "float32 recheck copy" not in medusa.estimate.parts and medusa.fits
+    float32 = _cfg(tmp_path, llama3_8b, policy={"model": str(llama3_8b), "dtype": "float32"})
+    assert "float32 recheck copy" not in _by_stage(plan(float32, 80, 1, shapes=llama3_shapes))[
+        "benchmark_medusa"].estimate.parts  # a float32 policy is its own recheck
+
 def test_long_sequences_need_checkpointing_too(tmp_path, llama3_8b, llama3_shapes):
     """2 × 8 sequences of 1024 tokens: ~68 GiB of activations alone, so LoRA is not enough."""
     cfg = _cfg(tmp_path, llama3_8b, dpo={"batch_size": 8, "max_length": 1024})

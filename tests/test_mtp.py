@@ -545,7 +545,7 @@ def test_rl_summary_intervals_by_hand():
     histories = {"vanilla": [record([_rollout(1, 10), _rollout(2, 10)])],
                  "mtp_rl": [record([_rollout(1, 10, 5, 10, 15, 5), _rollout(1, 30, 10, 30, 30, 20)])]}
     rows = _summary(histories, {"vanilla": False, "mtp_rl": True}, {"reward": [0.0, 0.0]},
-                    {"vanilla": {"reward": [0.0, 1.0]}, "mtp_rl": {"reward": [1.0, 1.0]}})
+                    {"vanilla": {"reward": [0.0, 1.0]}, "mtp_rl": {"reward": [1.0, 1.0]}}, False)
     vanilla, mtp = rows
 
     def interval(row: dict, key: str) -> list[float]:
@@ -560,6 +560,11 @@ def test_rl_summary_intervals_by_hand():
     assert interval(mtp, "reward_change") == [1.0, 1.0, 1.0] and mtp["reward_after_significant"]
     assert interval(vanilla, "reward_after") == interval(vanilla, "reward_change") == [0.5, 0.0, 1.0]
     assert not vanilla["reward_after_significant"] and math.isnan(mtp["accuracy_change"])
+    # adaptive drafting: the rollout time includes plain steps that no cycle counts, so a cycle's time is unknown
+    vanilla, mtp = _summary(histories, {"vanilla": False, "mtp_rl": True}, {"reward": [0.0, 0.0]},
+                            {"vanilla": {"reward": [0.0, 1.0]}, "mtp_rl": {"reward": [1.0, 1.0]}}, True)
+    assert math.isnan(mtp["ms_per_cycle"]) and math.isnan(mtp["break_even_tau"])
+    assert vanilla["ms_per_cycle"] == 1000 * 3 / 20 and vanilla["break_even_tau"] == 1.0
 
 
 @pytest.mark.cuda
