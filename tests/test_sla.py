@@ -457,13 +457,19 @@ def test_benchmark_task_reports_intervals_everywhere(tiny_llama, tmp_path, monke
     from prefect.logging import disable_run_logger
 
     from foresight.benchmark import win_tie_loss
-    from models.labeling import answers
+    from models.labeling import answers, labelers
     from tasks import data
     from tasks.sla import benchmark_sla_task
 
     cfg = _sla_project(tmp_path, tiny_llama, num_prompts=6, speed_prompts=2, max_new_tokens=4, overhead_repeats=3,
                        decoders=["greedy", "top_k", "sla"], dpo_decoders=["greedy", "sla"])
-    monkeypatch.setattr(answers, "is_correct", lambda response, answer: len(response) % 2 == 0)
+    def fake_is_correct(response, answer):
+        return len(response) % 2 == 0
+
+    # both bindings: the labeler module holds its own (imported by name), and one patched only in ``answers`` while
+    # the labeler module is first imported would stay behind in it and judge later tests
+    monkeypatch.setattr(answers, "is_correct", fake_is_correct)
+    monkeypatch.setattr(labelers, "is_correct", fake_is_correct)
     data.PENDING_ARTIFACTS.clear()
     with disable_run_logger():
         result = benchmark_sla_task.fn(cfg)
