@@ -282,8 +282,8 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                         record["rollout_seconds"], record["tau"], record["acceptance_rate"], record["reward"])
 
         histories[name] = train_variant(policy, module, var, rl_ids, train_prompts["question"].tolist(),
-                                        reference_answers(train_prompts), labeler.score, training, weights, eos, accelerator,
-                                        on_step, on_rollout)
+                                        reference_answers(train_prompts), labeler.score, training, weights, eos,
+                                        accelerator, on_step, on_rollout)
         after[name] = _held_out(policy, labeler, *eval_set)
         logger.info("%s: held-out greedy responses after RL: %s", name, _judged_text(after[name]))
         accelerator.free_memory()

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from models.engine.config import ClassicalDecoding, HFDecoder
-from models.engine.generation import response_lengths
+from models.engine.generation import left_pad, response_lengths
 from models.engine.policy import Policy
 
 GREEDY = {"do_sample": False}
@@ -45,10 +45,8 @@ def hf_decode(policy: Policy, prompt_ids: Sequence[Sequence[int]], kwargs: dict,
     tok, model = policy.tokenizer, policy.model
     outputs: list[list[int]] = []
     for b, start in enumerate(range(0, len(prompt_ids), batch_size)):
-        chunk = [list(p) for p in prompt_ids[start : start + batch_size]]
-        width = max(len(p) for p in chunk)
-        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in chunk], device=policy.device)
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=policy.device)
+        input_ids, attention_mask = left_pad(prompt_ids[start : start + batch_size], tok.pad_token_id, policy.device)
+        width = input_ids.shape[1]
         torch.manual_seed(seed + b)
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                              pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids), **kwargs)

@@ -71,6 +71,15 @@ def response_lengths(new_tokens: torch.Tensor, eos_ids: set[int]) -> tuple[list[
     return lengths.tolist(), ["eos" if h else "length" for h in has_end.tolist()]
 
 
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
+             device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id prompts as one left-padded batch, every row ending at the same position: ``input_ids`` and
+    ``attention_mask`` (0 on the padding), each (N, T)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return input_ids, attention_mask
+
 @torch.no_grad()
 def generate_until_done(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, kwargs: dict,
                         max_new_tokens: int, eos_ids: set[int], pad_token_id: int,

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from models.engine.generation import left_pad
 from models.sla.config import SLASearch
 from models.sla.reward_transformer import RewardTransformer
 
@@ -124,13 +125,7 @@ def prefill(model: RewardTransformer, prompts: list[torch.Tensor], width: int, p
             stats: SLAStats) -> tuple[list[Node], Level]:
     """Process the prompts (each (1, T_p)), left-padded into one batch: a root per prompt (no tokens, its top-k
     next tokens) and the level of their rows."""
-    device = _device(model)
-    longest = max(ids.shape[1] for ids in prompts)
-    input_ids = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long, device=device)  # (P, T)
-    attention_mask = torch.zeros_like(input_ids)
-    for p, ids in enumerate(prompts):
-        input_ids[p, longest - ids.shape[1]:] = ids[0].to(device)
-        attention_mask[p, longest - ids.shape[1]:] = 1
+    input_ids, attention_mask = left_pad([ids[0].tolist() for ids in prompts], pad_token_id, _device(model))  # (P, T)
     mask = None if bool(attention_mask.all()) else attention_mask  # no padding: exactly the one-prompt forwards
     logits, _, cache = _forward(model, input_ids, None, stats, mask)  # (P, V)
     top = logits.topk(width, dim=-1).indices.tolist()  # (P, k)
