@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from models.common.config import MixedPrecision
 from models.coral.config import CoralDecoding, CoralTraining
 from models.engine.config import (
-    HF_DECODERS,
     ClassicalDecoding,
     DeviceName,
     DraftDtypeName,
@@ -343,8 +342,9 @@ class SLABenchmarkConfig(_Section):
     untimed; each classical decoder added here costs ~15 s more at the defaults on a 2-core CPU."""
     max_new_tokens: int = Field(64, ge=1)
     """Longest output per decoder."""
-    decoders: list[Literal[HFDecoder, "sla"]] = Field(default_factory=lambda: [*HF_DECODERS, "sla"])
-    """Decoders to compare (greedy is always the reference)."""
+    decoders: list[Literal[HFDecoder, "sla"]] = Field(default_factory=lambda: ["greedy", "beam", "sla"])
+    """Decoders to compare (greedy is always the reference). The sampling decoders (``temperature``, ``top_p``,
+    ``top_k``: ~15 s each at the defaults on a 2-core CPU) are in the study profile (docs/study.md)."""
     temperature: float = Field(ClassicalDecoding.temperature, gt=0.0)
     """Temperature of the ``temperature`` decoder (the paper's 0.8)."""
     top_p: float = Field(ClassicalDecoding.top_p, gt=0.0, le=1.0)
@@ -583,6 +583,9 @@ class CoralBenchmarkConfig(_Section):
     intervals are over these."""
     max_new_tokens: int = Field(40, ge=1)
     """Longest output."""
+    ablations: list[Literal["no_verifier", "no_multi_forward"]] = Field(default_factory=lambda: ["no_verifier"])
+    """Fixed ablations of full COrAL, timed on the speed prompts: ``no_verifier`` (accept the forward drafts
+    unverified) and ``no_multi_forward`` (forward window 1: ~50 s on the 2-core CPU, hence in the study profile)."""
     ablation_block_sizes: list[int] = Field(default_factory=lambda: [16])
     """Extra block sizes for COrAL w/o verifier (the speed setting); [] skips the ablation."""
     ablation_forward_windows: list[int] = Field(default_factory=list)
@@ -617,8 +620,9 @@ class MTPConfig(_Section):
     """Prompt + response tokens kept per sequence."""
     eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     """Share of prompts held out for the per-depth accuracy and the expected acceptance length."""
-    ablation_depths: list[Annotated[int, Field(ge=1, le=8)]] = Field(default_factory=lambda: [1, 2, 4])
-    """Further K trained the same way for Table 2's ablation (expected initial τ per K); [] skips it."""
+    ablation_depths: list[Annotated[int, Field(ge=1, le=8)]] = Field(default_factory=list)
+    """Further K trained the same way for Table 2's ablation (expected initial τ per K), e.g. [1, 2, 4] (the study
+    profile: ~90 s more on a 2-core CPU); [] skips it."""
     mixed_precision: MixedPrecision = "bf16"
     """accelerate's autocast for the training forward passes."""
     seed: int = MTPTraining.seed

@@ -122,8 +122,8 @@ def coral_decoders(cfg: Config) -> dict:
 
     b = cfg.coral_benchmark
     base = component(CoralDecoding, b, gamma=tuple(b.gamma))
-    decoders = {"coral": base, "coral_no_verifier": replace(base, verify=False),
-                "coral_no_multi_forward": replace(base, forward_window=1)}
+    ablations = {"no_verifier": replace(base, verify=False), "no_multi_forward": replace(base, forward_window=1)}
+    decoders = {"coral": base, **{f"coral_{name}": ablations[name] for name in b.ablations}}
     decoders |= {f"coral_no_verifier_b{size}": replace(base, verify=False, block_size=size)
                  for size in b.ablation_block_sizes if size != b.block_size}
     decoders |= {f"coral_no_verifier_kf{window}": replace(base, verify=False, forward_window=window)

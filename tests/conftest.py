@@ -28,8 +28,15 @@ from tests.tiny import (  # noqa: E402
 torch.set_num_threads(1)
 
 
+# The longest file first: under pytest-xdist (``--dist loadfile``, pyproject.toml) one worker spends the run on the
+# DVC pipeline, mostly waiting for stage processes to start, while the other takes every other file.
+FIRST = "test_dvc_pipeline.py"
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` run wherever a GPU is visible and are skipped elsewhere (CI has none)."""
+    """The DVC pipeline's tests first (a stable sort: the order within and between other files stays); tests marked
+    ``cuda`` run wherever a GPU is visible and are skipped elsewhere (CI has none)."""
+    items.sort(key=lambda item: item.path.name != FIRST)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
@@ -81,7 +88,7 @@ def tiny_params(root: Path, model: Path, **sections) -> dict:
                              "decoders": ["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl"]},
         "coral": {"stage1_epochs": 1, "stage2_epochs": 1, "batch_size": 4, "max_length": 128, "mixed_precision": "no"},
         "coral_benchmark": {"block_size": 6, "num_prompts": 2, "speed_prompts": 2, "max_new_tokens": 8,
-                            "ablation_block_sizes": [3],
+                            "ablations": ["no_verifier", "no_multi_forward"], "ablation_block_sizes": [3],
                             "ablation_forward_windows": [2]},
         "mtp": {"num_depths": 2, "ce_weights": [0.6, 0.4], "epochs": 1, "batch_size": 4, "max_length": 128,
                 "ablation_depths": [1], "mixed_precision": "no"},

@@ -88,9 +88,11 @@ def frozen_states(policy: Policy, sequences: Sequences, folder: Path, batch_size
         start = batch_index * batch_size
         chunk = sequences[start : start + batch_size]
         batch = right_pad(chunk, pad)
-        out = policy.model(input_ids=batch["input_ids"].to(policy.device),
-                           attention_mask=batch["attention_mask"].to(policy.device), output_hidden_states=True)
-        hidden = out.hidden_states[-1]  # (B, T, H)
+        # the decoder stack only: the LM head over every position (B, T, V) would cost more than the layers
+        with torch.no_grad():
+            hidden = policy.model.base_model(input_ids=batch["input_ids"].to(policy.device),
+                                             attention_mask=batch["attention_mask"].to(policy.device)
+                                             ).last_hidden_state  # (B, T, H): final-normed, what the LM head reads
         save_file({str(start + row): hidden[row, : len(ids)].contiguous().cpu() for row, (ids, _) in enumerate(chunk)},
                   Path(folder) / _states_file(batch_index))
     if accelerator is not None:
