@@ -45,6 +45,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """Each test starts with no process-wide ``AcceleratorState``: a Trainer's or an Accelerator's mixed precision
+    would otherwise carry over into the next test's Accelerators in this worker."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

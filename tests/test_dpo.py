@@ -77,6 +77,20 @@ def test_train_dpo_first_loss_is_log2_and_only_the_copy_changes(policy, tiny_lla
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
 
 
+def test_bf16_autocast_does_not_outlive_the_dpo_run(policy, tmp_path, monkeypatch):
+    """Where bf16 is native (here forced), TRL trains under bf16 autocast, a setting accelerate keeps process-wide:
+    an Accelerator made after ``train_dpo`` (the reward heads' one, say) must not inherit it."""
+    from accelerate import Accelerator
+
+    from models.sla import dpo
+
+    monkeypatch.setattr(dpo, "cpu_has_bf16_units", lambda: True)
+    trainer = build_trainer(policy, make_pairs(policy.tokenizer, 2), FAST, tmp_path / "unused")
+    assert trainer.args.bf16 and trainer.accelerator.mixed_precision == "bf16"
+    train_dpo(policy, make_pairs(policy.tokenizer, 2), replace(FAST, epochs=1), tmp_path / "dpo")
+    assert Accelerator(cpu=True).mixed_precision == "no"
+
+
 def test_responses_end_with_exactly_one_eos(policy, tmp_path):
     tok = policy.tokenizer
     pairs = make_pairs(tok, 3)
@@ -236,7 +250,8 @@ def test_lora_trains_adapters_only_and_the_reference_is_the_model_with_adapters_
     assert all(torch.all(v == 0) for k, v in initial.items() if ".lora_B.ref." in k)
     trainer.train()
 
-    model = trainer.model.eval()
+    # bf16 autocast (CUDA, or a CPU with bf16 units) leaves accelerate's autocast wrapper on the forward: taken off
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False).eval()
     after = dict(model.named_parameters())
     assert all(not torch.equal(after[k], initial[k]) for k in trained_names if ".lora_B." in k)  # adapters trained
     assert all(torch.equal(after[k], v) for k, v in initial.items() if k not in trained_names)  # base and ref frozen

@@ -384,6 +384,7 @@ def _train_on_two_ranks(tiny_llama: str, out_dir: str) -> None:
         return model, state_dict
 
     dpo.trained_policy = keep
+    dpo.cpu_has_bf16_units = lambda: False  # float32, as in the 1-process run: exact equality is a float32 property
     metrics = dpo.train_dpo(policy, make_pairs(policy.tokenizer, 4), TWO_RANKS_DPO, Path(out_dir) / "dpo")
     weights = _flat(saved[0].parameters())
     assert torch.equal(*accelerator.gather(weights[None])), "the DPO policies differ between the ranks"
@@ -391,7 +392,7 @@ def _train_on_two_ranks(tiny_llama: str, out_dir: str) -> None:
         torch.save({"head": head, "loss": histories["channel"]["loss"], "dpo": metrics}, Path(out_dir) / "ranks.pt")
 
 
-def test_reward_heads_and_dpo_train_identically_on_two_processes(policy, tiny_llama, tmp_path):
+def test_reward_heads_and_dpo_train_identically_on_two_processes(policy, tiny_llama, tmp_path, monkeypatch):
     """2 processes with B pairs each train exactly what 1 process trains with 2B pairs per batch: the same
     parameters on both ranks, equal to the 1-process run (gradients averaged across processes = the mean over
     the global batch), and DPO's folder written once, by the main process.
@@ -414,6 +415,7 @@ def test_reward_heads_and_dpo_train_identically_on_two_processes(policy, tiny_ll
     torch.testing.assert_close(_flat(models["channel"].head.parameters()), ranks["head"], atol=1e-6, rtol=0)
     assert ranks["loss"] == pytest.approx(histories["channel"]["loss"], abs=1e-6)
 
+    monkeypatch.setattr("models.sla.dpo.cpu_has_bf16_units", lambda: False)  # float32 in both runs (see the ranks)
     metrics = train_dpo(policy, make_pairs(policy.tokenizer, 4), replace(TWO_RANKS_DPO, batch_size=2),
                         tmp_path / "dpo-one-process")
     assert metrics["steps"] == ranks["dpo"]["steps"] == 2

@@ -107,8 +107,8 @@ def resolve_dtype(dtype: DtypeName, device: torch.device, training: bool = False
     float32 property; in bf16 the benchmarks report the identical share and explain each divergence.
     """
     if dtype == "auto":
-        # CPU training under bf16 autocast (float32 master weights) measured far slower than float32 here: a DPO
-        # step of SmolLM2-135M took ~95 s against ~15 s (the backward's bf16 kernels), so bf16 is for decoding only
+        # A stage that trains through the policy keeps float32 weights (master weights: a 5e-6 step rounds away in
+        # bf16); its training forwards may still autocast to bf16 (DPO on a CPU with bf16 units, COrAL, MTP)
         native_bf16 = device.type == "cuda" or (device.type == "cpu" and not training and cpu_has_bf16_units())
         return torch.bfloat16 if native_bf16 else torch.float32
     return getattr(torch, dtype)

@@ -35,7 +35,7 @@ from torch import nn
 
 from models.common.files import atomic_path
 from models.common.lora import is_lora, merged, with_lora
-from models.engine.policy import Policy
+from models.engine.policy import Policy, cpu_has_bf16_units
 from models.sla.config import DPOTraining
 
 if TYPE_CHECKING:  # trl and datasets are imported where used: importing them costs seconds
@@ -91,8 +91,8 @@ def build_trainer(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, o
     - Copies, so the caller's policy object stays the untouched initial model (TRL patches the forward,
       disables dropout and moves the models it is given). The copy trains all its weights even when the
       caller's are frozen (a :class:`~models.sla.reward_transformer.RewardTransformer` freezes its policy).
-    - On a GPU with bfloat16 support the forward runs under bf16 autocast. Device follows the policy: a
-      policy configured on CPU trains on CPU even when CUDA is visible.
+    - On a GPU with bfloat16 support, and on a CPU with bf16 units, the forward runs under bf16 autocast. Device
+      follows the policy: a policy configured on CPU trains on CPU even when CUDA is visible.
     """
     from trl import DPOConfig, DPOTrainer
 
@@ -116,7 +116,9 @@ def build_trainer(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, o
         logging_steps=1,
         report_to="none",
         use_cpu=not on_cuda,
-        bf16=on_cuda and torch.cuda.is_bf16_supported(),
+        # bf16 autocast over the float32 weights wherever bf16 is native: on the 2-core CPU (AVX512-BF16) a step of
+        # the default run takes 9.4 s instead of 13.4 s in float32, with the same held-out accuracy (0.694)
+        bf16=torch.cuda.is_bf16_supported() if on_cuda else cpu_has_bf16_units(),
         activation_checkpointing=cfg.gradient_checkpointing,  # always explicit: TRL's default is on
         dataloader_num_workers=0,
     )
@@ -135,7 +137,7 @@ def trained_policy(trainer: DPOTrainer, initial: nn.Module) -> tuple[nn.Module, 
     with its KV cache. Under FSDP / DeepSpeed the state dict is gathered collectively: every process calls this.
     """
     accelerator = trainer.accelerator
-    unwrapped = accelerator.unwrap_model(trainer.model)
+    unwrapped = accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # the forward without autocast
     lora = is_lora(unwrapped)
     model = merged(unwrapped).to(initial.dtype)  # cast in place: tied weights stay one tensor
     model.config.use_cache = initial.config.use_cache
@@ -157,6 +159,8 @@ def train_dpo(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, out_d
     loss, ``rewards/accuracies`` (share of pairs with a positive implicit-reward margin) and
     ``rewards/margins``, first and last step, plus wall time and counts.
     """
+    from accelerate.state import AcceleratorState
+
     if len(train_pairs) < MIN_TRAIN_PAIRS:
         raise ValueError(f"DPO needs at least {MIN_TRAIN_PAIRS} training pairs, got {len(train_pairs)}: "
                          "sample more prompts or samples per prompt, lower validate.min_score_gap or "
@@ -176,6 +180,9 @@ def train_dpo(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, out_d
             model.save_pretrained(tmp, state_dict=state_dict)
             policy.tokenizer.save_pretrained(tmp)
     accelerator.wait_for_everyone()  # no process returns before the folder is whole
+    # The Trainer's mixed precision lives in accelerate's process-wide AcceleratorState: an Accelerator made later in
+    # this process without its own setting (the reward heads' one, say) would silently inherit bf16 autocast
+    AcceleratorState._reset_state()
 
     history = trainer.state.log_history
     return {
