@@ -65,8 +65,9 @@ def stage_table(cfg: Config, ran: list[str]) -> list[dict]:
         row = {"stage": stage.name, "status": "ran" if stage.name in ran else "up to date",
                "seconds": round(metrics.get("stage_seconds", float("nan")), 1)}
         for key in stage.headline:
-            value = metrics.get(key)
-            row[key] = round(value, 3) if isinstance(value, float) else value
+            if key in metrics:  # an optional part (MTP's depth ablation, say) may be switched off
+                value = metrics[key]
+                row[key] = round(value, 3) if isinstance(value, float) else value
         rows.append(row)
     return rows
 

@@ -173,3 +173,21 @@ def test_run_stage_fails_a_task_that_reads_undeclared_keys(tmp_path, prefect_ser
     assert not (tmp_path / "data/metrics/probe.json").exists()
     assert run_declared()["seed"] == 0
     assert (tmp_path / "data/metrics/probe.json").is_file()
+
+
+def test_stage_table_shows_the_headline_metrics_a_stage_wrote(tmp_path):
+    """A headline metric the stage did not write (an optional part switched off, such as MTP's depth ablation) is
+    left out of the pipeline's summary row rather than shown as None."""
+    import json
+
+    from flows.pipeline import stage_table
+    from flows.stages import metrics_path
+
+    cfg = parse_config({}, root=tmp_path)
+    path = metrics_path(cfg, "train_mtp")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"stage_seconds": 74.12, "held_out_expected_tau": 1.38371,
+                                "held_out_top1_depth_1": 0.277}))
+    (row,) = [r for r in stage_table(cfg, ["train_mtp"]) if r["stage"] == "train_mtp"]
+    assert row == {"stage": "train_mtp", "status": "ran", "seconds": 74.1, "held_out_expected_tau": 1.384,
+                   "held_out_top1_depth_1": 0.277}
