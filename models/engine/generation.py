@@ -80,6 +80,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     return input_ids, attention_mask
 
+
 @torch.no_grad()
 def generate_until_done(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, kwargs: dict,
                         max_new_tokens: int, eos_ids: set[int], pad_token_id: int,
