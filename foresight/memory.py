@@ -329,10 +329,12 @@ def _benchmark_medusa(stage, cfg, shapes, nbytes):
     b, m, shape = cfg.medusa_benchmark, cfg.medusa, shapes.policy
     heads = m.num_heads * m.num_layers * (shape.hidden ** 2 + shape.hidden)
     nodes = b.tree_size + 1 if b.tree == "auto" else len(b.tree) + 1
+    # the greedy reference's batch holds more cache than one tree at batch 1
     parts = {"weights": weights(shape.parameters, nbytes), "heads": heads * nbytes,
-             "KV cache": kv_cache(shape, 1, PROMPT_TOKENS + b.max_new_tokens + nodes, nbytes),
+             "KV cache": kv_cache(shape, b.batch_size, PROMPT_TOKENS + b.max_new_tokens + nodes, nbytes),
+             "reference prefill": forward_working_set(shape, b.batch_size, PROMPT_TOKENS, nbytes),
              "tree logits": logits(shape, nodes, 1)}
-    fixes = [halve("medusa_benchmark.tree_size")]
+    fixes = [halve("medusa_benchmark.batch_size"), halve("medusa_benchmark.tree_size")]
     if b.float32_recheck and nbytes < 4:  # a float32 copy of the policy scores the divergences from greedy
         parts["float32 recheck copy"] = weights(shape.parameters, 4)
         fixes.insert(0, lambda cfg: ({"medusa_benchmark.float32_recheck": False}
@@ -395,8 +397,8 @@ def _train_mtp(stage, cfg, shapes, nbytes):
 
 def _train_mtp_rl(stage, cfg, shapes, nbytes):
     """GRPO's update over a step's rollouts (policy in full or LoRA; a reference only with kl_beta > 0), the MTP
-    module and its draft copy, the rollouts' KV cache, and the labeler scoring them when it is a reward model (held
-    beside the policy for the whole stage)."""
+    module and its draft copy, the KV cache of the rollouts (or of the held-out evaluation's batch), and the labeler
+    scoring them when it is a reward model (held beside the policy for the whole stage)."""
     r, shape = cfg.mtp_rl, shapes.policy
     rows = r.prompts_per_step * r.group_size
     tokens = PROMPT_TOKENS + r.max_new_tokens
@@ -405,9 +407,10 @@ def _train_mtp_rl(stage, cfg, shapes, nbytes):
     module = _mtp_module(shape)
     parts["MTP module + optimizer + draft copy"] = module * (nbytes + dtype_bytes(r.draft_dtype)) + optimizer_state(
         module, nbytes)
-    parts["rollout KV cache"] = kv_cache(shape, rows, tokens, nbytes)
+    # the rollouts' rows, or the held-out evaluation's batch (greedy, between the variants)
+    parts["KV cache"] = kv_cache(shape, max(rows, r.eval_batch_size), tokens, nbytes)
     parts |= _labeler_parts(cfg, shapes)
-    knobs = (lora("mtp_rl"), checkpointing("mtp_rl"), halve("mtp_rl.group_size"))
+    knobs = (lora("mtp_rl"), checkpointing("mtp_rl"), halve("mtp_rl.eval_batch_size"), halve("mtp_rl.group_size"))
     return Estimate(stage, parts, knobs + ((halve("label.batch_size"),) if shapes.labeler else ()),
                     _labeler_note(shapes))
 

@@ -177,15 +177,16 @@ INTERVAL_ENDS = ("", "_low", "_high")  # a figure's columns with its interval
 
 
 def _held_out(policy, labeler, prompt_ids: list[list[int]], questions: list[str], answers: list[str | None],
-              max_new_tokens: int) -> dict[str, list[float]]:
-    """The policy's greedy responses to the held-out prompts (batched HF greedy), judged per prompt: ``reward``,
+              max_new_tokens: int, batch_size: int) -> dict[str, list[float]]:
+    """The policy's greedy responses to the held-out prompts (HF greedy, ``batch_size`` prompts at a time), judged
+    per prompt: ``reward``,
     the labeler's score; ``accuracy``, 1 for a right final answer and 0 for a wrong one, only when every prompt has
     a reference answer (for the verifiable labeler the two are equal)."""
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import end_token_ids
     from models.labeling.answers import is_correct
 
-    outputs = hf_decode(policy, prompt_ids, GREEDY, max_new_tokens, end_token_ids(policy), batch_size=16)
+    outputs = hf_decode(policy, prompt_ids, GREEDY, max_new_tokens, end_token_ids(policy), batch_size=batch_size)
     responses = [policy.tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
     scores = labeler.score(questions, responses, answers)
     judged = {"reward": [float(score) for score in scores]}
@@ -254,7 +255,8 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
               for p in chat_prompts(policy.tokenizer, train_prompts["question"].tolist(), system)]
     eval_ids = [encode_prompt(policy, p)[0].tolist()
                 for p in chat_prompts(policy.tokenizer, eval_prompts["question"].tolist(), system)]
-    eval_set = (eval_ids, eval_prompts["question"].tolist(), reference_answers(eval_prompts), r.max_new_tokens)
+    eval_set = (eval_ids, eval_prompts["question"].tolist(), reference_answers(eval_prompts), r.max_new_tokens,
+                r.eval_batch_size)
     before = _held_out(policy, labeler, *eval_set)
     logger.info("held-out greedy responses before RL, scored by %s: %s on %d prompts", _scorer(cfg.label),
                 _judged_text(before), len(eval_ids))

@@ -200,7 +200,7 @@ def _write_reward_heads(out_dir: Path, models: dict, curves: dict[str, dict],
 def dpo_task(cfg: Config) -> StageResult:
     """Train the DPO policy into ``paths.dpo_dir`` (atomically) and evaluate it on the held-out pairs."""
     from models.sla.config import DPOTraining
-    from models.sla.dpo import preference_accuracy, train_dpo
+    from models.sla.dpo import pair_logps, preference_accuracy, train_dpo
 
     logger = stage_logger()
     started = time.perf_counter()
@@ -221,11 +221,11 @@ def dpo_task(cfg: Config) -> StageResult:
     # The saved folder is what later stages load, so that is what gets evaluated, on every held-out pair (as
     # the reward heads are); the untouched base policy is the reference.
     tuned = load_stage_policy(cfg, "dpo", training=True)
-    evaluate = {"tokenizer": policy.tokenizer, "pairs": held_out, "beta": training.beta,
-                "max_length": training.max_length}
+    reference_logps, tuned_logps = (pair_logps(model, policy.tokenizer, held_out, training.max_length)
+                                    for model in (policy.model, tuned.model))
     prompt_ids = held_out["prompt_id"].tolist()
-    before, after = (with_intervals(preference_accuracy(model, policy.model, **evaluate), prompt_ids,
-                                    {"accuracy": "pair_outcomes"}) for model in (policy.model, tuned.model))
+    before, after = (with_intervals(preference_accuracy(logps, reference_logps, beta=training.beta), prompt_ids,
+                                    {"accuracy": "pair_outcomes"}) for logps in (reference_logps, tuned_logps))
     metrics.update({
         "num_heldout": len(held_out),
         "num_heldout_prompts": after["num_prompts"],

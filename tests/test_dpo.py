@@ -108,9 +108,18 @@ def test_responses_end_with_exactly_one_eos(policy, tmp_path):
 
 
 def test_preference_accuracy_of_the_untrained_policy_is_a_tie(policy):
-    pairs = make_pairs(policy.tokenizer, 3)
-    result = preference_accuracy(policy.model, policy.model, policy.tokenizer, pairs, beta=0.1)
+    logps = pair_logps(policy.model, policy.tokenizer, make_pairs(policy.tokenizer, 3))
+    result = preference_accuracy(logps, logps, beta=0.1)
     assert result == {"accuracy": 0.5, "margin": 0.0, "num_pairs": 3, "pair_outcomes": [0.5, 0.5, 0.5]}
+
+
+def test_preference_accuracy_against_hand_worked_margins():
+    """Margins β·((π_w − ref_w) − (π_l − ref_l)) = 0.1·(3 − 1), 0.1·(−1 − 0), 0.1·(0 − 0): a win, a loss, a tie."""
+    policy_logps = (torch.tensor([-1.0, -5.0, -2.0]), torch.tensor([-4.0, -3.0, -2.0]))
+    reference_logps = (torch.tensor([-4.0, -4.0, -2.0]), torch.tensor([-5.0, -3.0, -2.0]))
+    result = preference_accuracy(policy_logps, reference_logps, beta=0.1)
+    assert result["pair_outcomes"] == [1.0, 0.0, 0.5] and result["accuracy"] == 0.5
+    assert result["margin"] == pytest.approx((0.2 - 0.1 + 0.0) / 3)
 
 
 def _stage_config(root: Path, tiny_llama: Path, num_pairs: int):

@@ -380,10 +380,11 @@ def test_speed_rows_against_hand_worked_numbers():
     records = [record("greedy", 0, [1, 2, 3, 4]), record("prompt_lookup", 0, [1, 2, 3, 4]),
                record("medusa", 0, [1, 2, 3, 4], 2, 1),
                record("greedy", 1, [5, 6]), record("prompt_lookup", 1, [5, 7]), record("medusa", 1, [5, 6], 1, 0),
-               record("greedy", 2, [7, 8, 9]), record("medusa", 2, [7, 8, 0], 2, 0)]  # prompt 2 is not timed
+               record("medusa", 2, [7, 8, 0], 2, 0)]  # prompt 2 is not timed: Medusa alone decodes it
     timers = {"greedy": _timer([4, 2], [1.0, 0.5]), "prompt_lookup": _timer([4, 2], [0.8, 0.4]),
               "medusa": _timer([4, 2], [0.5, 0.5])}
-    rows = {r["decoder"]: r for r in _speed_rows("held_out", records, timers)}
+    reference = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]  # batched greedy, every prompt
+    rows = {r["decoder"]: r for r in _speed_rows("held_out", records, timers, reference)}
     assert list(rows) == ["greedy", "prompt_lookup", "medusa"]
     medusa, greedy, lookup = rows["medusa"], rows["greedy"], rows["prompt_lookup"]
     # τ = Σ tokens / Σ forwards = 9 / 5; per-prompt ratios 2, 2, 1.5 bound every resample's ratio
@@ -398,6 +399,10 @@ def test_speed_rows_against_hand_worked_numbers():
     assert math.isnan(lookup["tau"]) and math.isnan(lookup["plain_share"])  # no forward counts from HF
     assert lookup["identical_to_greedy"] == 0.5 and lookup["prompts"] == 2
     assert lookup["speedup_vs_reference"] == pytest.approx(1.25)
+    # where batch-1 greedy itself differs from the batched reference (half-precision rounding), its row says so
+    rounded = {r["decoder"]: r for r in _speed_rows("held_out", records, timers, [[1, 2, 3, 4], [5, 9], [7, 8, 9]])}
+    assert rounded["greedy"]["identical_to_greedy"] == 0.5
+    assert rounded["medusa"]["identical_to_greedy"] == pytest.approx(1 / 3)
 
 
 @pytest.fixture(scope="module")
@@ -443,11 +448,16 @@ def test_divergences_report_the_margin_at_the_first_differing_token(spiky_policy
     changed = [*greedy[0][:3], (greedy[0][3] + 1) % vocab]  # differs at position 3
     records = [{"decoder": "greedy", "prompt_index": i, "tokens": g} for i, g in enumerate(greedy)]
     checks = _DivergenceChecks(cfg, policy)
-    assert checks("held_out", records + [{"decoder": "medusa", "prompt_index": 1, "tokens": greedy[1]}], prompts) == []
+    assert checks("held_out", records + [{"decoder": "medusa", "prompt_index": 1, "tokens": greedy[1]}], prompts,
+                  greedy) == []
     assert checks.float32 is None  # loaded only when a divergence needs it
+    first_differs = [(greedy[1][0] + 1) % vocab, *greedy[1][1:]]  # no common prefix: the prompt alone is the context
     rows = checks("held_out", records + [{"decoder": "medusa", "prompt_index": 0, "tokens": changed},
-                                         {"decoder": "medusa", "prompt_index": 1, "tokens": greedy[1][:2]}], prompts)
-    assert [(r["prompt_index"], r["position"]) for r in rows] == [(0, 3), (1, 2)]
+                                         {"decoder": "medusa", "prompt_index": 1, "tokens": greedy[1][:2]},
+                                         {"decoder": "other", "prompt_index": 1, "tokens": first_differs}], prompts,
+                  greedy)
+    assert [(r["prompt_index"], r["position"]) for r in rows] == [(0, 3), (1, 2), (1, 0)]
+    assert rows[2]["decoder_token"] == first_differs[0] and rows[2]["float32_choice"] in ("greedy", "other")
     assert "margin" not in rows[1]  # a shorter output has no token of its own there
     row, g, d = rows[0], greedy[0][3], changed[3]
     assert (row["greedy_token"], row["decoder_token"]) == (g, d)
@@ -505,6 +515,7 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     assert "lossless" not in table.columns
     by = table.set_index(["prompt_set", "decoder"])
     assert by.loc[("held_out", "medusa_supervised"), "prompts"] == 3 and by.loc[("general", "greedy"), "prompts"] == 2
+    assert by.loc[("held_out", "greedy"), "prompts"] == 2  # batch-1 greedy runs on the timed prompts only
     assert by.loc[("held_out", "prompt_lookup"), "prompts"] == 2 and (table["speed_prompts"] == 2).all()
     assert (table.loc[table["decoder"] != "prompt_lookup", "identical_to_greedy"] == 1.0).all()  # float32: exact
     outputs = pd.read_parquet(out / "outputs.parquet")

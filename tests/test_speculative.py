@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from models.engine.config import Adaptation, TypicalAcceptance
 from models.engine.speculative import (
+    AdaptiveDrafting,
     Draft,
     SamplingVerifier,
     SpeculativeStats,
@@ -489,18 +490,19 @@ class Scripted:
 
 
 @pytest.mark.parametrize(("right_from", "depth", "lengths", "plain"), [
-    # useless drafts: 4 cycles of 1 token (τ 1 < c 1.5) → 8 plain steps, one probing cycle, 8 plain, …
-    (None, 3, [1] * 7, 32),
-    # right from the 20th token on: the probe at 13 still fails, the one at 22 gains 4 → τ = (1+1+1+4)/4 = 1.75 ≥ c:
-    # drafting resumes and stays (the last cycle is cut at 40 tokens)
-    (20, 3, [1, 1, 1, 1, 1, 4, 4, 4, 4, 2], 16),
+    # useless drafts: 4 cycles of 1 token (τ 1 < c 1.5) → 8 plain steps, a probe that fails (gap doubles to 16),
+    # 16 plain, a probe (gap 32), the last 9 plain
+    (None, 3, [1] * 6, 33),
+    # right from the 20th token on: the probe at 13 still fails and doubles the gap, the one at 30 gains 4 →
+    # τ = (1+1+1+4)/4 = 1.75 ≥ c: drafting resumes and stays (the last cycle is cut at 40 tokens)
+    (20, 3, [1, 1, 1, 1, 1, 4, 4, 2], 24),
     # always right: never a plain step
     (0, 3, [4] * 9 + [3], 0),
 ])
 @torch.no_grad()
 def test_adaptive_decoding_falls_back_probes_and_resumes_losslessly(tiny, right_from, depth, lengths, plain):
-    """Hand-worked decisions of the rule (window 4, probe every 8 plain tokens, c = 1.5 plain steps) on a prompt of
-    40 greedy tokens: the output is greedy's, token for token, and the drafter is called once per cycle only (a
+    """Hand-worked decisions of the rule (window 4, first probe after 8 plain tokens, c = 1.5 plain steps) on a prompt
+    of 40 greedy tokens: the output is greedy's, token for token, and the drafter is called once per cycle only (a
     plain step runs no drafter)."""
     model, prompts = tiny
     adaptation = Adaptation(window=4, probe_every=8, cycle_cost=1.5)
@@ -518,6 +520,30 @@ def test_adaptive_decoding_falls_back_probes_and_resumes_losslessly(tiny, right_
         assert stats.drafted_tokens == depth * len(lengths)  # τ and α count the cycles only
 
 
+@torch.no_grad()
+def test_a_drafting_state_carries_its_decisions_to_the_next_prompt(tiny):
+    """Useless drafts (c = 1.5): decided afresh, each 40-token prompt pays for 4 cycles and 2 probes again (as in the
+    hand-worked case above); with one AdaptiveDrafting for both, the second prompt starts plain where the first left
+    off (9 plain tokens into a gap of 32): 23 plain tokens, one failing probe (the gap doubles to 64), 15 plain."""
+    model, prompts = tiny
+    adaptation = Adaptation(window=4, probe_every=8, cycle_cost=1.5)
+    drafting = AdaptiveDrafting(adaptation)
+    for ids in prompts[:2]:
+        reference = _greedy(model, ids, 40, set())
+        runs = {}
+        for name, state in (("fresh", adaptation), ("carried", drafting)):
+            stats = SpeculativeStats()
+            drafts = Scripted(reference, stats, model.config.vocab_size, 3, lambda done: False)
+            tokens, _ = speculative_generate(model, TreeDrafter(chain_tree(3), drafts), TreeVerifier(), ids, 40, set(),
+                                             stats, adaptation=state)
+            assert tokens == reference
+            runs[name] = (stats.accepted_lengths, stats.plain_forwards)
+        assert runs["fresh"] == ([1] * 6, 33)
+        first = ids is prompts[0]
+        assert runs["carried"] == (([1] * 6, 33) if first else ([1], 38))
+    assert drafting.gap == 64 and not drafting.paying
+
+
 def _ticks(stats: SpeculativeStats, drafts: Scripted):
     """A clock that ticks 1 per model forward and 3 per draft."""
     return lambda: stats.forwards + 3 * drafts.calls
@@ -527,12 +553,12 @@ def _ticks(stats: SpeculativeStats, drafts: Scripted):
 def test_a_measured_cycle_cost_decides_from_the_clock(tiny):
     """c measured from the run's own step times, on a clock that ticks 1 per model forward and 3 per draft (a cycle
     costs 4 plain steps): the first step is plain (it times one); a perfect 3-deep chain gains 4 per cycle and keeps
-    drafting, a perfect 1-deep chain gains 2 and falls back to plain steps, probing every 8."""
+    drafting, a perfect 1-deep chain gains 2 and falls back to plain steps, probing after 8 plain tokens, then 16."""
     model, prompts = tiny
     ids = prompts[0]
     reference = _greedy(model, ids, 40, set())
     adaptation = Adaptation(window=4, probe_every=8)
-    for depth, lengths, plain in ((3, [4] * 9 + [2], 1), (1, [2] * 7, 25)):
+    for depth, lengths, plain in ((3, [4] * 9 + [2], 1), (1, [2] * 6, 27)):
         stats = SpeculativeStats()
         drafts = Scripted(reference, stats, model.config.vocab_size, depth, lambda done: True)
         tokens, _ = speculative_generate(model, TreeDrafter(chain_tree(depth), drafts), TreeVerifier(), ids, 40, set(),
@@ -698,6 +724,6 @@ def test_adaptation_is_refused_without_plain_steps_and_checks_its_settings(tiny)
     model, prompts = tiny
     with pytest.raises(TypeError, match="has no plain"):
         speculative_generate(model, object(), TreeVerifier(), prompts[0], 4, set(), adaptation=Adaptation())
-    for bad in ({"window": 0}, {"probe_every": 0}, {"cycle_cost": 0.0}):
+    for bad in ({"window": 0}, {"probe_every": 0}, {"cycle_cost": 0.0}, {"probe_every": 16, "max_probe_every": 8}):
         with pytest.raises(ValueError):
             Adaptation(**bad)

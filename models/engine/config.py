@@ -86,8 +86,9 @@ class Adaptation:
 
     A draft–verify cycle costs ``c`` plain one-token steps and gains τ tokens; drafting pays while τ ≥ c. The
     engine keeps τ as the mean tokens gained per cycle over the last ``window`` cycles; once that window is
-    full and τ < c, it decodes plainly (the root alone, no drafter forward), and every ``probe_every`` plain
-    tokens it drafts one cycle again, which re-measures τ. Lossless either way: greedy verification and a
+    full and τ < c, it decodes plainly (the root alone, no drafter forward), and after ``probe_every`` plain
+    tokens it drafts one cycle again, which re-measures τ; each probe that still does not pay doubles the gap to
+    the next (up to ``max_probe_every``), one that pays resets it. Lossless either way: greedy verification and a
     plain greedy step both emit greedy's token, and a plain sampling step samples the model itself.
     """
 
@@ -97,6 +98,10 @@ class Adaptation:
     """Plain tokens between two probing cycles while drafting does not pay (each probe costs c − τ steps). Measured
     on the 2-core CPU (Medusa, 8 + 8 prompts): 8 instead of 16 lost no speed on general instructions (0.97× against
     0.94× greedy) and drafted more on task prompts (1.59× against 1.51×; intervals overlap)."""
+    max_probe_every: int = 64
+    """The longest gap between probes (= ``probe_every``: no doubling). Where drafting never pays (MTP drafts
+    verified by a float32 policy: c ≈ 2.3 plain steps against τ ≈ 1.5), probes every 8 tokens cost ~10 % of the
+    decoding time; doubling gaps bound that waste by (c − τ) / ``max_probe_every``."""
     cycle_cost: float | None = None
     """c, a cycle's cost in plain steps; None: measured during the run (the median wall time of the window's
     cycles over that of the last plain steps; the first step is plain, to time one). A fixed c makes the decisions
@@ -105,5 +110,7 @@ class Adaptation:
     def __post_init__(self) -> None:
         if self.window < 1 or self.probe_every < 1:
             raise ValueError(f"adaptation needs window ≥ 1 and probe_every ≥ 1, got {self.window}, {self.probe_every}")
+        if self.max_probe_every < self.probe_every:
+            raise ValueError(f"max_probe_every ({self.max_probe_every}) must be ≥ probe_every ({self.probe_every})")
         if self.cycle_cost is not None and self.cycle_cost <= 0:
             raise ValueError(f"a cycle's cost in plain steps must be > 0, got {self.cycle_cost}")

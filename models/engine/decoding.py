@@ -13,12 +13,11 @@ from collections.abc import Sequence
 import torch
 
 from models.engine.config import ClassicalDecoding, HFDecoder
-from models.engine.generation import left_pad, response_lengths
+from models.engine.generation import generate_until_done, left_pad, response_lengths
 from models.engine.policy import Policy
 
 GREEDY = {"do_sample": False}
 """``generate`` arguments of greedy decoding."""
-
 
 
 def generate_kwargs(decoder: HFDecoder, cfg: ClassicalDecoding) -> dict:
@@ -36,21 +35,26 @@ def generate_kwargs(decoder: HFDecoder, cfg: ClassicalDecoding) -> dict:
 
 @torch.no_grad()
 def hf_decode(policy: Policy, prompt_ids: Sequence[Sequence[int]], kwargs: dict, max_new_tokens: int,
-              eos_ids: set[int], batch_size: int, seed: int = 0) -> list[list[int]]:
+              eos_ids: set[int], batch_size: int, seed: int = 0, chunk_tokens: int = 8) -> list[list[int]]:
     """Decode each prompt (token ids) with ``generate(**kwargs)`` (e.g. :func:`generate_kwargs`); batches
     are left-padded.
 
-    Batch ``b`` of a sampling decoder is seeded with ``seed + b``, so results are reproducible.
+    Batch ``b`` of a sampling decoder is seeded with ``seed + b``, so results are reproducible. Rows that have
+    ended drop out every ``chunk_tokens`` new tokens (:func:`generate_until_done`); beam search, whose beams
+    share one search, runs as one ``generate`` call.
     """
     tok, model = policy.tokenizer, policy.model
     outputs: list[list[int]] = []
     for b, start in enumerate(range(0, len(prompt_ids), batch_size)):
         input_ids, attention_mask = left_pad(prompt_ids[start : start + batch_size], tok.pad_token_id, policy.device)
-        width = input_ids.shape[1]
         torch.manual_seed(seed + b)
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                             pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids), **kwargs)
-        new = out[:, width:]  # (B, T_new)
+        if kwargs.get("num_beams", 1) > 1:
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids), **kwargs)
+            new = out[:, input_ids.shape[1]:]  # (B, T_new)
+        else:
+            new = generate_until_done(model, input_ids, attention_mask, kwargs, max_new_tokens, eos_ids,
+                                      tok.pad_token_id, chunk_tokens)  # (B, max_new_tokens)
         lengths, _ = response_lengths(new, eos_ids)
         outputs += [new[row, :length].tolist() for row, length in enumerate(lengths)]
     return outputs

@@ -486,12 +486,17 @@ class SpeculativeStats:
         return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else float("nan")
 
 
-class _Adapter:
-    """The decisions of :class:`models.engine.config.Adaptation` for one run: draft the next step, or not.
+class AdaptiveDrafting:
+    """The decisions of :class:`models.engine.config.Adaptation` for a decoder: draft the next step, or not.
 
     τ = the mean gain of the last ``window`` cycles; c = the configured cycle cost, or the median wall time of the
     window's cycles over the median of the last ``window`` plain steps. Drafting continues while the window is
-    not yet full or τ ≥ c; else plain steps, with a probing cycle after every ``probe_every`` plain tokens.
+    not yet full or τ ≥ c; else plain steps, with a probing cycle after ``gap`` plain tokens (``probe_every``,
+    doubled by each probe that does not pay, up to ``max_probe_every``; reset by one that pays).
+
+    One object passed to several :func:`speculative_stream` calls carries all this from prompt to prompt (a
+    server keeps it per model and drafter): each rollout or prompt then starts from what the last ones measured,
+    instead of refilling the window with cycles that may not pay.
     """
 
     def __init__(self, adaptation: Adaptation):
@@ -501,6 +506,7 @@ class _Adapter:
         self.plain_seconds: deque[float] = deque(maxlen=adaptation.window)
         self.paying = True  # the last decision: drafting pays
         self.plain_tokens = 0  # plain tokens since the last cycle
+        self.gap = adaptation.probe_every  # plain tokens before the next probe
 
     @property
     def measures(self) -> bool:
@@ -511,7 +517,7 @@ class _Adapter:
         """Whether the next step drafts: while it pays, or to probe; not before a plain step is timed (c measured)."""
         if self.measures and not self.plain_seconds:
             return False
-        return self.paying or self.plain_tokens >= self.adaptation.probe_every
+        return self.paying or self.plain_tokens >= self.gap
 
     def cost(self) -> float:
         """c: a cycle's cost in plain steps."""
@@ -520,16 +526,22 @@ class _Adapter:
         return statistics.median(self.cycle_seconds) / max(statistics.median(self.plain_seconds), 1e-9)
 
     def record(self, drafted: bool, tokens: int, seconds: float) -> None:
-        """A finished step: a cycle's gain and time update τ (and c) and the decision; a plain step counts."""
+        """A finished step: a cycle's gain and time update τ (and c), the decision and the probe gap; a plain step
+        counts."""
         if not drafted:
             self.plain_seconds.append(seconds)
             self.plain_tokens += tokens
             return
+        probe = not self.paying
         self.gains.append(tokens)
         self.cycle_seconds.append(seconds)
         self.plain_tokens = 0
         full = len(self.gains) == self.adaptation.window
         self.paying = not full or statistics.fmean(self.gains) >= self.cost()
+        if self.paying:
+            self.gap = self.adaptation.probe_every
+        elif probe:
+            self.gap = min(2 * self.gap, self.adaptation.max_probe_every)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -548,7 +560,7 @@ def _output(tokens: list[int], room: int, eos_token_ids: set[int]) -> tuple[list
 @torch.no_grad()
 def speculative_stream(model, drafter: Drafter, verifier: Verifier, input_ids: torch.Tensor, max_new_tokens: int,
                        eos_token_ids: set[int], stats: SpeculativeStats | None = None,
-                       forward: Forward = tree_forward, adaptation: Adaptation | None = None,
+                       forward: Forward = tree_forward, adaptation: Adaptation | AdaptiveDrafting | None = None,
                        clock: Callable[[], float] = time.perf_counter) -> Iterator[list[int]]:
     """Decode one prompt (1, L), yielding each step's new tokens as soon as they are verified.
 
@@ -557,7 +569,8 @@ def speculative_stream(model, drafter: Drafter, verifier: Verifier, input_ids: t
     ``max_new_tokens`` tokens; tokens verified beyond either reach neither the output nor the counters.
     ``stats`` may carry counts of earlier runs: they are added to.
 
-    ``adaptation``: draft only while it pays (:class:`models.engine.config.Adaptation`); the other steps are
+    ``adaptation``: draft only while it pays (:class:`models.engine.config.Adaptation`: decided afresh for this
+    prompt; :class:`AdaptiveDrafting`: carried on from the prompts it decided before); the other steps are
     plain (``drafter.plain``: an :class:`AdaptiveDrafter`, and a verifier that ends each step with the model's own
     token). Each emitted token is still greedy's, or a draw from the model given everything before it, whatever
     decided how its step ran. ``clock``: what times the steps when the cycle cost is measured.
@@ -567,7 +580,7 @@ def speculative_stream(model, drafter: Drafter, verifier: Verifier, input_ids: t
     if adaptation is not None and not callable(getattr(drafter, "plain", None)):
         raise TypeError(f"adaptive decoding needs a drafter that can skip a step ({type(drafter).__name__} has no "
                         "plain())")
-    adapter = _Adapter(adaptation) if adaptation is not None else None
+    adapter = AdaptiveDrafting(adaptation) if isinstance(adaptation, Adaptation) else adaptation
     timed = adapter is not None and adapter.measures
     stats = stats if stats is not None else SpeculativeStats()
     cache = speculative_cache(model)
@@ -608,7 +621,7 @@ def speculative_stream(model, drafter: Drafter, verifier: Verifier, input_ids: t
 
 def speculative_generate(model, drafter: Drafter, verifier: Verifier, input_ids: torch.Tensor, max_new_tokens: int,
                          eos_token_ids: set[int], stats: SpeculativeStats | None = None,
-                         forward: Forward = tree_forward, adaptation: Adaptation | None = None,
+                         forward: Forward = tree_forward, adaptation: Adaptation | AdaptiveDrafting | None = None,
                          clock: Callable[[], float] = time.perf_counter) -> tuple[list[int], SpeculativeStats]:
     """:func:`speculative_stream` collected: the new tokens and the run's counters."""
     stats = stats if stats is not None else SpeculativeStats()

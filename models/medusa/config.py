@@ -56,7 +56,7 @@ class MedusaTraining:
     epochs: int = 4
     batch_size: int = 64  # positions per step
     warmup_ratio: float = 0.05
-    distill_batch_size: int = 16  # sequences per batch of the frozen self-distillation pass
+    distill_batch_size: int = 40  # sequences per batch of the frozen self-distillation pass
     max_length: int = 512  # prompt + response tokens kept per sequence
     mixed_precision: MixedPrecision = "bf16"
     seed: int = 0  # initialisation, shuffling and the RL candidates

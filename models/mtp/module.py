@@ -46,6 +46,7 @@ from transformers import DynamicCache
 from models.common.files import atomic_path
 from models.engine.config import Adaptation
 from models.engine.speculative import (
+    AdaptiveDrafting,
     BonusVerifier,
     Draft,
     SamplingVerifier,
@@ -335,7 +336,7 @@ class MTPDrafter:
 def mtp_generate(model, draft_base, module: MTPModule, input_ids: torch.Tensor, max_new_tokens: int,
                  eos_token_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
                  stats: SpeculativeStats | None = None, draft_temperature: float = 0.0,
-                 adaptation: Adaptation | None = None) -> list[int]:
+                 adaptation: Adaptation | AdaptiveDrafting | None = None) -> list[int]:
     """Decode one prompt (1, L) with K chained MTP drafts and one verification forward per cycle.
 
     ``temperature`` 0: greedy verification — output identical to greedy decoding. ``temperature`` > 0:
@@ -344,7 +345,8 @@ def mtp_generate(model, draft_base, module: MTPModule, input_ids: torch.Tensor, 
     drafts; under sampling a draft then passes with probability p(draft)); > 0 = drafts sampled from the
     module at that temperature (they pass with probability Σ min(p, q)). ``draft_base``/``module``:
     :func:`draft_parts`. ``adaptation``: draft only while the drafts pay for themselves (plain steps otherwise,
-    :class:`models.engine.config.Adaptation`); the output stays as exact. Stops after an end token or
+    :class:`models.engine.config.Adaptation`, or its state carried across prompts,
+    :class:`models.engine.speculative.AdaptiveDrafting`); the output stays as exact. Stops after an end token or
     ``max_new_tokens`` tokens; returns the new tokens.
     """
     if temperature < 0:

@@ -41,7 +41,7 @@ from models.common.sequences import padding_id, right_pad
 from models.common.training import float32_master_weights, half_dtype, step_precision
 from models.engine.config import Adaptation
 from models.engine.policy import Policy
-from models.engine.speculative import SpeculativeStats
+from models.engine.speculative import AdaptiveDrafting, SpeculativeStats
 from models.mtp.config import MTPRLTraining, VariantName
 from models.mtp.grpo import group_advantages, grpo_loss, token_logps
 from models.mtp.module import (
@@ -166,11 +166,13 @@ def rollout_rewards(reward_fn: RewardFunction, questions: Sequence[str], answers
 def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequence[torch.Tensor],
                      questions: Sequence[str], answers: Sequence[str | None], reward_fn: RewardFunction,
                      cfg: MTPRLTraining, step: int, eos_token_ids: set[int], first_prompt: int = 0,
-                     on_rollout: Callable[[], None] | None = None) -> Rollouts:
+                     on_rollout: Callable[[], None] | None = None,
+                     drafting: AdaptiveDrafting | None = None) -> Rollouts:
     """G rollouts per prompt at batch 1 (plain sampling when ``module`` is None), then their rewards from
     ``reward_fn`` in one call. ``questions`` / ``answers``: each prompt's question text and known answer (None:
     none). ``first_prompt``: the index of ``prompts[0]`` among the step's prompts (a process's share starts
-    there), which picks each rollout's sampling stream."""
+    there), which picks each rollout's sampling stream. ``drafting``: under ``cfg.adaptive``, the state that
+    decides when to draft, carried on from earlier steps (None: a fresh one for these rollouts)."""
     model.eval()
     device = model.get_output_embeddings().weight.device
     started = time.perf_counter()
@@ -178,8 +180,9 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
     if module is not None:
         draft_dtype = getattr(torch, cfg.draft_dtype)
         draft_base, draft_module = draft_parts(model, module.eval(), draft_dtype)
-        # draft only while it pays (the rollouts' distribution stays exact)
-        adaptation = Adaptation(cycle_cost=cfg.cycle_cost) if cfg.adaptive else None
+        # draft only while it pays (the rollouts' distribution stays exact), one decision state for every rollout
+        if cfg.adaptive and drafting is None:
+            drafting = AdaptiveDrafting(Adaptation(cycle_cost=cfg.cycle_cost))
     prompt_ids, completions, counts = [], [], []
     rollout_started = started  # the first rollout carries the phase's set-up (the draft copies)
     for p, ids in enumerate(prompts, start=first_prompt):
@@ -191,7 +194,8 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
                 tokens = sample_plainly(model, ids, cfg.max_new_tokens, eos_token_ids, cfg.temperature, generator)
             else:
                 tokens = mtp_generate(model, draft_base, draft_module, ids, cfg.max_new_tokens, eos_token_ids,
-                                      cfg.temperature, generator, stats, cfg.draft_temperature, adaptation)
+                                      cfg.temperature, generator, stats, cfg.draft_temperature,
+                                      drafting if cfg.adaptive else None)
             # the tokens are a list: the rollout's device work is done when the clock is read
             since = [now - before for now, before in zip(_draft_counters(stats), counters, strict=True)]
             counts.append(RolloutCounts(time.perf_counter() - rollout_started, len(tokens), *since))
@@ -421,13 +425,15 @@ def _train(trained, tokenizer, module: MTPModule | None, var: Variant, prompts: 
         model, *prepared, optimizer = accelerator.prepare(trained, *([module] if module_params else []), optimizer)
         trained_module = prepared[0] if prepared else None
         device = accelerator.device
+        # when to draft is learned once per variant: a step's rollouts start from what the last step's measured
+        drafting = AdaptiveDrafting(Adaptation(cycle_cost=cfg.cycle_cost)) if cfg.adaptive and var.drafts else None
         for step in range(cfg.steps):
             this_step = slice(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)
             step_prompts, step_questions, step_answers = (items[this_step][share]
                                                           for items in (prompts, questions, answers))
             rollouts = collect_rollouts(trained, tokenizer, module if var.drafts else None, step_prompts,
                                         step_questions, step_answers, reward_fn, cfg, step, eos_token_ids,
-                                        share.start, on_rollout)
+                                        share.start, on_rollout, drafting)
             advantages = group_advantages(rollouts.rewards, cfg.group_size, cfg.advantage_epsilon)
             batch = rollout_batch(rollouts, padding_id(tokenizer), device)
             totals = batch_totals(batch, num_depths, accelerator)

@@ -239,19 +239,19 @@ def pair_logps(model: nn.Module, tokenizer, pairs: pd.DataFrame, max_length: int
     return torch.cat(chosen_logps), torch.cat(rejected_logps)
 
 
-def preference_accuracy(policy: nn.Module, reference: nn.Module, tokenizer, pairs: pd.DataFrame, *,
-                        beta: float, max_length: int | None = None) -> dict[str, float]:
-    """How often DPO's implicit reward r(x, y) = β·log π(y|x)/π_ref(y|x) prefers the chosen response.
+def preference_accuracy(policy_logps: tuple[torch.Tensor, torch.Tensor],
+                        reference_logps: tuple[torch.Tensor, torch.Tensor], *, beta: float) -> dict[str, float]:
+    """How often DPO's implicit reward r(x, y) = β·log π(y|x)/π_ref(y|x) prefers the chosen response, from the
+    ``(chosen_logps, rejected_logps)`` of the policy and of the reference (:func:`pair_logps`; the reference's can
+    serve several policies).
 
     ``accuracy`` counts an exact tie as half (the win + tie/2 convention of the benchmarks), so the
-    untrained policy (``policy is reference``: every margin is exactly 0) scores 0.5; ``margin`` is the
+    untrained policy (the reference's own log-probs: every margin is exactly 0) scores 0.5; ``margin`` is the
     mean of r(x, y_w) − r(x, y_l); ``pair_outcomes`` the per-pair 1 / ½ / 0 that ``accuracy`` averages (for
-    intervals over pairs). When ``policy is reference`` the log-probs are computed once.
+    intervals over pairs).
     """
-    chosen_logps, rejected_logps = pair_logps(policy, tokenizer, pairs, max_length)
-    reference_chosen_logps, reference_rejected_logps = (
-        (chosen_logps, rejected_logps) if reference is policy else pair_logps(reference, tokenizer, pairs, max_length))
+    (chosen_logps, rejected_logps), (reference_chosen_logps, reference_rejected_logps) = policy_logps, reference_logps
     margins = beta * ((chosen_logps - reference_chosen_logps) - (rejected_logps - reference_rejected_logps))
     wins = (margins > 0).float() + 0.5 * (margins == 0).float()
-    return {"accuracy": float(wins.mean()), "margin": float(margins.mean()), "num_pairs": len(pairs),
+    return {"accuracy": float(wins.mean()), "margin": float(margins.mean()), "num_pairs": len(margins),
             "pair_outcomes": wins.tolist()}
