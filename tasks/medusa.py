@@ -330,12 +330,13 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
     tree = candidate_tree(cfg)
     decoders, speculative = _medusa_decoders(cfg, policy, tree)
     checks = _DivergenceChecks(cfg, policy)
+    eos = end_token_ids(policy)
     records, rows, divergences = [], [], []
     for set_name, questions in _prompt_sets(cfg).items():
         prompt_ids = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions,
                                                                       cfg.prompts.system_prompt)]
-        reference = hf_decode(policy, [ids[0].tolist() for ids in prompt_ids], GREEDY, s.max_new_tokens,
-                              end_token_ids(policy), batch_size=s.batch_size)
+        reference = hf_decode(policy, [ids[0].tolist() for ids in prompt_ids], GREEDY, s.max_new_tokens, eos,
+                              batch_size=s.batch_size)
         timers, decoded = interleaved_decoding(list(decoders), prompt_ids[: s.speed_prompts],
                                                lambda decoder, ids, n: decoders[decoder](ids, n), s.max_new_tokens,
                                                f"speculative decoding, timed ({set_name})")
@@ -363,9 +364,9 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
 
 def _medusa_decoders(cfg: Config, policy, tree) -> tuple[dict[str, Callable], list[str]]:
     """Name → ``decode(ids, max_new_tokens) → (tokens, stats or None)``: HF greedy (batch 1, the speed reference),
-    prompt lookup, and one Medusa drafter per trained set of heads, all
-    on ``tree`` with the configured verification, adaptive or not (``medusa_benchmark.adaptive``); and the names of
-    the speculative (Medusa) decoders."""
+    prompt lookup, and one Medusa drafter per trained set of heads, all on ``tree`` with the configured
+    verification, adaptive or not (``medusa_benchmark.adaptive``); and the names of the speculative (Medusa)
+    decoders."""
     from models.engine.config import Adaptation, TypicalAcceptance
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import end_token_ids
@@ -447,11 +448,11 @@ def _choice(logits: torch.Tensor, greedy_token: int, token: int) -> str:
 
 class _DivergenceChecks:
     """Why a decoder's output differs from HF greedy's (bf16: a multi-token forward, or a padded batch, rounds
-    differently from a one-token one). For each such output: the first differing position, and the policy's logits there from one
-    forward over the prompt and the common prefix, in the policy's dtype — ``margin`` = logit of greedy's token −
-    logit of the decoder's (near 0: a near-tie that rounding decides), ``top2_margin`` = top-1 − top-2, ``argmax``
-    = whose token that forward prefers — and, when the policy is not float32 and ``float32_recheck`` is on, the
-    same from a float32 copy of the policy (loaded once, at the first divergence)."""
+    differently from a one-token one). For each such output: the first differing position, and the policy's
+    logits there from one forward over the prompt and the common prefix, in the policy's dtype — ``margin`` =
+    logit of greedy's token − logit of the decoder's (near 0: a near-tie that rounding decides), ``top2_margin`` =
+    top-1 − top-2, ``argmax`` = whose token that forward prefers — and, when the policy is not float32 and
+    ``float32_recheck`` is on, the same from a float32 copy of the policy (loaded once, at the first divergence)."""
 
     def __init__(self, cfg: Config, policy):
         self.cfg, self.policy = cfg, policy
@@ -545,7 +546,7 @@ def _report(rows: list[dict], divergences: pd.DataFrame, tree, dtype: str, cfg: 
          f"verification, a {tree.size}-node tree (root included; "
          f"{'sparse tree from held-out head accuracies' if s.tree == 'auto' else 'as configured'}, choices in "
          "`tree.json`). τ = generated tokens / model forwards (greedy = 1), and `identical_to_greedy` = share of "
-         f"prompts whose output equals HF greedy's token for token (greedy decoding the set in left-padded batches "
+         "prompts whose output equals HF greedy's token for token (greedy decoding the set in left-padded batches "
          f"of {s.batch_size}; the `greedy` row is HF greedy at batch 1 against it, on the timed prompts: what batching "
          "alone changes in this dtype), both over `prompts` prompts. Speedup "
          "= tokens/s over HF greedy with KV cache, on the first `speed_prompts` prompts, every decoder interleaved "

@@ -179,9 +179,8 @@ INTERVAL_ENDS = ("", "_low", "_high")  # a figure's columns with its interval
 def _held_out(policy, labeler, prompt_ids: list[list[int]], questions: list[str], answers: list[str | None],
               max_new_tokens: int, batch_size: int) -> dict[str, list[float]]:
     """The policy's greedy responses to the held-out prompts (HF greedy, ``batch_size`` prompts at a time), judged
-    per prompt: ``reward``,
-    the labeler's score; ``accuracy``, 1 for a right final answer and 0 for a wrong one, only when every prompt has
-    a reference answer (for the verifiable labeler the two are equal)."""
+    per prompt: ``reward``, the labeler's score; ``accuracy``, 1 for a right final answer and 0 for a wrong one,
+    only when every prompt has a reference answer (for the verifiable labeler the two are equal)."""
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import end_token_ids
     from models.labeling.answers import is_correct

@@ -163,6 +163,12 @@ def rollout_rewards(reward_fn: RewardFunction, questions: Sequence[str], answers
     return torch.tensor(rewards, dtype=torch.float32)
 
 
+def rollout_drafting(cfg: MTPRLTraining) -> AdaptiveDrafting | None:
+    """A fresh decision state for drafted rollouts under ``cfg.adaptive`` (draft only while it pays; the rollouts'
+    distribution stays exact either way), else None (always draft)."""
+    return AdaptiveDrafting(Adaptation(cycle_cost=cfg.cycle_cost)) if cfg.adaptive else None
+
+
 def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequence[torch.Tensor],
                      questions: Sequence[str], answers: Sequence[str | None], reward_fn: RewardFunction,
                      cfg: MTPRLTraining, step: int, eos_token_ids: set[int], first_prompt: int = 0,
@@ -180,9 +186,7 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
     if module is not None:
         draft_dtype = getattr(torch, cfg.draft_dtype)
         draft_base, draft_module = draft_parts(model, module.eval(), draft_dtype)
-        # draft only while it pays (the rollouts' distribution stays exact), one decision state for every rollout
-        if cfg.adaptive and drafting is None:
-            drafting = AdaptiveDrafting(Adaptation(cycle_cost=cfg.cycle_cost))
+        drafting = drafting if drafting is not None else rollout_drafting(cfg)  # one state for every rollout
     prompt_ids, completions, counts = [], [], []
     rollout_started = started  # the first rollout carries the phase's set-up (the draft copies)
     for p, ids in enumerate(prompts, start=first_prompt):
@@ -194,8 +198,7 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
                 tokens = sample_plainly(model, ids, cfg.max_new_tokens, eos_token_ids, cfg.temperature, generator)
             else:
                 tokens = mtp_generate(model, draft_base, draft_module, ids, cfg.max_new_tokens, eos_token_ids,
-                                      cfg.temperature, generator, stats, cfg.draft_temperature,
-                                      drafting if cfg.adaptive else None)
+                                      cfg.temperature, generator, stats, cfg.draft_temperature, drafting)
             # the tokens are a list: the rollout's device work is done when the clock is read
             since = [now - before for now, before in zip(_draft_counters(stats), counters, strict=True)]
             counts.append(RolloutCounts(time.perf_counter() - rollout_started, len(tokens), *since))
@@ -426,7 +429,7 @@ def _train(trained, tokenizer, module: MTPModule | None, var: Variant, prompts: 
         trained_module = prepared[0] if prepared else None
         device = accelerator.device
         # when to draft is learned once per variant: a step's rollouts start from what the last step's measured
-        drafting = AdaptiveDrafting(Adaptation(cycle_cost=cfg.cycle_cost)) if cfg.adaptive and var.drafts else None
+        drafting = rollout_drafting(cfg) if var.drafts else None
         for step in range(cfg.steps):
             this_step = slice(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)
             step_prompts, step_questions, step_answers = (items[this_step][share]
