@@ -502,8 +502,10 @@ def test_a_reward_model_rewards_prompts_without_answers(policy, tiny_classifier)
     from models.engine.generation import end_token_ids
 
     labeler = build_labeler(LabelerSpec(labeler="hf-classifier", model=str(tiny_classifier), device="cpu"))
+    # a fixed cycle cost: the adaptive decisions (carried across a call's rollouts) then depend on acceptance alone,
+    # so the step redraws exactly the reference's rollouts; a measured cost would make them depend on timing
     cfg = MTPRLTraining(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=6, learning_rate=1e-2,
-                        mtp_learning_rate=1e-2)
+                        mtp_learning_rate=1e-2, cycle_cost=2.0)
     module = MTPModule(policy.model, MTPModuleConfig(2))
     prompts, eos = _prompts(policy.tokenizer), end_token_ids(policy)
     reference = collect_rollouts(policy.model, policy.tokenizer, module, prompts, QUESTIONS, [None, None],
