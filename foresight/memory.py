@@ -329,11 +329,11 @@ def _benchmark_medusa(stage, cfg, shapes, nbytes):
     b, m, shape = cfg.medusa_benchmark, cfg.medusa, shapes.policy
     heads = m.num_heads * m.num_layers * (shape.hidden ** 2 + shape.hidden)
     nodes = b.tree_size + 1 if b.tree == "auto" else len(b.tree) + 1
-    # the greedy reference's batch holds more cache than one tree at batch 1
+    # the greedy reference and the batched tree decoding hold a batch's cache, more than one tree at batch 1
     parts = {"weights": weights(shape.parameters, nbytes), "heads": heads * nbytes,
              "KV cache": kv_cache(shape, b.batch_size, PROMPT_TOKENS + b.max_new_tokens + nodes, nbytes),
-             "reference prefill": forward_working_set(shape, b.batch_size, PROMPT_TOKENS, nbytes),
-             "tree logits": logits(shape, nodes, 1)}
+             "prefill": forward_working_set(shape, b.batch_size, PROMPT_TOKENS, nbytes),
+             "batched tree logits": logits(shape, b.batch_size, nodes)}
     fixes = [halve("medusa_benchmark.batch_size"), halve("medusa_benchmark.tree_size")]
     if b.float32_recheck and nbytes < 4:  # a float32 copy of the policy scores the divergences from greedy
         parts["float32 recheck copy"] = weights(shape.parameters, 4)

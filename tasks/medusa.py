@@ -272,7 +272,7 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
     return StageResult(metrics=metrics, artifacts={"medusa_rl": out})
 
 
-SPEED_COLUMNS = ["prompt_set", "decoder", "tau", "speedup_vs_reference", "tokens_per_s", "identical_to_greedy",
+SPEED_COLUMNS = ["prompt_set", "decoder", "batch", "tau", "speedup_vs_reference", "tokens_per_s", "identical_to_greedy",
                  "plain_share", "prompts", "speed_prompts"]
 DIVERGENCE_COLUMNS = ["prompt_set", "decoder", "prompt_index", "position", "greedy_text", "decoder_text", "margin",
                       "top2_margin", "argmax", "float32_margin", "float32_choice"]
@@ -313,13 +313,14 @@ def candidate_tree(cfg: Config):
 
 @gpu_task("benchmark-medusa")
 def benchmark_medusa_task(cfg: Config) -> StageResult:
-    """Every speculative decoder against HF greedy at batch 1, on each prompt set: speed on its first
-    ``speed_prompts`` prompts (every decoder, interleaved prompt by prompt), τ and the share identical to greedy
-    on all of them, and the policy's logit margin at every divergence.
+    """Every speculative decoder against HF greedy, on each prompt set: at batch 1 on its first ``speed_prompts``
+    prompts (speed, every decoder interleaved prompt by prompt; τ; identity), and — each Medusa decoder, under
+    greedy verification — batched on all of them (``<decoder>_batched``: τ and identity over the whole set, in
+    batches of ``batch_size``, untimed); and the policy's logit margin at every divergence.
 
-    Identity is judged against HF greedy decoding the whole set in left-padded batches (``batch_size`` prompts
-    each: a fraction of the batch-1 cost). In half precision that reference rounds differently from greedy at
-    batch 1 too; the greedy row's own identity share (its timed, batch-1 outputs against it) measures by how much."""
+    Identity is judged against HF greedy decoding the whole set in left-padded batches of ``batch_size``. In half
+    precision that reference rounds differently from greedy at batch 1 too; the greedy row's own identity share
+    (its timed, batch-1 outputs against it) measures by how much."""
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
 
@@ -328,7 +329,8 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
     s = cfg.medusa_benchmark
     policy = load_stage_policy(cfg, "base")
     tree = candidate_tree(cfg)
-    decoders, speculative = _medusa_decoders(cfg, policy, tree)
+    decoders, drafters = _medusa_decoders(cfg, policy, tree)
+    batched = _batched_drafters(cfg, policy, drafters)
     checks = _DivergenceChecks(cfg, policy)
     eos = end_token_ids(policy)
     records, rows, divergences = [], [], []
@@ -340,14 +342,11 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
         timers, decoded = interleaved_decoding(list(decoders), prompt_ids[: s.speed_prompts],
                                                lambda decoder, ids, n: decoders[decoder](ids, n), s.max_new_tokens,
                                                f"speculative decoding, timed ({set_name})")
-        # τ and identity need no clock: the other prompts are decoded by the speculative decoders only
-        for i in tqdm(range(s.speed_prompts, len(prompt_ids)), desc=f"speculative decoding ({set_name})",
-                      unit="prompt"):
-            for decoder in speculative:
-                tokens, stats = decoders[decoder](prompt_ids[i], s.max_new_tokens)
-                decoded.append({"prompt_index": i, "decoder": decoder, "tokens": tokens, "stats": stats})
+        for record in decoded:
+            record["batch"] = 1
+        decoded += _batched_decoding(cfg, policy, batched, [ids[0].tolist() for ids in prompt_ids], set_name)
         set_records = [{"prompt_set": set_name, "prompt_index": r["prompt_index"], "decoder": r["decoder"],
-                        "tokens": r["tokens"], "new_tokens": len(r["tokens"]),
+                        "batch": r["batch"], "tokens": r["tokens"], "new_tokens": len(r["tokens"]),
                         "forwards": r["stats"].forwards if r["stats"] else None,
                         "plain_forwards": r["stats"].plain_forwards if r["stats"] else None,
                         "response": policy.tokenizer.decode(r["tokens"], skip_special_tokens=True)} for r in decoded]
@@ -362,11 +361,10 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
                           time.perf_counter() - started)
 
 
-def _medusa_decoders(cfg: Config, policy, tree) -> tuple[dict[str, Callable], list[str]]:
+def _medusa_decoders(cfg: Config, policy, tree) -> tuple[dict[str, Callable], dict]:
     """Name → ``decode(ids, max_new_tokens) → (tokens, stats or None)``: HF greedy (batch 1, the speed reference),
     prompt lookup, and one Medusa drafter per trained set of heads, all on ``tree`` with the configured
-    verification, adaptive or not (``medusa_benchmark.adaptive``); and the names of the speculative (Medusa)
-    decoders."""
+    verification, adaptive or not (``medusa_benchmark.adaptive``); and the Medusa drafters by name."""
     from models.engine.config import Adaptation, TypicalAcceptance
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import end_token_ids
@@ -401,13 +399,46 @@ def _medusa_decoders(cfg: Config, policy, tree) -> tuple[dict[str, Callable], li
                                                                 eos, adaptation=drafting)
 
     return ({name: hf(kwargs) for name, kwargs in hf_kwargs.items()}
-            | {name: speculative(drafter) for name, drafter in drafters.items()}, list(drafters))
+            | {name: speculative(drafter) for name, drafter in drafters.items()}, drafters)
+
+
+def _batched_drafters(cfg: Config, policy, drafters: dict) -> dict:
+    """The Medusa drafters to run batched as well (:mod:`models.engine.batched`): all of them under greedy
+    verification on a full-attention policy; none otherwise (the batch-1 rows then cover the timed prompts only)."""
+    from models.engine.batched import unsupported_layers
+
+    unsupported = unsupported_layers(policy.model)
+    if cfg.medusa_benchmark.acceptance != "greedy" or unsupported:
+        stage_logger().warning("no batched Medusa rows: batched tree decoding verifies greedily on full-attention "
+                               "models only (%s)", unsupported or f"acceptance {cfg.medusa_benchmark.acceptance}")
+        return {}
+    return drafters
+
+
+def _batched_decoding(cfg: Config, policy, drafters: dict, prompts: list[list[int]], set_name: str) -> list[dict]:
+    """Each drafter's outputs on every prompt, decoded in batches of ``medusa_benchmark.batch_size`` (one record
+    per prompt, decoder ``<name>_batched``)."""
+    from models.engine.batched import batched_tree_generate
+    from models.engine.generation import end_token_ids
+
+    s, eos = cfg.medusa_benchmark, end_token_ids(policy)
+    records = []
+    for name, drafter in drafters.items():
+        for start in tqdm(range(0, len(prompts), s.batch_size), unit="batch",
+                          desc=f"batched speculative decoding ({set_name}, {name})"):
+            outputs, stats = batched_tree_generate(policy.model, drafter, prompts[start : start + s.batch_size],
+                                                   s.max_new_tokens, eos)
+            records += [{"prompt_index": start + i, "decoder": f"{name}_batched", "batch": s.batch_size,
+                         "tokens": tokens, "stats": row}
+                        for i, (tokens, row) in enumerate(zip(outputs, stats, strict=True))]
+    return records
 
 
 def _speed_rows(set_name: str, records: list[dict], timers: dict, reference: list[list[int]]) -> list[dict]:
-    """One row per decoder of a prompt set: τ (Σ tokens / Σ forwards, greedy = 1) and the share of outputs equal
-    to ``reference`` (greedy's per prompt index), with intervals over the prompts it decoded; speed against HF
-    greedy on the timed prompts; the share of plain (non-draft) forwards where the decoder reports it."""
+    """One row per decoder of a prompt set: its batch size, τ (Σ tokens / Σ forwards, greedy = 1) and the share of
+    outputs equal to ``reference`` (greedy's per prompt index), with intervals over the prompts it decoded; speed
+    against HF greedy on the timed prompts (timed decoders only); the share of plain (non-draft) forwards where the
+    decoder reports it."""
     outputs = pd.DataFrame(records)
     rows = []
     for decoder, mine in outputs.groupby("decoder", sort=False):
@@ -420,11 +451,12 @@ def _speed_rows(set_name: str, records: list[dict], timers: dict, reference: lis
                                                                            forwards.tolist()), 1.0)
                if forwards.notna().all() else {"tau": float("nan")})
         plain = mine["plain_forwards"]
-        rows.append({"prompt_set": set_name, "decoder": decoder, **tau,
-                     **speed_row(timers[decoder], timers["greedy"]),
+        timed = decoder in timers
+        rows.append({"prompt_set": set_name, "decoder": decoder, "batch": int(mine["batch"].iloc[0]), **tau,
+                     **(speed_row(timers[decoder], timers["greedy"]) if timed else {}),
                      **statistics.interval_columns("identical_to_greedy", statistics.mean_interval(identical)),
                      "plain_share": float(plain.sum() / forwards.sum()) if plain.notna().all() else float("nan"),
-                     "prompts": len(mine), "speed_prompts": timers[decoder].calls})
+                     "prompts": len(mine), "speed_prompts": timers[decoder].calls if timed else 0})
     return rows
 
 
@@ -515,8 +547,8 @@ def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergenc
         write_table(pd.DataFrame(rows), tmp / "table.csv")
         write_table(divergence_table, tmp / "divergences.parquet")
         sets = list(dict.fromkeys(r["prompt_set"] for r in rows))
-        bar_plot({p: {r["decoder"]: interval_bar(r, "speedup_vs_reference") for r in rows if r["prompt_set"] == p}
-                  for p in sets}, "Speedup over HF greedy (batch 1, same run)", "× greedy tokens/s",
+        bar_plot({p: {r["decoder"]: interval_bar(r, "speedup_vs_reference") for r in rows
+                      if r["prompt_set"] == p and "speedup_vs_reference" in r} for p in sets}, "Speedup over HF greedy (batch 1, same run)", "× greedy tokens/s",
                  tmp / "speedup.png", reference_line=1.0)
         bar_plot({p: {r["decoder"]: interval_bar(r, "tau") for r in rows
                       if r["prompt_set"] == p and r["tau"] == r["tau"]} for p in sets},
@@ -531,7 +563,8 @@ def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergenc
         metrics["divergences_float32_greedy_share"] = float((divergence_table["float32_choice"] == "greedy").mean())
     metrics["wall_seconds"] = seconds
     table_artifact(key="medusa-benchmark", table=display_rows(rows, SPEED_COLUMNS),
-                   description="Speculative decoders against HF greedy at batch 1 (95 % intervals, * = significant)")
+                   description="Speculative decoders against HF greedy: speed at batch 1, τ and identity at batch 1 "
+                               "and batched (95 % intervals, * = significant)")
     markdown_artifact(key="medusa-benchmark-report", markdown=(out_dir / "report.md").read_text(),
                       description="Medusa / RLMedusa benchmark report")
     return StageResult(metrics=metrics, tables={"medusa_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
@@ -542,15 +575,17 @@ def _report(rows: list[dict], divergences: pd.DataFrame, tree, dtype: str, cfg: 
     rl_eval_path = _medusa_dir(cfg) / "rl" / "evaluation.json"
     lines = [
         "# Speculative decoding benchmark (Medusa, RLMedusa)",
-        (f"\nBatch 1, policy in {dtype.removeprefix('torch.')}, max {s.max_new_tokens} new tokens, {s.acceptance} "
+        (f"\nPolicy in {dtype.removeprefix('torch.')}, max {s.max_new_tokens} new tokens, {s.acceptance} "
          f"verification, a {tree.size}-node tree (root included; "
          f"{'sparse tree from held-out head accuracies' if s.tree == 'auto' else 'as configured'}, choices in "
-         "`tree.json`). τ = generated tokens / model forwards (greedy = 1), and `identical_to_greedy` = share of "
-         "prompts whose output equals HF greedy's token for token (greedy decoding the set in left-padded batches "
-         f"of {s.batch_size}; the `greedy` row is HF greedy at batch 1 against it, on the timed prompts: what batching "
-         "alone changes in this dtype), both over `prompts` prompts. Speedup "
-         "= tokens/s over HF greedy with KV cache, on the first `speed_prompts` prompts, every decoder interleaved "
-         "prompt by prompt. `plain_share` = share of forwards that verified no draft (adaptive mode). Brackets: "
+         "`tree.json`). Rows at `batch` 1 decode the first `speed_prompts` prompts one at a time, timed; "
+         "`<decoder>_batched` rows decode every prompt of the set in batches of "
+         f"{s.batch_size} with the batched tree engine (untimed; every step drafts). τ = generated tokens / model "
+         "forwards (greedy = 1), and `identical_to_greedy` = share of prompts whose output equals HF greedy's token "
+         f"for token (greedy decoding the set in left-padded batches of {s.batch_size}; the `greedy` row is HF greedy "
+         "at batch 1 against it: what batching alone changes in this dtype), both over `prompts` prompts. Speedup "
+         "= tokens/s over HF greedy with KV cache at batch 1, every decoder interleaved prompt by prompt. "
+         "`plain_share` = share of forwards that verified no draft (adaptive mode). Brackets: "
          "95 % bootstrap intervals over prompts (paired with greedy's for the speedup); * = the interval "
          "excludes 1.\n"),
     ]

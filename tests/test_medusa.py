@@ -373,25 +373,32 @@ def _timer(tokens: list[int], seconds: list[float]):
 def test_speed_rows_against_hand_worked_numbers():
     from tasks.medusa import _speed_rows
 
-    def record(decoder, i, tokens, forwards=None, plain=None):
-        return {"prompt_index": i, "decoder": decoder, "tokens": tokens, "new_tokens": len(tokens),
+    def record(decoder, i, tokens, forwards=None, plain=None, batch=1):
+        return {"prompt_index": i, "decoder": decoder, "batch": batch, "tokens": tokens, "new_tokens": len(tokens),
                 "forwards": forwards, "plain_forwards": plain}
 
     records = [record("greedy", 0, [1, 2, 3, 4]), record("prompt_lookup", 0, [1, 2, 3, 4]),
                record("medusa", 0, [1, 2, 3, 4], 2, 1),
                record("greedy", 1, [5, 6]), record("prompt_lookup", 1, [5, 7]), record("medusa", 1, [5, 6], 1, 0),
-               record("medusa", 2, [7, 8, 0], 2, 0)]  # prompt 2 is not timed: Medusa alone decodes it
+               # the batched decoder decodes every prompt, prompt 2 (not timed) included
+               record("medusa_batched", 0, [1, 2, 3, 4], 2, 0, 40), record("medusa_batched", 1, [5, 6], 1, 0, 40),
+               record("medusa_batched", 2, [7, 8, 0], 2, 0, 40)]
     timers = {"greedy": _timer([4, 2], [1.0, 0.5]), "prompt_lookup": _timer([4, 2], [0.8, 0.4]),
               "medusa": _timer([4, 2], [0.5, 0.5])}
     reference = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]  # batched greedy, every prompt
     rows = {r["decoder"]: r for r in _speed_rows("held_out", records, timers, reference)}
-    assert list(rows) == ["greedy", "prompt_lookup", "medusa"]
-    medusa, greedy, lookup = rows["medusa"], rows["greedy"], rows["prompt_lookup"]
+    assert list(rows) == ["greedy", "prompt_lookup", "medusa", "medusa_batched"]
+    medusa, batched, greedy, lookup = rows["medusa"], rows["medusa_batched"], rows["greedy"], rows["prompt_lookup"]
     # τ = Σ tokens / Σ forwards = 9 / 5; per-prompt ratios 2, 2, 1.5 bound every resample's ratio
-    assert medusa["tau"] == pytest.approx(1.8) and 1.5 <= medusa["tau_low"] <= 1.8 <= medusa["tau_high"] <= 2.0
-    assert medusa["tau_significant"]  # above 1 on every resample
-    assert medusa["identical_to_greedy"] == pytest.approx(2 / 3) and medusa["plain_share"] == pytest.approx(1 / 5)
-    assert (medusa["prompts"], medusa["speed_prompts"]) == (3, 2)
+    assert batched["tau"] == pytest.approx(1.8) and 1.5 <= batched["tau_low"] <= 1.8 <= batched["tau_high"] <= 2.0
+    assert batched["tau_significant"]  # above 1 on every resample
+    assert batched["identical_to_greedy"] == pytest.approx(2 / 3) and batched["plain_share"] == 0
+    assert (batched["batch"], batched["prompts"], batched["speed_prompts"]) == (40, 3, 0)
+    assert "speedup_vs_reference" not in batched  # untimed
+    # batch 1: 6 tokens in 3 forwards, one of them plain
+    assert medusa["tau"] == medusa["tau_low"] == medusa["tau_high"] == pytest.approx(2.0)
+    assert medusa["identical_to_greedy"] == 1.0 and medusa["plain_share"] == pytest.approx(1 / 3)
+    assert (medusa["batch"], medusa["prompts"], medusa["speed_prompts"]) == (1, 2, 2)
     assert medusa["speedup_vs_reference"] == pytest.approx((6 / 1.0) / (6 / 1.5))
     assert medusa["speedup_vs_reference_low"] <= medusa["speedup_vs_reference"] <= medusa["speedup_vs_reference_high"]
     assert greedy["tau"] == greedy["tau_low"] == greedy["tau_high"] == 1.0 and not greedy["tau_significant"]
@@ -402,7 +409,8 @@ def test_speed_rows_against_hand_worked_numbers():
     # where batch-1 greedy itself differs from the batched reference (half-precision rounding), its row says so
     rounded = {r["decoder"]: r for r in _speed_rows("held_out", records, timers, [[1, 2, 3, 4], [5, 9], [7, 8, 9]])}
     assert rounded["greedy"]["identical_to_greedy"] == 0.5
-    assert rounded["medusa"]["identical_to_greedy"] == pytest.approx(1 / 3)
+    assert rounded["medusa"]["identical_to_greedy"] == 0.5
+    assert rounded["medusa_batched"]["identical_to_greedy"] == pytest.approx(1 / 3)
 
 
 @pytest.fixture(scope="module")
@@ -510,16 +518,19 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     result = benchmark_medusa_task.fn(cfg)
     out = tmp_path / "data/benchmarks/medusa"
     table = pd.read_csv(out / "table.csv")
-    assert table["prompt_set"].tolist() == ["held_out"] * 3 + ["general"] * 3
-    assert table["decoder"].tolist() == ["greedy", "prompt_lookup", "medusa_supervised"] * 2
+    assert table["prompt_set"].tolist() == ["held_out"] * 4 + ["general"] * 4
+    assert table["decoder"].tolist() == ["greedy", "prompt_lookup", "medusa_supervised", "medusa_supervised_batched"] * 2
+    assert table["batch"].tolist() == [1, 1, 1, 40] * 2
     assert "lossless" not in table.columns
     by = table.set_index(["prompt_set", "decoder"])
-    assert by.loc[("held_out", "medusa_supervised"), "prompts"] == 3 and by.loc[("general", "greedy"), "prompts"] == 2
-    assert by.loc[("held_out", "greedy"), "prompts"] == 2  # batch-1 greedy runs on the timed prompts only
-    assert by.loc[("held_out", "prompt_lookup"), "prompts"] == 2 and (table["speed_prompts"] == 2).all()
+    # batch 1 on the timed prompts only; batched on the whole set, untimed
+    assert (table.loc[table["batch"] == 1, "prompts"] == 2).all() and (table["speed_prompts"] == [2, 2, 2, 0] * 2).all()
+    assert by.loc[("held_out", "medusa_supervised_batched"), "prompts"] == 3
+    assert by.loc[("general", "medusa_supervised_batched"), "prompts"] == 2
+    assert by["speedup_vs_reference"].isna().tolist() == [False, False, False, True] * 2
     assert (table.loc[table["decoder"] != "prompt_lookup", "identical_to_greedy"] == 1.0).all()  # float32: exact
     outputs = pd.read_parquet(out / "outputs.parquet")
-    for (prompt_set, decoder), mine in outputs[outputs["decoder"] == "medusa_supervised"].groupby(
+    for (prompt_set, decoder), mine in outputs[outputs["decoder"].str.startswith("medusa")].groupby(
             ["prompt_set", "decoder"]):
         row = by.loc[(prompt_set, decoder)]
         assert row["tau"] == pytest.approx(mine["new_tokens"].sum() / mine["forwards"].sum())

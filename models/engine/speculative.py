@@ -169,13 +169,20 @@ def root_tree() -> Tree:
 
 
 def tree_candidates(root_token: int, draft_logits: torch.Tensor, tree: Tree) -> torch.Tensor:
-    """The tree's N + 1 tokens: the root, then each node's rank-r draft token at its depth."""
-    if draft_logits.shape[0] < tree.depth:
-        raise ValueError(f"the tree is {tree.depth} deep but the drafter predicts {draft_logits.shape[0]} positions")
-    top = draft_logits[: tree.depth].topk(tree.top_k(), dim=-1).indices  # (D, k)
+    """The tree's N + 1 tokens: the root, then each node's rank-r draft token at its depth, from ``draft_logits``
+    (D', V) with D' ≥ the tree's depth."""
+    return batch_candidates(torch.tensor([root_token]), draft_logits[None], tree)[0]
+
+
+def batch_candidates(roots: torch.Tensor, draft_logits: torch.Tensor, tree: Tree) -> torch.Tensor:
+    """:func:`tree_candidates` of a batch: each row's N + 1 tokens (B, N+1) from its root (B,) and its draft logits
+    (B, D', V)."""
+    if draft_logits.shape[1] < tree.depth:
+        raise ValueError(f"the tree is {tree.depth} deep but the drafter predicts {draft_logits.shape[1]} positions")
+    top = draft_logits[:, : tree.depth].topk(tree.top_k(), dim=-1).indices  # (B, D, k)
     depths, ranks = tree.depths.to(top.device), tree.ranks.to(top.device)
-    tokens = top[(depths - 1).clamp(min=0), ranks]  # (N+1,)
-    tokens[0] = root_token
+    tokens = top[:, (depths - 1).clamp(min=0), ranks]  # (B, N+1)
+    tokens[:, 0] = roots.to(top.device)
     return tokens
 
 
@@ -240,27 +247,36 @@ def tree_forward(model, tokens: torch.Tensor, tree: Tree, cache: DynamicCache) -
     return out.logits[0], out.hidden_states[-1][0]
 
 
-def _accepted_path(tree: Tree, match: torch.Tensor) -> list[int]:
-    """The nodes of the path with the longest run of accepted children (ties: first path), root first.
-
-    ``match[i]``: node i would be accepted given its parent is (root: True).
-    """
+def accepted_paths(tree: Tree, match: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row of ``match`` (B, N+1) — ``match[b, i]``: node i would be accepted given its parent is (root:
+    True) — the path with the longest run of accepted children (ties: the first path): its node indices (B, D+1),
+    root first, entries past the count being filler, and the accepted count, root included (B,)."""
     paths = tree.paths.to(match.device)  # (P, D+1)
-    valid = paths >= 0
-    ok = match[paths.clamp(min=0)] & valid  # (P, D+1)
-    accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (P,) root included
-    best = int(accepted.argmax())
-    return paths[best, : int(accepted[best])].tolist()
+    ok = match[:, paths.clamp(min=0)] & (paths >= 0)  # (B, P, D+1)
+    accepted = ok.long().cumprod(dim=2).sum(dim=2)  # (B, P) root included
+    best = accepted.argmax(dim=1)  # (B,) the first longest
+    return paths[best].clamp(min=0), accepted.gather(1, best[:, None])[:, 0]
+
+
+def _accepted_path(tree: Tree, match: torch.Tensor) -> list[int]:
+    """:func:`accepted_paths` of one row ``match`` (N+1,): the accepted nodes, root first."""
+    nodes, counts = accepted_paths(tree, match[None])
+    return nodes[0, : int(counts[0])].tolist()
+
+
+def greedy_match(tokens: torch.Tensor, predictions: torch.Tensor, tree: Tree) -> torch.Tensor:
+    """Which nodes greedy verification accepts given their parent is (..., N+1): the node's token is its parent's
+    argmax (``predictions``, the model's argmax at each node); the root always."""
+    parents = _parents(tree).to(tokens.device).clamp(min=0)
+    match = tokens == predictions[..., parents]
+    match[..., 0] = True
+    return match
 
 
 def verify_greedy(tokens: torch.Tensor, logits: torch.Tensor, tree: Tree) -> list[int]:
     """Lossless: a node is accepted when its token is its parent's argmax. Returns the accepted nodes."""
-    predictions = logits.argmax(dim=-1)  # (N+1,)
     tokens = tokens.to(logits.device)  # drafts may come from another device than the verifying model
-    parents = _parents(tree).to(tokens.device)
-    match = tokens == predictions[parents.clamp(min=0)]
-    match[0] = True
-    return _accepted_path(tree, match)
+    return _accepted_path(tree, greedy_match(tokens, logits.argmax(dim=-1), tree))
 
 
 
@@ -550,7 +566,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _output(tokens: list[int], room: int, eos_token_ids: set[int]) -> tuple[list[int], bool]:
+def emitted(tokens: list[int], room: int, eos_token_ids: set[int]) -> tuple[list[int], bool]:
     """The tokens that reach the output — at most ``room``, up to an end token included — and whether it ended."""
     step = tokens[:room]
     ended = next((i for i, t in enumerate(step) if t in eos_token_ids), None)
@@ -586,7 +602,7 @@ def speculative_stream(model, drafter: Drafter, verifier: Verifier, input_ids: t
     cache = speculative_cache(model)
     first = drafter.prefill(model, input_ids, cache, verifier)
     stats.forwards += int(cache.get_seq_length() > 0)  # a one-token prompt that is its own root needs no prefill
-    step, ended = _output(first, max_new_tokens, eos_token_ids)
+    step, ended = emitted(first, max_new_tokens, eos_token_ids)
     generated = len(step)
     stats.generated_tokens += generated
     if step:
@@ -598,7 +614,7 @@ def speculative_stream(model, drafter: Drafter, verifier: Verifier, input_ids: t
         past_length = cache.get_seq_length()
         out = forward(model, draft.tokens, draft.tree, cache)
         verdict = verifier(draft, out)
-        step, ended = _output(verdict.tokens, max_new_tokens - generated, eos_token_ids)
+        step, ended = emitted(verdict.tokens, max_new_tokens - generated, eos_token_ids)
         generated += len(step)
         stats.forwards += 1
         stats.generated_tokens += len(step)
