@@ -188,8 +188,9 @@ def test_pipeline_flow_runs_every_stage_and_pushes(dvc_repo, pipeline_result, ti
     # each prompt set (the task's held-out prompts, the general instructions) with every decoder
     assert speed["prompt_set"].unique().tolist() == ["held_out", "general"]
     for _, prompt_set in speed.groupby("prompt_set"):
-        assert prompt_set["decoder"].tolist() == ["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl_base",
-                                                  "medusa_rl_supervised"]
+        medusa = ["medusa_supervised", "medusa_rl_base", "medusa_rl_supervised"]
+        # batch 1 on the timed prompts, then each Medusa decoder batched over the whole set
+        assert prompt_set["decoder"].tolist() == ["greedy", "prompt_lookup", *medusa, *(f"{m}_batched" for m in medusa)]
     assert (speed["identical_to_greedy"] == 1.0).all()
     assert (repo / "data/coral/config.json").is_file() and (repo / "data/coral/loss.png").is_file()
     coral = pd.read_csv(repo / "data/benchmarks/coral/table.csv")
