@@ -344,7 +344,7 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
                                                f"speculative decoding, timed ({set_name})")
         for record in decoded:
             record["batch"] = 1
-        decoded += _batched_decoding(cfg, policy, batched, [ids[0].tolist() for ids in prompt_ids], set_name)
+        decoded += _batched_decoding(cfg, policy, batched, [ids[0].tolist() for ids in prompt_ids], eos, set_name)
         set_records = [{"prompt_set": set_name, "prompt_index": r["prompt_index"], "decoder": r["decoder"],
                         "batch": r["batch"], "tokens": r["tokens"], "new_tokens": len(r["tokens"]),
                         "forwards": r["stats"].forwards if r["stats"] else None,
@@ -415,13 +415,13 @@ def _batched_drafters(cfg: Config, policy, drafters: dict) -> dict:
     return drafters
 
 
-def _batched_decoding(cfg: Config, policy, drafters: dict, prompts: list[list[int]], set_name: str) -> list[dict]:
-    """Each drafter's outputs on every prompt, decoded in batches of ``medusa_benchmark.batch_size`` (one record
-    per prompt, decoder ``<name>_batched``)."""
+def _batched_decoding(cfg: Config, policy, drafters: dict, prompts: list[list[int]], eos: set[int],
+                      set_name: str) -> list[dict]:
+    """Each drafter's outputs on every prompt, decoded in batches of ``medusa_benchmark.batch_size`` up to an end
+    token in ``eos`` (one record per prompt, decoder ``<name>_batched``)."""
     from models.engine.batched import batched_tree_generate
-    from models.engine.generation import end_token_ids
 
-    s, eos = cfg.medusa_benchmark, end_token_ids(policy)
+    s = cfg.medusa_benchmark
     records = []
     for name, drafter in drafters.items():
         for start in tqdm(range(0, len(prompts), s.batch_size), unit="batch",
@@ -548,8 +548,9 @@ def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergenc
         write_table(divergence_table, tmp / "divergences.parquet")
         sets = list(dict.fromkeys(r["prompt_set"] for r in rows))
         bar_plot({p: {r["decoder"]: interval_bar(r, "speedup_vs_reference") for r in rows
-                      if r["prompt_set"] == p and "speedup_vs_reference" in r} for p in sets}, "Speedup over HF greedy (batch 1, same run)", "× greedy tokens/s",
-                 tmp / "speedup.png", reference_line=1.0)
+                      if r["prompt_set"] == p and "speedup_vs_reference" in r} for p in sets},
+                 "Speedup over HF greedy (batch 1, same run)", "× greedy tokens/s", tmp / "speedup.png",
+                 reference_line=1.0)
         bar_plot({p: {r["decoder"]: interval_bar(r, "tau") for r in rows
                       if r["prompt_set"] == p and r["tau"] == r["tau"]} for p in sets},
                  "Mean accepted length τ (tokens per forward)", "τ", tmp / "tau.png", reference_line=1.0)

@@ -519,7 +519,8 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     out = tmp_path / "data/benchmarks/medusa"
     table = pd.read_csv(out / "table.csv")
     assert table["prompt_set"].tolist() == ["held_out"] * 4 + ["general"] * 4
-    assert table["decoder"].tolist() == ["greedy", "prompt_lookup", "medusa_supervised", "medusa_supervised_batched"] * 2
+    assert table["decoder"].tolist() == (["greedy", "prompt_lookup", "medusa_supervised", "medusa_supervised_batched"]
+                                         * 2)
     assert table["batch"].tolist() == [1, 1, 1, 40] * 2
     assert "lossless" not in table.columns
     by = table.set_index(["prompt_set", "decoder"])

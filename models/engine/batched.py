@@ -119,7 +119,8 @@ def batched_tree_generate(model, drafter: TreeDrafter, prompts: Sequence[Sequenc
     tree = drafter.tree
     while going:
         keep = torch.tensor(going, device=device)
-        compact_cache(cache, keep, lengths[keep], nodes[keep], counts[keep], cache_length)
+        if len(going) < len(active) or counts.any():  # rows ended, or the last step's nodes await compaction
+            compact_cache(cache, keep, lengths[keep], nodes[keep], counts[keep], cache_length)
         active, lengths, roots, hidden = active[keep], (lengths + counts)[keep], roots[keep], hidden[keep]
         tokens = batch_candidates(roots, drafter.draft_logits(hidden, roots), tree)  # (B, N+1)
         cache_length = cache.get_seq_length()
@@ -134,24 +135,24 @@ def batched_tree_generate(model, drafter: TreeDrafter, prompts: Sequence[Sequenc
         hidden = out.hidden_states[-1][rows, last_node]  # (B, H)
         path_tokens = tokens.gather(1, nodes)  # (B, D+1), root first
         steps = [path_tokens[b, 1 : counts[b]].tolist() + [int(roots[b])] for b in range(len(active))]
-        for index in active.tolist():
-            stats[index].forwards += 1
-            stats[index].drafted_tokens += tree.size - 1
-        going = _record(outputs, stats, active.tolist(), steps, max_new_tokens, eos_token_ids, cycle=True)
+        going = _record(outputs, stats, active.tolist(), steps, max_new_tokens, eos_token_ids, drafted=tree.size - 1)
     return outputs, stats
 
 
 def _record(outputs: list[list[int]], stats: list[SpeculativeStats], prompts: list[int], steps: list[list[int]],
-            max_new_tokens: int, eos_token_ids: set[int], cycle: bool = False) -> list[int]:
+            max_new_tokens: int, eos_token_ids: set[int], drafted: int | None = None) -> list[int]:
     """Append each cache row's step tokens to its prompt's output (up to an end token or ``max_new_tokens``) and
-    count them; returns the cache rows that go on decoding."""
+    count them — the prefill's (``drafted`` None) or a draft–verify cycle's that offered ``drafted`` drafts per row;
+    returns the cache rows that go on decoding."""
     going = []
     for b, (index, step) in enumerate(zip(prompts, steps, strict=True)):
         room = max_new_tokens - len(outputs[index])
         kept, ended = emitted(step, room, eos_token_ids)
         outputs[index] += kept
         stats[index].generated_tokens += len(kept)
-        if cycle:
+        if drafted is not None:
+            stats[index].forwards += 1
+            stats[index].drafted_tokens += drafted
             stats[index].accepted_lengths.append(len(kept))
             stats[index].accepted_drafts += min(len(step) - 1, len(kept))  # the bonus is no draft
         if not ended and len(outputs[index]) < max_new_tokens:
