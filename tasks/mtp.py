@@ -244,7 +244,10 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     train_prompts = _rl_prompts(cfg, "train").sample(frac=1.0, random_state=r.seed).reset_index(drop=True)
     train_prompts = train_prompts.head(r.steps * r.prompts_per_step)
     eval_prompts = _rl_prompts(cfg, "eval").head(r.eval_prompts)
-    policy = load_stage_policy(cfg, "base", training=True)
+    # The policy in its decoding dtype (bf16 on a CPU with bf16 units, as on a GPU), not float32 as the other
+    # training stages load it on a CPU: most of GRPO's time is sampling, which runs in that dtype as an inference
+    # engine's would, and the updates keep float32 master weights (models.mtp.rl)
+    policy = load_stage_policy(cfg, "base")
     accelerator = stage_accelerator(policy, r.mixed_precision)
     # loaded once for every variant, beside the policy on its device (under a launch, each process's own GPU)
     labeler = build_labeler(component(LabelerSpec, cfg.label, device=cfg.policy.device))
@@ -275,7 +278,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     histories, after = {}, {}
     for name in r.variants:
         var = variant(name, training)
-        policy = load_stage_policy(cfg, "base", training=True)
+        policy = load_stage_policy(cfg, "base")
         module = MTPModule.load(module_dir, policy.model) if var.drafts else None
 
         def on_step(step: int, record: dict, name: str = name) -> None:

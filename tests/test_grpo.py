@@ -297,16 +297,24 @@ def test_bfloat16_policy_moves_at_learning_rate_1e6(tiny_llama):
 
 
 def test_mtp_rl_in_bfloat16_drafts_rollouts_and_trains_both(tiny_llama):
-    """MTP-RL on a bf16 policy: speculative rollouts with bf16 drafts, one update of policy and module (float32
-    master weights under bf16 autocast), both back in bf16."""
+    """MTP-RL on a bf16 policy: speculative rollouts by the bf16 policy with bf16 drafts, one update of policy and
+    module (float32 master weights under bf16 autocast), both back in bf16."""
     policy = _load(tiny_llama, dtype="bfloat16")
     cfg = MTPRLTraining(steps=1, group_size=2, max_new_tokens=6, learning_rate=1e-6, mtp_learning_rate=1e-4)
     module = MTPModule(policy.model, MTPModuleConfig(2))
     policy_before = [p.detach().clone() for p in policy.model.parameters()]
     module_before = [p.detach().clone() for p in module.parameters()]
+    rollout_dtypes = set()
+
+    def reward(questions, responses, answers):  # called inside the rollout phase
+        rollout_dtypes.update(p.dtype for p in [*policy.model.parameters(), *module.parameters()])
+        return VERIFIABLE(questions, responses, answers)
+
     history = train_variant(policy, module, variant("mtp_rl", cfg), _prompts(policy.tokenizer)[:1], QUESTIONS[:1],
-                            ["5"], VERIFIABLE, cfg, [0.6, 0.4], end_token_ids_of(policy.model, policy.tokenizer))
-    assert history[0]["tau"] >= 1 and history[0]["cycles"] > 0 and math.isfinite(history[0]["mtp_ce_1"])
+                            ["5"], reward, cfg, [0.6, 0.4], end_token_ids_of(policy.model, policy.tokenizer))
+    assert history[0]["cycles"] > 0 and math.isfinite(history[0]["mtp_ce_1"])
+    # the rollouts ran on the bf16 policy and module (the float32 masters set aside), not on the masters
+    assert rollout_dtypes == {torch.bfloat16}
     assert all(p.dtype == torch.bfloat16 for p in [*policy.model.parameters(), *module.parameters()])
     assert any(not torch.equal(a, b) for a, b in zip(module_before, module.parameters()))
     assert any(not torch.equal(a, b) for a, b in zip(policy_before, policy.model.parameters()))

@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from torch import nn
 
-from models.common.training import train
+from models.common.training import float32_master_weights, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,6 +83,24 @@ def test_half_precision_model_trains_float32_master_weights():
     assert trained.weight.dtype == torch.bfloat16
     assert torch.all(trained.weight > 2.0 ** -8)  # moved by ≈ 40 · 1e-6 ≥ one bfloat16 spacing
     assert len(history["loss"]) == 40
+
+
+def test_master_weights_lend_their_own_dtype_and_keep_every_bit():
+    """Between updates the parameters are lent back in bfloat16 (a rounding of the masters), and the float32
+    masters come back bit for bit: a master 1e-6 above a bfloat16 value keeps its 1e-6."""
+    linear = nn.Linear(4, 1, bias=False).to(torch.bfloat16)
+    nn.init.constant_(linear.weight, 2.0 ** -8)
+    with float32_master_weights(linear.parameters()) as masters:
+        assert linear.weight.dtype == torch.float32
+        linear.weight.data += 1e-6  # an update below bfloat16's spacing at 2⁻⁸ (2⁻¹⁶ ≈ 1.5e-5)
+        master = linear.weight.detach().clone()
+        with masters.in_own_dtypes():
+            assert linear.weight.dtype == torch.bfloat16
+            assert torch.equal(linear.weight, master.to(torch.bfloat16))
+            assert torch.all(linear.weight == 2.0 ** -8)
+        assert linear.weight.dtype == torch.float32 and torch.equal(linear.weight, master)
+        assert torch.all(linear.weight > 2.0 ** -8)
+    assert linear.weight.dtype == torch.bfloat16
 
 
 def test_cosine_schedule_with_warmup_and_the_log():

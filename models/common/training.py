@@ -36,17 +36,41 @@ if TYPE_CHECKING:
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
+class MasterWeights:
+    """Parameters held in float32 (master weights) while they train; :meth:`in_own_dtypes` lends them back in their
+    own dtypes for inference between updates (a rollout), the masters kept aside untouched."""
+
+    def __init__(self, params: Sequence[nn.Parameter]):
+        self.params = list(params)
+        self.dtypes = [p.dtype for p in self.params]
+
+    @contextmanager
+    def in_own_dtypes(self) -> Iterator[None]:
+        """The parameters in their own dtypes inside the block (a fresh rounding of the masters), the float32
+        masters back after it, not a bit lost. GRPO samples its rollouts here: a bf16 policy samples as fast as it
+        would untrained (on the 2-core CPU a one-token float32 forward costs 1.6× a bf16 one, a 4-token one 2.6×).
+        Memory: the copies in the own dtypes, while the block runs."""
+        masters = [p.data for p in self.params]
+        for p, dtype in zip(self.params, self.dtypes, strict=True):
+            p.data = p.data.to(dtype)  # a no-op for float32 ones
+        try:
+            yield
+        finally:
+            for p, master in zip(self.params, masters, strict=True):
+                p.data = master
+
+
 @contextmanager
-def float32_master_weights(params: Sequence[nn.Parameter]) -> Iterator[None]:
+def float32_master_weights(params: Sequence[nn.Parameter]) -> Iterator[MasterWeights]:
     """The parameters held in float32 inside the block (master weights), cast back to their own dtypes after. At lr
     1e-6 an AdamW step moves a bfloat16 weight by less than half its spacing (2⁻⁸ relative): it would round away."""
-    dtypes = [p.dtype for p in params]
-    for p in params:
+    masters = MasterWeights(params)
+    for p in masters.params:
         p.data = p.data.float()  # a no-op for float32 ones
     try:
-        yield
+        yield masters
     finally:
-        for p, dtype in zip(params, dtypes, strict=True):
+        for p, dtype in zip(masters.params, masters.dtypes, strict=True):
             p.data = p.data.to(dtype)
 
 

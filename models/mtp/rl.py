@@ -419,7 +419,7 @@ def _train(trained, tokenizer, module: MTPModule | None, var: Variant, prompts: 
         accelerator.backward(loss * accelerator.num_processes)
 
     history = []
-    with float32_master_weights(policy_params + module_params):
+    with float32_master_weights(policy_params + module_params) as masters:
         groups = [{"params": policy_params, "lr": cfg.learning_rate}]
         groups += [{"params": module_params, "lr": cfg.mtp_learning_rate}] if module_params else []
         optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.99), weight_decay=0.0)
@@ -434,9 +434,10 @@ def _train(trained, tokenizer, module: MTPModule | None, var: Variant, prompts: 
             this_step = slice(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)
             step_prompts, step_questions, step_answers = (items[this_step][share]
                                                           for items in (prompts, questions, answers))
-            rollouts = collect_rollouts(trained, tokenizer, module if var.drafts else None, step_prompts,
-                                        step_questions, step_answers, reward_fn, cfg, step, eos_token_ids,
-                                        share.start, on_rollout, drafting)
+            with masters.in_own_dtypes():  # sampled in the policy's dtype, as an inference engine would
+                rollouts = collect_rollouts(trained, tokenizer, module if var.drafts else None, step_prompts,
+                                            step_questions, step_answers, reward_fn, cfg, step, eos_token_ids,
+                                            share.start, on_rollout, drafting)
             advantages = group_advantages(rollouts.rewards, cfg.group_size, cfg.advantage_epsilon)
             batch = rollout_batch(rollouts, padding_id(tokenizer), device)
             totals = batch_totals(batch, num_depths, accelerator)
