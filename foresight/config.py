@@ -26,6 +26,7 @@ from models.engine.config import (
     HFDecoder,
     PolicySpec,
     Sampling,
+    SamplingEngineName,
     TypicalAcceptance,
 )
 from models.labeling.config import LabelerName, LabelerSpec
@@ -205,7 +206,21 @@ class GenerateConfig(_Section):
     """New tokens per ``generate`` call: after each call the rows that have ended drop out and the rest go on
     from their KV cache, so finished rows stop costing compute (≥ ``max_new_tokens`` = one call per batch)."""
     seed: int = Sampling.seed
-    """Sampling seed; batch b is seeded with seed + b, so outputs are reproducible."""
+    """Sampling seed; batch b is seeded with seed + b (vLLM: prompt i with seed + i), so outputs are reproducible
+    and a resumed run draws what an uninterrupted one does."""
+    engine: SamplingEngineName = Sampling.engine
+    """``hf`` (Hugging Face ``generate``: the CPU default and the reference) or ``vllm`` (the optional extra, GPU
+    machines: paper-scale jobs). Both write the same table, batch by batch, resuming after a crash
+    (docs/pipeline.md#generation-engines)."""
+    tensor_parallel_size: int = Field(Sampling.tensor_parallel_size, ge=1)
+    """``vllm``: GPUs one copy of the model is split over (vLLM's own workers); 1 with ``hf``."""
+
+    @model_validator(mode="after")
+    def _parallel_needs_vllm(self) -> GenerateConfig:
+        if self.engine == "hf" and self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs engine: vllm (the hf engine "
+                             "runs one model per process)")
+        return self
 
 
 class LabelConfig(_Section):

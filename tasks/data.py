@@ -17,6 +17,7 @@ runs in each process of an ``accelerate launch``, outside any Prefect run, so ta
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -258,27 +259,95 @@ def prepare_prompts_task(cfg: Config) -> StageResult:
 
 @gpu_task("generate-samples")
 def generate_task(cfg: Config) -> StageResult:
-    """Sample N responses per training prompt from the policy."""
+    """Sample N responses per training prompt from the policy with the configured engine, batch by batch: each
+    batch's rows go to a shard as soon as it is done, and a re-run after a crash samples only the batches missing
+    (:mod:`foresight.shards`); the shards become the samples table at the end."""
+    from foresight.shards import ShardStore, shard_folder
     from models.engine.config import Sampling
-    from models.engine.generation import chat_prompts, sample
+    from models.engine.generation import chat_prompts, sample_batches
 
-    logger = get_run_logger()
+    logger = stage_logger()
     started = time.perf_counter()
     prompts_df = read_prompts(cfg, "train")
-    policy = load_stage_policy(cfg, "base")
-    prompts = chat_prompts(policy.tokenizer, prompts_df["question"].tolist(), cfg.prompts.system_prompt)
     sampling = component(Sampling, cfg.generate)
-    logger.info("sampling %d × %d on %s", len(prompts), sampling.num_samples, policy.device)
+    sampler, tokenizer, where = _sampler(cfg, sampling)
+    prompts = chat_prompts(tokenizer, prompts_df["question"].tolist(), cfg.prompts.system_prompt)
+    output = cfg.path(cfg.paths.samples)
+    # what decides the shards' contents: another value of any of these makes old shards useless
+    spec = {"generate": cfg.generate.model_dump(), "policy": cfg.policy.model_dump(),
+            "policy_manifest": _policy_manifest(cfg), "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest()}
+    shards = ShardStore(shard_folder(output), spec)
+    batches = range(-(-len(prompts) // sampling.batch_size))
+    resumed = shards.done() & set(batches)
+    logger.info("sampling %d × %d with %s on %s%s", len(prompts), sampling.num_samples, sampling.engine, where,
+                f"; {len(resumed)} of {len(batches)} batches already sampled by an earlier run" if resumed else "")
 
     progress = progress_artifact(key="generate-progress", description="Batches of prompts sampled")
-    bar = tqdm(total=-(-len(prompts) // sampling.batch_size), desc="generate", unit="batch")
-
-    def on_batch(done: int, total: int) -> None:
+    bar = tqdm(total=len(batches), initial=len(resumed), desc="generate", unit="batch")
+    new_tokens, seconds = 0, 0.0
+    for b, completions, batch_seconds in sample_batches(sampler, prompts, sampling.batch_size, skip=resumed):
+        shards.write(b, _sample_rows(cfg, sampling, prompts_df, prompts, completions))
+        new_tokens += sum(c.response_tokens for c in completions)
+        seconds += batch_seconds
         bar.update(1)
-        progress(100.0 * done / total)
-
-    completions, stats = sample(policy, prompts, sampling, on_batch=on_batch)
+        progress(100.0 * bar.n / len(batches))
     bar.close()
+    samples = shards.read(batches)
+    out = write_table(samples, output)
+    shards.remove()
+    metrics = {
+        "num_samples": len(samples),
+        # this run's sampling only (batches resumed from an earlier run are not timed)
+        "generation_tokens_per_s": new_tokens / seconds if seconds else float("nan"),
+        "generation_seconds": seconds,
+        "new_tokens": new_tokens,
+        "resumed_batches": len(resumed),
+        "mean_response_tokens": float(samples["response_tokens"].mean()),
+        "truncated_share": float((samples["finish_reason"] == "length").mean()),
+        "wall_seconds": time.perf_counter() - started,
+    }
+    logger.info("generated %d samples (%d new tokens at %.1f tok/s)", len(samples), new_tokens,
+                metrics["generation_tokens_per_s"])
+    return StageResult(metrics=metrics, tables={"samples": out})
+
+
+def _sampler(cfg: Config, sampling):
+    """The configured engine (:class:`models.engine.generation.Sampler`), the policy's tokenizer and where it runs.
+    vLLM loads the weights itself: the HF model is never loaded beside it."""
+    from models.engine.config import PolicySpec
+    from models.engine.generation import HFSampler
+
+    if sampling.engine == "hf":
+        policy = load_stage_policy(cfg, "base")
+        return HFSampler(policy, sampling), policy.tokenizer, str(policy.device)
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from models.engine.generation import generation_end_token_ids
+    from models.engine.policy import policy_path
+    from models.engine.vllm_sampling import VLLMSampler
+
+    path = policy_path(cfg.path(cfg.paths.policy_dir))
+    spec = component(PolicySpec, cfg.policy)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.trust_remote_code)
+    try:
+        generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: the model config's end tokens
+        generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+    eos = generation_end_token_ids(generation_config, tokenizer)
+    return (VLLMSampler(path, spec, sampling, tokenizer, eos, sampling.tensor_parallel_size), tokenizer,
+            f"{sampling.tensor_parallel_size} GPU(s)")
+
+
+def _policy_manifest(cfg: Config) -> str:
+    """The prepared policy's manifest (which model, which revision), or "" before it exists."""
+    from models.engine.policy import MANIFEST
+
+    path = cfg.path(cfg.paths.policy_dir) / MANIFEST
+    return path.read_text() if path.is_file() else ""
+
+
+def _sample_rows(cfg: Config, sampling, prompts_df: pd.DataFrame, prompts: list[str], completions) -> pd.DataFrame:
+    """The samples table's rows of some completions."""
     rows = []
     for c in completions:
         src = prompts_df.iloc[c.prompt_index]
@@ -290,19 +359,7 @@ def generate_task(cfg: Config) -> StageResult:
             "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
             "max_new_tokens": sampling.max_new_tokens, "seed": sampling.seed, "model": cfg.policy.model,
         })
-    samples = pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
-    out = write_table(samples, cfg.path(cfg.paths.samples))
-    metrics = {
-        "num_samples": len(samples),
-        "generation_tokens_per_s": stats["tokens_per_s"],
-        "generation_seconds": stats["seconds"],
-        "new_tokens": stats["new_tokens"],
-        "mean_response_tokens": float(samples["response_tokens"].mean()),
-        "truncated_share": float((samples["finish_reason"] == "length").mean()),
-        "wall_seconds": time.perf_counter() - started,
-    }
-    logger.info("generated %d samples at %.1f tok/s", len(samples), stats["tokens_per_s"])
-    return StageResult(metrics=metrics, tables={"samples": out})
+    return pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
 
 
 @gpu_task("label-samples")

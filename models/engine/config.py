@@ -26,6 +26,10 @@ class ClassicalDecoding:
     num_beams: int = 4  # of the ``beam`` decoder
 
 
+SamplingEngineName = Literal["hf", "vllm"]
+"""What samples the generate stage's responses (:mod:`models.engine.generation`, :mod:`models.engine.vllm_sampling`)."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How :func:`models.engine.generation.sample` draws: N samples per prompt at this temperature / top-p / top-k, in seeded batches."""
@@ -37,7 +41,9 @@ class Sampling:
     max_new_tokens: int = 64
     batch_size: int = 24  # prompts per batch, each bringing num_samples sequences
     chunk_tokens: int = 8  # new tokens per generate call; then rows that have ended drop out
-    seed: int = 0  # batch b is seeded with seed + b
+    seed: int = 0  # batch b is seeded with seed + b (vLLM: prompt i with seed + i)
+    engine: SamplingEngineName = "hf"  # hf (generate, the reference) | vllm (GPU machines, the optional extra)
+    tensor_parallel_size: int = 1  # vllm: GPUs one model is split over
 
 
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]

@@ -14,8 +14,9 @@ row-steps were spent on finished rows. The generate stage: docs/pipeline.md.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -42,9 +43,14 @@ def encode_prompt(policy: Policy, prompt: str) -> torch.Tensor:
 
 def end_token_ids(policy: Policy) -> set[int]:
     """Every token id that ends a response: the generation config's eos ids and the tokenizer's."""
-    configured = policy.model.generation_config.eos_token_id
+    return generation_end_token_ids(policy.model.generation_config, policy.tokenizer)
+
+
+def generation_end_token_ids(generation_config, tokenizer) -> set[int]:
+    """:func:`end_token_ids` from a generation config and a tokenizer (a model folder read without its weights)."""
+    configured = generation_config.eos_token_id
     ids = {configured} if isinstance(configured, int) else set(configured or [])
-    ids.add(policy.tokenizer.eos_token_id)
+    ids.add(tokenizer.eos_token_id)
     return {i for i in ids if i is not None}
 
 
@@ -120,49 +126,51 @@ def generate_until_done(model, input_ids: torch.Tensor, attention_mask: torch.Te
     return new
 
 
-@torch.no_grad()
-def sample(
-    policy: Policy,
-    prompts: Sequence[str],
-    cfg: Sampling,
-    on_batch: Callable[[int, int], None] | None = None,
-) -> tuple[list[Completion], dict]:
-    """Draw ``cfg.num_samples`` completions per (already chat-templated) prompt.
+class Sampler(Protocol):
+    """An engine that samples ``Sampling.num_samples`` completions for each prompt of a batch: ``sampler(prompts,
+    batch_index, first_index)`` → completions, prompt by prompt and sample by sample, ``prompt_index`` counted from
+    ``first_index`` (the batch's first prompt among all). Its draws depend on the batch's prompts, its index and the
+    seed only, never on the batches before it: a resumed job reproduces an uninterrupted one."""
 
-    Returns the completions and timing stats (``new_tokens``, ``seconds``, ``tokens_per_s``).
-    ``on_batch(done, total)`` is called after each batch (progress bars, Prefect progress artifacts).
-    """
-    tok, model = policy.tokenizer, policy.model
-    tok.padding_side = "left"
-    eos_ids = end_token_ids(policy)
-    kwargs = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p,
-              "top_k": cfg.top_k}  # explicit: None would fall back to generation_config's top_k (50)
-    completions: list[Completion] = []
-    new_tokens_total, started = 0, time.perf_counter()
-    batches = range(0, len(prompts), cfg.batch_size)
-    for b, start in enumerate(batches):
-        chunk = list(prompts[start : start + cfg.batch_size])
-        enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(policy.device)
-        torch.manual_seed(cfg.seed + b)
+    def __call__(self, prompts: Sequence[str], batch_index: int, first_index: int) -> list[Completion]: ...
+
+
+class HFSampler:
+    """Hugging Face ``generate`` on the loaded policy (the CPU default and the reference): batch ``b`` seeded with
+    ``seed + b``, left-padded, each prompt repeated N times, finished rows dropping out (:func:`generate_until_done`)."""
+
+    def __init__(self, policy: Policy, cfg: Sampling):
+        self.policy, self.cfg = policy, cfg
+        self.eos_ids = end_token_ids(policy)
+        # explicit: None would fall back to generation_config's top_k (50)
+        self.kwargs = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str], batch_index: int, first_index: int) -> list[Completion]:
+        tok, cfg = self.policy.tokenizer, self.cfg
+        tok.padding_side = "left"
+        enc = tok(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False).to(self.policy.device)
+        torch.manual_seed(cfg.seed + batch_index)
         # row p·N + s = sample s of prompt p, as num_return_sequences would expand them
-        new = generate_until_done(model, enc["input_ids"].repeat_interleave(cfg.num_samples, dim=0),
-                                  enc["attention_mask"].repeat_interleave(cfg.num_samples, dim=0), kwargs,
-                                  cfg.max_new_tokens, eos_ids, tok.pad_token_id, cfg.chunk_tokens)
-        lengths, reasons = response_lengths(new, eos_ids)
+        new = generate_until_done(self.policy.model, enc["input_ids"].repeat_interleave(cfg.num_samples, dim=0),
+                                  enc["attention_mask"].repeat_interleave(cfg.num_samples, dim=0), self.kwargs,
+                                  cfg.max_new_tokens, self.eos_ids, tok.pad_token_id, cfg.chunk_tokens)
+        lengths, reasons = response_lengths(new, self.eos_ids)
         prompt_lengths = enc["attention_mask"].sum(dim=1).tolist()
-        for row, (length, reason) in enumerate(zip(lengths, reasons)):
-            p = row // cfg.num_samples
-            completions.append(Completion(
-                prompt_index=start + p,
-                sample_index=row % cfg.num_samples,
-                response=tok.decode(new[row, :length], skip_special_tokens=True).strip(),
-                prompt_tokens=int(prompt_lengths[p]),
-                response_tokens=int(length),
-                finish_reason=reason,
-            ))
-            new_tokens_total += length
-        if on_batch:
-            on_batch(b + 1, len(batches))
-    seconds = time.perf_counter() - started
-    stats = {"new_tokens": new_tokens_total, "seconds": seconds, "tokens_per_s": new_tokens_total / max(seconds, 1e-9)}
-    return completions, stats
+        return [Completion(prompt_index=first_index + row // cfg.num_samples, sample_index=row % cfg.num_samples,
+                           response=tok.decode(new[row, :length], skip_special_tokens=True).strip(),
+                           prompt_tokens=int(prompt_lengths[row // cfg.num_samples]), response_tokens=int(length),
+                           finish_reason=reason)
+                for row, (length, reason) in enumerate(zip(lengths, reasons, strict=True))]
+
+
+def sample_batches(sampler: Sampler, prompts: Sequence[str], batch_size: int,
+                   skip: Container[int] = ()) -> Iterator[tuple[int, list[Completion], float]]:
+    """Each batch of ``batch_size`` prompts but those in ``skip`` (batches already done), in order: its index, its
+    completions and the seconds it took."""
+    for b, start in enumerate(range(0, len(prompts), batch_size)):
+        if b in skip:
+            continue
+        started = time.perf_counter()
+        completions = sampler(prompts[start : start + batch_size], b, start)
+        yield b, completions, time.perf_counter() - started
