@@ -21,7 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.stages import metrics_path, run_streaming
 from foresight.config import Config, load_config
 from foresight.stages import STAGES
-from foresight.tracking import PARENT_RUN_ENV, pipeline_run
+from foresight.tracking import PARENT_RUN_ENV, headline_metrics, pipeline_run
 
 
 def _prefect_api_url() -> str | None:
@@ -56,12 +56,17 @@ def push_task(root: Path) -> None:
     run_streaming([sys.executable, "-m", "dvc", "push"], root, dict(os.environ), "dvc push")
 
 
+def stage_metrics(cfg: Config) -> dict[str, dict]:
+    """Every stage's metrics file (``{}`` for a stage that has not run)."""
+    return {stage.name: json.loads(path.read_text()) if (path := metrics_path(cfg, stage.name)).is_file() else {}
+            for stage in STAGES}
+
+
 def stage_table(cfg: Config, ran: list[str]) -> list[dict]:
     """One row per stage, in pipeline order: whether it ran now, its wall time and headline metrics."""
-    rows = []
+    rows, every = [], stage_metrics(cfg)
     for stage in STAGES:
-        path = metrics_path(cfg, stage.name)
-        metrics = json.loads(path.read_text()) if path.is_file() else {}
+        metrics = every[stage.name]
         row = {"stage": stage.name, "status": "ran" if stage.name in ran else "up to date",
                "seconds": round(metrics.get("stage_seconds", float("nan")), 1)}
         for key in stage.headline:
@@ -92,13 +97,15 @@ def pipeline_flow(params_path: str = "params.yaml", targets: list[str] | None = 
     """
     cfg = load_config(params_path)  # fail on malformed params before anything runs
     root = Path(params_path).resolve().parent
-    with pipeline_run(cfg) as run_id:
+    with pipeline_run(cfg, "pipeline" if not targets else f"pipeline: {' '.join(targets)}") as run_id:
         ran = reproduce_task(root, run_id, targets or [], force)
         rows = stage_table(cfg, ran)
         import mlflow
 
         mlflow.log_dict({"stages": rows}, "pipeline_stages.json")
         mlflow.log_metrics({f"{r['stage']}.seconds": r["seconds"] for r in rows if r["status"] == "ran"})
+        # every stage's headline figures (with their intervals) on the parent run: one row per pipeline run
+        mlflow.log_metrics(headline_metrics(stage_metrics(cfg), {stage.name: stage.headline for stage in STAGES}))
     create_table_artifact(key="pipeline-stages", table=rows, description="Stages of this pipeline run")
     create_markdown_artifact(key="pipeline-summary", markdown=_markdown(rows, run_id, cfg),
                              description="Pipeline run summary")

@@ -47,7 +47,8 @@ from foresight.stages import (
     undeclared_reads,
 )
 from foresight.storage import read_table, write_json
-from foresight.tracking import log_stage_outputs, stage_run
+from foresight.tracking import log_stage_outputs, register_models, stage_run
+from models.common.files import atomic_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,6 +65,19 @@ class UndeclaredReadError(RuntimeError):
 def metrics_path(cfg: Config, stage: str):
     """The stage's DVC metrics file."""
     return cfg.path(cfg.paths.metrics_dir) / f"{stage}.json"
+
+
+def write_curves(curves: dict[str, list[float]], folder: Path) -> None:
+    """Each curve as ``folder/<name>.csv`` (``step,value``; step = index + 1, NaN steps left out, a curve with no
+    number at all left out), the folder replaced whole: the stage's DVC plots."""
+    import pandas as pd
+
+    with atomic_path(folder) as tmp:
+        tmp.mkdir(parents=True)
+        for name, values in curves.items():
+            table = pd.DataFrame({"step": range(1, len(values) + 1), "value": values}).dropna()
+            if len(table):
+                table.to_csv(tmp / f"{name.replace('/', '_')}.csv", index=False)
 
 
 def _task(stage: Stage):
@@ -136,7 +150,8 @@ def _launch(stage: Stage, cfg: Config, params_path: str, overrides: dict | None)
     result = StageResult(metrics={**report["metrics"], "num_processes": report["num_processes"]},
                          curves=report["curves"],
                          tables={k: Path(v) for k, v in report["tables"].items()},
-                         artifacts={k: Path(v) for k, v in report["artifacts"].items()})
+                         artifacts={k: Path(v) for k, v in report["artifacts"].items()},
+                         models={k: Path(v) for k, v in report["models"].items()})
     for artifact in report["pending_artifacts"]:  # made by the main worker, outside any Prefect run
         if artifact.pop("kind") == "table":
             create_table_artifact(**artifact)
@@ -166,6 +181,7 @@ def run_worker(stage_name: str, params_path: str, overrides: dict, result_path: 
         report = {"metrics": result.metrics, "curves": result.curves,
                   "tables": {name: str(path) for name, path in result.tables.items()},
                   "artifacts": {name: str(path) for name, path in result.artifacts.items()},
+                  "models": {name: str(path) for name, path in result.models.items()},
                   "reads": sorted(recording.reads), "pending_artifacts": PENDING_ARTIFACTS,
                   "num_processes": PartialState().num_processes,
                   "modules": undeclared_modules(stage, sys.modules, ROOT)}
@@ -203,8 +219,13 @@ def run_stage(stage: Stage, params_path: str, overrides: dict | None, parent_run
         _check_declarations(stage, reads, modules)
         result.metrics["stage_seconds"] = time.perf_counter() - started
         tables = {name: read_table(path, name) for name, path in result.tables.items()}
-        log_stage_outputs(cfg, result.metrics, tables, result.artifacts, result.curves)
+        registered = register_models(cfg, result.models)
+        result.metrics |= {f"model_version.{name}": version for name, version in registered.items()}
+        attached = {name: path for name, path in result.models.items() if name not in registered}
+        log_stage_outputs(cfg, result.metrics, tables, result.artifacts | attached, result.curves)
     write_json(result.metrics, metrics_path(cfg, stage.name))
+    if stage.curves:
+        write_curves(result.curves, cfg.path(cfg.paths.metrics_dir) / "curves" / stage.name)
     lines = "\n".join(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
                       for k, v in sorted(result.metrics.items()))
     create_markdown_artifact(

@@ -1,9 +1,11 @@
-"""``foresight``: the command line.
+"""``foresight``: the command line. ``--params FILE`` (default ``params.yaml``) goes anywhere on the line.
 
 - ``foresight pipeline``: the whole pipeline on ``params.yaml`` (``dvc repro`` + tracking), then
   where to find the data, the MLflow runs and the Data Docs.
+- ``foresight run STAGE...``: those stages through ``dvc repro`` (with their stale ancestors), with tracking.
 - ``foresight serve``: deployments for every flow, triggerable from the Prefect UI.
 - ``foresight deploy --work-pool POOL``: the same deployments on Prefect work pools (GPU stages on POOL).
+- ``foresight ui``: the MLflow and Prefect UIs on loopback, until Ctrl-C.
 - ``foresight check``: validate ``params.yaml`` and print the resolved configuration.
 - ``foresight dvc-yaml``: print ``dvc.yaml`` as the stage table (``foresight/stages.py``) declares it.
 - ``foresight plan``: each stage's estimated peak GPU memory against the GPUs, and the knob that makes a stage
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,11 +25,19 @@ from foresight.config import ConfigError, load_config
 
 def _pipeline(args) -> int:
     from flows.pipeline import pipeline_flow
+    from foresight.stages import STAGES
 
     cfg = load_config(args.params)
-    result = pipeline_flow(params_path=str(Path(args.params).resolve()), force=args.force, push=not args.no_push)
+    targets = getattr(args, "stages", [])
+    unknown = sorted(set(targets) - {stage.name for stage in STAGES})
+    if unknown:
+        print(f"foresight run: no stage {', '.join(unknown)}; the stages: {', '.join(s.name for s in STAGES)}",
+              file=sys.stderr)
+        return 2
+    result = pipeline_flow(params_path=str(Path(args.params).resolve()), targets=targets, force=args.force,
+                           push=not args.no_push)
     print("\n" + "=" * 72)
-    print("Foresight pipeline finished. Stages:")
+    print(f"Foresight {'pipeline' if not targets else ' '.join(targets)} finished. Stages:")
     for row in result["stages"]:
         extra = ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("stage", "status", "seconds"))
         print(f"  {row['stage']:<16} {row['status']:<11} {row['seconds']:>7} s  {extra}")
@@ -46,6 +57,66 @@ def _serve(args) -> int:
     load_config(args.params)
     serve_main(Path(args.params).resolve())
     return 0
+
+
+def _ui(args) -> int:
+    """Start the MLflow UI on the configured store and a Prefect server (its UI), both on loopback; print the URLs;
+    stop both on Ctrl-C (or SIGTERM)."""
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    cfg = load_config(args.params)
+    host = "127.0.0.1"
+    commands = {
+        "MLflow": ([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", cfg.mlflow_uri(), "--host", host,
+                    "--port", str(args.mlflow_port)], f"http://{host}:{args.mlflow_port}", "/health"),
+        "Prefect": ([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port",
+                     str(args.prefect_port)], f"http://{host}:{args.prefect_port}", "/api/health"),
+    }
+    processes = {name: subprocess.Popen(command, start_new_session=True) for name, (command, _, _) in
+                 commands.items()}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the finally below stops the servers
+
+    def answers(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    try:
+        pending = dict(commands)
+        deadline = time.monotonic() + args.timeout
+        while pending:
+            for name, (_, url, health) in list(pending.items()):
+                if processes[name].poll() is not None:
+                    print(f"foresight ui: the {name} server exited ({processes[name].returncode})", file=sys.stderr)
+                    return 1
+                if answers(url + health):
+                    print(f"{name} UI: {url}", flush=True)
+                    del pending[name]
+            if time.monotonic() > deadline:
+                print(f"foresight ui: {', '.join(pending)} not up after {args.timeout} s", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        print(f"(MLflow store {cfg.mlflow_uri()}; point flows at Prefect with PREFECT_API_URL="
+              f"http://{host}:{args.prefect_port}/api; Ctrl-C stops both)", flush=True)
+        while all(process.poll() is None for process in processes.values()):
+            time.sleep(1)
+        return 1  # a server died
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in processes.values():
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
 
 
 def _check(args) -> int:
@@ -91,26 +162,43 @@ def _plan(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="foresight", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="foresight",
+                                     description="Foresight, the looking-ahead pipeline. --params FILE (default "
+                                                 "params.yaml) goes anywhere on the line.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Docs: README.md (two commands), docs/pipeline.md, docs/gpu.md.")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("pipeline", help="run the whole pipeline (dvc repro) with tracking")
-    run.add_argument("--force", action="store_true", help="re-run stages even if up to date")
-    run.add_argument("--no-push", action="store_true", help="do not push outputs to the DVC remote")
-    run.set_defaults(func=_pipeline)
-    sub.add_parser("serve", help="serve deployments of every flow for the Prefect UI").set_defaults(func=_serve)
-    deployer = sub.add_parser("deploy", help="register every deployment on Prefect work pools (docs/gpu.md)")
+    # --params after the command too (``foresight run generate --params study.yaml``)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--params", default=argparse.SUPPRESS, help="params file (default: params.yaml)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, func):
+        subparser = sub.add_parser(name, help=help, description=help, parents=[common])
+        subparser.set_defaults(func=func)
+        return subparser
+
+    for name, help in (("pipeline", "run the whole pipeline (dvc repro) with tracking"),
+                       ("run", "run STAGE... through dvc repro (with their stale ancestors) with tracking")):
+        runner = command(name, help, _pipeline)
+        if name == "run":
+            runner.add_argument("stages", nargs="+", metavar="STAGE", help="stage names (foresight/stages.py)")
+        runner.add_argument("--force", action="store_true", help="re-run stages even if up to date")
+        runner.add_argument("--no-push", action="store_true", help="do not push outputs to the DVC remote")
+    command("serve", "serve deployments of every flow for the Prefect UI", _serve)
+    deployer = command("deploy", "register every deployment on Prefect work pools (docs/gpu.md)", _deploy)
     deployer.add_argument("--work-pool", required=True, help="pool of the pipeline and the GPU stages")
     deployer.add_argument("--cpu-work-pool", help="pool of the stages that use no GPU (default: --work-pool)")
-    deployer.set_defaults(func=_deploy)
-    sub.add_parser("check", help="validate params.yaml and print it resolved").set_defaults(func=_check)
-    sub.add_parser("dvc-yaml", help="print dvc.yaml from the stage table (foresight dvc-yaml > dvc.yaml)"
-                   ).set_defaults(func=_dvc_yaml)
-    planner = sub.add_parser("plan", help="estimate each stage's peak GPU memory and the knobs that make it fit")
+    ui = command("ui", "start the MLflow and Prefect UIs on loopback and print their URLs (Ctrl-C stops them)", _ui)
+    ui.add_argument("--mlflow-port", type=int, default=5000, help="MLflow UI port (default: 5000)")
+    ui.add_argument("--prefect-port", type=int, default=4200, help="Prefect UI port (default: 4200)")
+    ui.add_argument("--timeout", type=float, default=120, help="seconds to wait for both to answer (default: 120)")
+    command("check", "validate params.yaml and print it resolved", _check)
+    command("dvc-yaml", "print dvc.yaml from the stage table (foresight dvc-yaml > dvc.yaml)", _dvc_yaml)
+    planner = command("plan", "estimate each stage's peak GPU memory and the knobs that make it fit", _plan)
     planner.add_argument("--gpu-memory", type=float, metavar="GiB",
                          help="memory of each GPU to plan for (default: the visible GPUs')")
     planner.add_argument("--gpus", type=int, metavar="N", help="GPUs to plan for (default: the visible ones)")
-    planner.set_defaults(func=_plan)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

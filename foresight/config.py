@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from models.common.config import MixedPrecision
+from models.common.config import MixedPrecision as _MixedPrecision
 from models.coral.config import CoralDecoding, CoralTraining
 from models.engine.config import (
     ClassicalDecoding,
@@ -33,6 +34,10 @@ from models.labeling.config import LabelerName, LabelerSpec
 from models.medusa.config import MedusaTraining, RLMedusaCandidates, RLMedusaTraining, Targets
 from models.mtp.config import MTPInit, MTPRLTraining, MTPTraining, VariantName
 from models.sla.config import DPOTraining, RewardTraining, SLASearch
+
+MixedPrecision = Annotated[_MixedPrecision, BeforeValidator(lambda value: "no" if value is False else value)]
+"""``no`` | ``bf16``. YAML 1.1 reads a bare ``no`` as false, and ``dvc exp run -S`` rewrites params.yaml without
+the quotes that keep it a string: false is read back as ``no``."""
 
 
 class ConfigError(ValueError):
@@ -737,6 +742,10 @@ class LaunchConfig(_Section):
     defaults for ``num_processes`` processes on this machine."""
 
 
+RegisteredModelName = Literal["reward-channel", "reward-channel-dpo", "medusa-heads", "mtp-module", "dpo-policy"]
+"""What a run registers in the MLflow model registry (``tracking.register_models``)."""
+
+
 class TrackingConfig(_Section):
     """MLflow tracking."""
 
@@ -746,6 +755,13 @@ class TrackingConfig(_Section):
     """MLflow experiment name."""
     preview_rows: int = Field(50, ge=0)
     """Rows of each table logged as a preview artifact."""
+    register_models: list[RegisteredModelName] = Field(default_factory=lambda: list(get_args(RegisteredModelName)))
+    """Trained artifacts logged as MLflow models and registered (``<experiment>-<name>``, a new version per run):
+    ``reward-channel`` (and ``reward-channel-dpo``), ``medusa-heads``, ``mtp-module``, ``dpo-policy`` (a whole
+    policy: 0.5 GB for the embedded model, 16 GB for an 8B one; leave it out to save the copy)."""
+    system_metrics: bool = True
+    """MLflow's system metrics on every stage run (CPU, memory, disk, network; GPU utilisation and memory where
+    ``nvidia-ml-py`` is installed)."""
 
 
 class Config(_Section):
@@ -826,12 +842,27 @@ class Config(_Section):
         return relative if relative.is_absolute() else (self.root / relative)
 
     def mlflow_uri(self) -> str:
-        """The tracking URI, with a relative sqlite path made absolute."""
+        """The tracking URI, with a relative sqlite path made absolute (against :attr:`tracking_root`)."""
         uri = self.tracking.mlflow_uri
         prefix = "sqlite:///"
         if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
-            return prefix + str((self.root / uri[len(prefix):]).resolve())
+            return prefix + str((self.tracking_root / uri[len(prefix):]).resolve())
         return uri
+
+    @property
+    def tracking_root(self) -> Path:
+        """What relative tracking paths (the sqlite store, ``mlruns/``) resolve against: the params file's folder,
+        or, in a stage of ``dvc exp run --temp`` / ``--queue`` (``DVC_EXP_NAME`` set), that folder in the repository
+        the experiment came from (``DVC_ROOT``), not in the executor's temporary copy, which DVC deletes: every
+        experiment's runs land in the one store. DVC runs a stage in its repository's root, the working folder."""
+        dvc_root = os.environ.get("DVC_ROOT")
+        if not (os.environ.get("DVC_EXP_NAME") and dvc_root):
+            return self.root
+        try:
+            inside = self.root.resolve().relative_to(Path.cwd().resolve())
+        except ValueError:  # a params file outside the repository: nothing to map
+            return self.root
+        return Path(dvc_root) / inside
 
 
 def _format_errors(err: ValidationError) -> str:

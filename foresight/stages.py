@@ -58,6 +58,9 @@ class Stage:
     distributed: bool = False
     """A training stage: under ``launch.num_processes`` > 1 its task runs in every process of an ``accelerate
     launch`` (data parallel; ``flows.stages``), so it also depends on the ``launch`` section."""
+    curves: bool = False
+    """The task reports per-step curves (``StageResult.curves``): the flow writes each as a CSV (``step,value``)
+    under :attr:`curves_dir`, a DVC plot of the stage (``dvc plots show`` / ``dvc plots diff``)."""
 
     @property
     def dvc_params(self) -> tuple[str, ...]:
@@ -73,6 +76,11 @@ class Stage:
     def metrics_file(self) -> str:
         """The stage's DVC metrics file, as a path expression."""
         return f"${{paths.metrics_dir}}/{self.name}.json"
+
+    @property
+    def curves_dir(self) -> str:
+        """The folder of the stage's curves, one CSV each, as a path expression."""
+        return f"${{paths.metrics_dir}}/curves/{self.name}"
 
 
 def _parse_path(expression: str) -> tuple[str, str | None]:
@@ -163,6 +171,7 @@ STAGES: tuple[Stage, ...] = (
         inputs=("${paths.policy_dir}", "${paths.pairs}"),
         outputs=("${paths.reward_dir}/base",),
         distributed=True,
+        curves=True,
         headline=("pair_accuracy_channel", "autrc_channel", "autrc_adapter1", "autrc_adapter4"),
     ),
     Stage(
@@ -186,6 +195,7 @@ STAGES: tuple[Stage, ...] = (
         inputs=("${paths.dpo_dir}", "${paths.pairs}"),
         outputs=("${paths.reward_dir}/dpo",),
         distributed=True,
+        curves=True,
         headline=("pair_accuracy_channel", "autrc_channel"),
     ),
     Stage(
@@ -214,6 +224,7 @@ STAGES: tuple[Stage, ...] = (
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.samples}"),
         outputs=("${paths.medusa_dir}/supervised", "${paths.medusa_dir}/distilled"),
         distributed=True,
+        curves=True,
         headline=("top1_head1", "top1_head2", "top5_head1"),
     ),
     Stage(
@@ -251,6 +262,7 @@ STAGES: tuple[Stage, ...] = (
         inputs=("${paths.policy_dir}", "${paths.medusa_dir}/distilled", "${paths.scores}"),
         outputs=("${paths.coral_dir}",),
         distributed=True,
+        curves=True,
         headline=("after_top1_forward_1", "after_top1_forward_2", "after_top1_forward_4"),
     ),
     Stage(
@@ -276,6 +288,7 @@ STAGES: tuple[Stage, ...] = (
         inputs=("${paths.policy_dir}", "${paths.medusa_dir}/distilled", "${paths.scores}"),
         outputs=("${paths.mtp_dir}",),
         distributed=True,
+        curves=True,
         headline=("held_out_expected_tau", "held_out_top1_depth_1", "ablation_k1_expected_tau",
                   "ablation_k4_expected_tau"),
     ),
@@ -290,6 +303,7 @@ STAGES: tuple[Stage, ...] = (
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.mtp_dir}"),
         outputs=("${paths.mtp_rl_dir}",),
         distributed=True,
+        curves=True,
         headline=("mtp_rl.rollout_speedup", "mtp_rl.tau_first", "mtp_rl.tau_last", "frozen_mtp.tau_last",
                   "reward_before", "mtp_rl.reward_after"),
     ),
@@ -299,16 +313,18 @@ DVC_HEADER = """\
 # Generated from foresight/stages.py by `foresight dvc-yaml > dvc.yaml`: edit the stage table, not this file
 # (tests/test_stages.py fails when the two differ). One stage per pipeline step; each runs that step's Prefect
 # flow. Paths come from params.yaml.
-# Outputs are `persist: true`: DVC must not delete the last good output before a stage runs, because
-# stages replace their outputs atomically themselves; a failed run leaves the previous version in place
-# (and every version stays in the DVC cache).
+# Outputs are cached, not `persist`: DVC's run cache restores a stage whose code, data and params it has seen
+# before (revert a param and the old results come back without a run). DVC removes a stage's outputs before it
+# runs it; the stages write each output to a temporary path and rename it, so an output is whole or absent, never
+# half-written, and after a failed run `dvc checkout` brings back the last good version.
 """
 
 
-def _yaml_list(key: str, items: Iterable[str], persist: bool = False) -> list[str]:
+def _yaml_list(key: str, items: Iterable[str], properties: dict[str, str] | None = None) -> list[str]:
     lines = [f"    {key}:"]
     for item in items:
-        lines += [f"      - {item}:", "          persist: true"] if persist else [f"      - {item}"]
+        lines += [f"      - {item}:", *(f"          {k}: {v}" for k, v in properties.items())] if properties else [
+            f"      - {item}"]
     return lines
 
 
@@ -319,15 +335,17 @@ def _outermost(paths) -> list[str]:
 
 
 def render_dvc_yaml(stages: Iterable[Stage] = STAGES) -> str:
-    """``dvc.yaml`` for the stages: code (sorted) and inputs as deps, params, persistent outputs and the metrics
-    file."""
+    """``dvc.yaml`` for the stages: code (sorted) and inputs as deps, params, outputs, the metrics file and the
+    curves (plots)."""
     blocks = []
     for stage in stages:
         lines = [f"  {stage.name}:", f"    cmd: python -m flows.stages {stage.name}"]
         lines += _yaml_list("deps", (*_outermost(stage.code), *stage.inputs))
         lines += _yaml_list("params", stage.dvc_params)
-        lines += _yaml_list("outs", stage.outputs, persist=True)
-        lines += _yaml_list("metrics", [stage.metrics_file], persist=True)
+        lines += _yaml_list("outs", stage.outputs)
+        lines += _yaml_list("metrics", [stage.metrics_file])
+        if stage.curves:
+            lines += _yaml_list("plots", [stage.curves_dir], {"x": "step", "y": "value"})
         blocks.append("\n".join(lines) + "\n")
     return DVC_HEADER + "stages:\n" + "\n".join(blocks)
 

@@ -26,10 +26,29 @@ def _mlflow(cfg: Config):
 
     mlflow.set_tracking_uri(cfg.mlflow_uri())
     if mlflow.get_experiment_by_name(cfg.tracking.experiment) is None and cfg.mlflow_uri().startswith("sqlite:"):
-        # MLflow would put artifacts under the *working* folder's ./mlruns; keep them beside the params file.
-        mlflow.create_experiment(cfg.tracking.experiment, artifact_location=(cfg.root / "mlruns").resolve().as_uri())
+        # MLflow would put artifacts under the *working* folder's ./mlruns; keep them beside the sqlite store.
+        location = (cfg.tracking_root / "mlruns").resolve().as_uri()
+        mlflow.create_experiment(cfg.tracking.experiment, artifact_location=location)
     mlflow.set_experiment(cfg.tracking.experiment)
     return mlflow
+
+
+def run_tags(cfg: Config) -> dict[str, str]:
+    """Where a run's results came from: the git commit of the project (``-dirty`` with uncommitted changes) and,
+    inside ``dvc exp run``, the DVC experiment's name and baseline commit; MLflow's UI filters and groups by them."""
+    import subprocess
+
+    tags = {}
+    git = ["git", "-C", str(cfg.root)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    if head.returncode == 0:
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=False).stdout.strip()
+        tags["foresight.git_commit"] = head.stdout.strip() + ("-dirty" if dirty else "")
+    for env, tag in (("DVC_EXP_NAME", "foresight.dvc_experiment"), ("DVC_EXP_BASELINE_REV", "foresight.dvc_baseline")):
+        if os.environ.get(env):
+            tags[tag] = os.environ[env]
+    return tags
 
 
 def flatten(section: dict, prefix: str = "") -> dict[str, str]:
@@ -48,7 +67,7 @@ def flatten(section: dict, prefix: str = "") -> dict[str, str]:
 def pipeline_run(cfg: Config, run_name: str = "pipeline") -> Iterator[str]:
     """Open the parent run; yields its id. The whole params file is logged as params and as an artifact."""
     mlflow = _mlflow(cfg)
-    with mlflow.start_run(run_name=run_name, tags={"foresight.kind": "pipeline"}) as run:
+    with mlflow.start_run(run_name=run_name, tags={"foresight.kind": "pipeline", **run_tags(cfg)}) as run:
         mlflow.log_params(flatten(cfg.model_dump(mode="json", by_alias=True)))
         yield run.info.run_id
 
@@ -58,8 +77,9 @@ def stage_run(cfg: Config, stage: str, sections: list[str], parent_run_id: str |
     """Open a stage's run, nested under the parent when one is given (argument or environment)."""
     mlflow = _mlflow(cfg)
     parent = parent_run_id or os.environ.get(PARENT_RUN_ENV) or None
-    tags = {"foresight.kind": "stage", "foresight.stage": stage}
-    with mlflow.start_run(run_name=stage, nested=parent is not None, parent_run_id=parent, tags=tags) as run:
+    tags = {"foresight.kind": "stage", "foresight.stage": stage, **run_tags(cfg)}
+    with mlflow.start_run(run_name=stage, nested=parent is not None, parent_run_id=parent, tags=tags,
+                          log_system_metrics=cfg.tracking.system_metrics) as run:
         dumped = cfg.model_dump(mode="json", by_alias=True)
         mlflow.log_params(flatten({s: dumped[s] for s in sections}))
         yield run.info.run_id
@@ -85,3 +105,40 @@ def log_stage_outputs(cfg: Config, metrics: dict, tables: dict[str, pd.DataFrame
     for name, folder in artifact_dirs.items():
         if Path(folder).is_dir():
             mlflow.log_artifacts(str(folder), artifact_path=name)
+
+
+def register_models(cfg: Config, folders: dict[str, Path]) -> dict[str, int]:
+    """Each folder of ``folders`` (name → trained artifact) that ``tracking.register_models`` names, as a logged model
+    of the active run (its files copied into MLflow's store) registered as ``<experiment>-<name>``: a new version
+    each run, linked to the run and tagged with the git commit. Returns the version numbers registered.
+    ``mlflow.artifacts.download_artifacts("models:/<experiment>-<name>/<version>")`` brings a version back."""
+    import mlflow
+    from mlflow.entities import LoggedModelStatus
+
+    client = mlflow.MlflowClient()
+    versions = {}
+    for name, folder in folders.items():
+        if name not in cfg.tracking.register_models:
+            continue
+        if not Path(folder).is_dir():
+            raise FileNotFoundError(f"model {name}: no folder {folder} to register")
+        registered = f"{cfg.tracking.experiment}-{name}"
+        model = mlflow.initialize_logged_model(name=registered, model_type=name, tags=run_tags(cfg))
+        client.log_model_artifacts(model.model_id, str(folder))
+        mlflow.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        versions[name] = int(mlflow.register_model(f"models:/{model.model_id}", registered).version)
+    return versions
+
+
+def headline_metrics(stage_metrics: dict[str, dict], headlines: dict[str, tuple[str, ...]]) -> dict[str, float]:
+    """``<stage>.<metric>`` for each stage's headline metrics, with their interval bounds (``<metric>_low`` /
+    ``_high``) where the stage wrote them: the parent run's row in MLflow's run table, so pipeline runs compare
+    side by side."""
+    flat = {}
+    for stage, metrics in stage_metrics.items():
+        for key in headlines.get(stage, ()):
+            for name in (key, f"{key}_low", f"{key}_high"):
+                value = metrics.get(name)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    flat[f"{stage}.{name}"] = float(value)
+    return flat

@@ -118,13 +118,15 @@ def progress_artifact(key: str, description: str):
 
 @dataclass
 class StageResult:
-    """What a stage reports: scalar metrics, tables to preview in MLflow, folders to attach, and training
-    curves (one value per step) to log as MLflow metric histories."""
+    """What a stage reports: scalar metrics, tables to preview in MLflow, folders to attach, training curves (one
+    value per step) to log as MLflow metric histories, and the trained artifacts users reuse (``models``: name →
+    folder; registered in MLflow's model registry when ``tracking.register_models`` names them, else attached)."""
 
     metrics: dict
     curves: dict[str, list[float]] = field(default_factory=dict)
     tables: dict[str, Path] = field(default_factory=dict)
     artifacts: dict[str, Path] = field(default_factory=dict)
+    models: dict[str, Path] = field(default_factory=dict)
 
 
 POLICY_SOURCES = ("base", "dpo")

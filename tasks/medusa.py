@@ -155,7 +155,8 @@ def train_medusa_task(cfg: Config) -> StageResult:
                **_accuracy_metrics("", accuracy),
                **{key: value for name, a in by_set.items() for key, value in _accuracy_metrics(f"{name}_", a).items()},
                "wall_seconds": time.perf_counter() - started}
-    return StageResult(metrics=metrics, artifacts={"medusa_supervised": out})
+    curves = {key: history[key] for key in ("loss", *(f"ce_head{k + 1}" for k in range(m.num_heads)))}
+    return StageResult(metrics=metrics, curves=curves, models={"medusa-heads": out})
 
 
 def _distil(cfg: Config, policy, training, folder: Path) -> None:

@@ -126,7 +126,7 @@ def train_mtp_task(cfg: Config) -> StageResult:
                "wall_seconds": time.perf_counter() - started}
     curves = dict(histories[m.num_depths])
     return StageResult(metrics=metrics, curves=curves, tables={"mtp_ablation": out / "ablation.csv"},
-                       artifacts={"mtp": out})
+                       artifacts={"mtp": out}, models={"mtp-module": out / "module"})
 
 
 def _chain_evaluation(acceptance) -> dict:

@@ -177,7 +177,13 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
         _write_reward_heads(Path(out_dir), models, curves, histories)
     accelerator.wait_for_everyone()  # no process returns before the folder is whole
     metrics["wall_seconds"] = time.perf_counter() - started
-    return StageResult(metrics=metrics, artifacts={"reward": Path(out_dir)})
+    # per head: the training loss by step, and the held-out token-level reward curve by point (AuTRC is its area)
+    steps = {f"{_metric_key(name)}.{key}": history[key] for name, history in histories.items()
+             for key in ("loss", "train_pair_accuracy")}
+    trc = {f"{_metric_key(name)}.reward_curve": list(curve["accuracy"]) for name, curve in curves.items()}
+    channel = "reward-channel" if policy_source == "base" else f"reward-channel-{policy_source}"
+    return StageResult(metrics=metrics, curves=steps | trc, artifacts={"reward": Path(out_dir)},
+                       models={channel: Path(out_dir) / "channel"})
 
 
 def _write_reward_heads(out_dir: Path, models: dict, curves: dict[str, dict],
@@ -240,7 +246,7 @@ def dpo_task(cfg: Config) -> StageResult:
                 metrics.get("loss_first", float("nan")), metrics.get("loss_last", float("nan")),
                 cell(before, "accuracy"), cell(after, "accuracy"), after["margin"], len(held_out),
                 after["num_prompts"])
-    return StageResult(metrics=metrics)
+    return StageResult(metrics=metrics, models={"dpo-policy": cfg.path(cfg.paths.dpo_dir)})
 
 
 TABLE_COLUMNS = ["policy", "decoder", "versus", "win", "tie", "loss", "win_rate", "mean_reward", "accuracy",

@@ -75,6 +75,32 @@ def test_relative_sqlite_uri_resolves_against_params_folder(tmp_path):
     assert cfg.mlflow_uri() == "sqlite:////abs/mlflow.db"
 
 
+def test_in_a_dvc_experiment_the_store_stays_in_the_repository_it_came_from(tmp_path, monkeypatch):
+    """``dvc exp run --temp`` runs the stages in a temporary copy of the repository (the working folder) and names
+    the original in ``DVC_ROOT``: a relative store resolves there, so every experiment's runs land in one store."""
+    executor, origin = tmp_path / "exps" / "tmp123", tmp_path / "repo"
+    executor.mkdir(parents=True)
+    monkeypatch.chdir(executor)
+    cfg = parse_config({}, root=Path("."))
+    assert cfg.mlflow_uri() == f"sqlite:///{executor.resolve()}/mlflow.db"  # a plain `dvc repro`: here
+    monkeypatch.setenv("DVC_ROOT", str(origin))
+    assert cfg.mlflow_uri() == f"sqlite:///{executor.resolve()}/mlflow.db"  # DVC_ROOT alone: any stage run
+    monkeypatch.setenv("DVC_EXP_NAME", "tidy-lark")
+    assert cfg.mlflow_uri() == f"sqlite:///{origin.resolve()}/mlflow.db"
+    assert parse_config({}, root=Path("sub")).tracking_root == origin / "sub"
+
+
+def test_a_bare_no_that_yaml_reads_as_false_is_no(tmp_path):
+    """``dvc exp run -S`` rewrites params.yaml, dropping the quotes of ``mixed_precision: "no"``; YAML 1.1 then
+    reads false."""
+    path = tmp_path / "params.yaml"
+    path.write_text("mtp_rl:\n  mixed_precision: no\ncoral:\n  mixed_precision: bf16\n")
+    cfg = load_config(path)
+    assert cfg.mtp_rl.mixed_precision == "no" and cfg.coral.mixed_precision == "bf16"
+    with pytest.raises(ConfigError, match="mixed_precision"):
+        parse_config({"mtp_rl": {"mixed_precision": True}})
+
+
 def test_every_field_is_documented():
     from pydantic import BaseModel
 

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -73,7 +74,8 @@ def dvc_repo(tmp_path_factory, tiny_llama, tiny_armorm, prefect_server):
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (repo / ".gitignore").write_text("__pycache__/\nmlflow.db\nmlruns/\n")
 
-    env = dict(os.environ, PREFECT_API_URL=prefect_server,
+    # MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL: every second (default 10), for the tiny stages to have some
+    env = dict(os.environ, PREFECT_API_URL=prefect_server, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                GIT_AUTHOR_NAME="test", GIT_AUTHOR_EMAIL="test@example.com",
                GIT_COMMITTER_NAME="test", GIT_COMMITTER_EMAIL="test@example.com")
@@ -108,6 +110,7 @@ def pipeline_result(dvc_repo):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(repo)  # MLflow puts a new experiment's artifacts under the working directory
         mp.setenv("PATH", env["PATH"])  # reproduce_task passes os.environ on to dvc and the stages
+        mp.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", env["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"])
         started = time.perf_counter()
         state = pipeline_flow(params_path=str(repo / "params.yaml"), push=True, return_state=True)
         assert state.is_completed(), state
@@ -250,6 +253,40 @@ def test_pipeline_mlflow_runs_nest_under_one_parent(dvc_repo, pipeline_result):
         assert [m.step for m in client.get_metric_history(rl_run, key)] == [1], key
 
 
+def test_pipeline_registers_models_and_puts_the_headlines_on_the_parent_run(dvc_repo, pipeline_result):
+    """The reusable artifacts are registered model versions linked to their stage's run (and their files come
+    back from the registry); the parent run carries every stage's headline figures with their intervals, and
+    every run the git commit it ran."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    repo, _, _ = dvc_repo
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    by_stage = _stage_runs(repo, pipeline_result["mlflow_run_id"])
+    registered = {"reward-channel": "train_reward", "reward-channel-dpo": "train_reward_dpo",
+                  "medusa-heads": "train_medusa", "mtp-module": "train_mtp", "dpo-policy": "dpo"}
+    for name, stage in registered.items():
+        versions = client.search_model_versions(f"name = 'test-{name}'")
+        assert len(versions) == 1, name
+        assert versions[0].run_id == by_stage[stage].info.run_id, name
+        assert by_stage[stage].data.metrics[f"model_version.{name}"] == float(versions[0].version)
+    mlflow.set_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}")
+    heads = Path(mlflow.artifacts.download_artifacts("models:/test-medusa-heads/1"))
+    assert (heads / "heads.safetensors").read_bytes() == (repo / "data/medusa/supervised/heads.safetensors").read_bytes()
+
+    parent = client.get_run(pipeline_result["mlflow_run_id"])
+    reward = json.loads((repo / "data/metrics/train_reward.json").read_text())
+    for key in ("autrc_channel", "autrc_channel_low", "autrc_channel_high"):
+        assert parent.data.metrics[f"train_reward.{key}"] == pytest.approx(reward[key])
+    assert "benchmark_medusa.held_out.medusa_supervised.speedup_vs_reference_low" in parent.data.metrics
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    for run in [parent, *by_stage.values()]:
+        assert run.data.tags["foresight.git_commit"].startswith(commit)
+    # system metrics (sampled every second here: every stage that ran long enough has some)
+    assert any(key.startswith("system/cpu_utilization_percentage") for key in by_stage["train_coral"].data.metrics)
+
+
 def test_pipeline_prefect_artifacts(dvc_repo, pipeline_result):
     flow_run_id = pipeline_result["flow_run_id"]
     table = _read_artifacts("pipeline-stages", flow_run_id)
@@ -329,12 +366,14 @@ def test_changed_param_reruns_only_downstream_stages(dvc_repo, pipeline_result):
 
 
 def test_failing_stage_names_the_problem_and_keeps_earlier_outputs(dvc_repo, pipeline_result):
-    """A missing reward model: ``dvc repro`` fails with a message naming it; no output is lost or half-written."""
+    """A missing reward model: ``dvc repro`` fails with a message naming it; no output is lost or half-written. DVC
+    removed the failed stage's output before running it (outputs are cached, not ``persist``): ``dvc checkout``
+    brings back the last good version, byte for byte."""
     repo, _, env = dvc_repo
     params_path = repo / "params.yaml"
     original = params_path.read_text()
-    kept = {p: (repo / p).read_bytes() for p in ("data/labels/scores.parquet", "data/pairs/pairs.parquet",
-                                                 "data/samples/samples.parquet")}
+    scores = "data/labels/scores.parquet"
+    kept = {p: (repo / p).read_bytes() for p in (scores, "data/pairs/pairs.parquet", "data/samples/samples.parquet")}
     params = yaml.safe_load(original)
     params["label"]["model"] = str(repo / "no-such-reward-model")
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
@@ -345,10 +384,14 @@ def test_failing_stage_names_the_problem_and_keeps_earlier_outputs(dvc_repo, pip
         assert proc.returncode != 0, out
         assert _ran(out) == ["label"], out  # validate never ran on the failed stage's output
         assert "ERROR: stage label failed" in out and "no-such-reward-model" in out, out[-3000:]
+        assert not (repo / scores).exists(), "DVC removes the output of the stage it runs"
         for path, content in kept.items():
-            assert (repo / path).read_bytes() == content, f"{path} changed after a failed run"
+            if path != scores:
+                assert (repo / path).read_bytes() == content, f"{path} changed after a failed run"
     finally:
         params_path.write_text(original)
+    _dvc("checkout", "label", repo=repo, env=env)
+    assert (repo / scores).read_bytes() == kept[scores]
     assert _ran(_dvc("repro", repo=repo, env=env)) == [], "restoring the params must make everything up to date"
 
 
@@ -388,3 +431,69 @@ def test_training_stage_runs_in_two_processes(dvc_repo, pipeline_result):
         assert runs[0].data.metrics["num_processes"] == 2
     finally:
         params_path.write_text(original)
+
+
+def test_experiments_share_one_store_and_a_reverted_param_restores_from_the_run_cache(dvc_repo, pipeline_result):
+    """``dvc exp run --temp -S generate.seed=1 generate`` samples in a temporary copy of the repository; its MLflow
+    run lands in the repository's store, tagged with the experiment's name. The same change in the workspace is
+    then restored from DVC's run cache without a run, and so is going back to seed 0: the first samples, byte for
+    byte (outputs are cached, not ``persist``)."""
+    from mlflow.tracking import MlflowClient
+
+    repo, _, env = dvc_repo
+    params_path = repo / "params.yaml"
+    original = params_path.read_text()
+    samples = repo / "data/samples/samples.parquet"
+    first = samples.read_bytes()
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("test")
+
+    def generate_runs() -> list:
+        return client.search_runs([experiment.experiment_id], "tags.`foresight.stage` = 'generate'",
+                                  order_by=["attributes.start_time DESC"])
+
+    cached = "Stage 'generate' is cached - skipping run, checking out outputs"
+    try:
+        runs = len(generate_runs())
+        out = _dvc("exp", "run", "--temp", "-n", "seed-one", "-S", "generate.seed=1", "generate", repo=repo, env=env)
+        assert _ran(out) == ["generate"], out
+        assert samples.read_bytes() == first  # the workspace is untouched by a --temp experiment
+        latest = generate_runs()
+        assert len(latest) == runs + 1, "the temporary copy's run must land in the repository's store"
+        assert latest[0].data.tags["foresight.dvc_experiment"] == "seed-one"
+        assert latest[0].data.params["generate.seed"] == "1"
+
+        out = _dvc("exp", "run", "-S", "generate.seed=1", "generate", repo=repo, env=env)
+        assert _ran(out) == [] and cached in out, out
+        seed_one = samples.read_bytes()
+        assert seed_one != first
+
+        out = _dvc("exp", "run", "-S", "generate.seed=0", "generate", repo=repo, env=env)
+        assert _ran(out) == [] and cached in out, out
+        assert samples.read_bytes() == first and len(generate_runs()) == runs + 1
+    finally:
+        params_path.write_text(original)
+        _dvc("checkout", repo=repo, env=env)
+    assert _ran(_dvc("repro", repo=repo, env=env)) == []
+
+
+def test_training_curves_are_dvc_plots(dvc_repo, pipeline_result):
+    """Each training stage's curves are CSVs (step, value) under data/metrics/curves/<stage>/, declared as the
+    stage's plots: ``dvc plots show`` renders them and ``dvc plots diff`` compares them between experiments."""
+    repo, _, env = dvc_repo
+    curve_stages = [stage.name for stage in foresight.stages.STAGES if stage.curves]
+    assert {"train_reward", "train_medusa", "train_mtp_rl"} <= set(curve_stages)
+    for stage in curve_stages:
+        files = sorted((repo / "data/metrics/curves" / stage).glob("*.csv"))
+        assert files, stage
+        for file in files:
+            table = pd.read_csv(file)
+            assert list(table.columns) == ["step", "value"] and len(table) > 0, file
+            assert table["step"].is_monotonic_increasing and table["value"].notna().all(), file
+    loss = pd.read_csv(repo / "data/metrics/curves/train_medusa/loss.csv")
+    history = json.loads((repo / "data/medusa/supervised/history.json").read_text())
+    assert loss["value"].tolist() == pytest.approx(history["loss"])
+    shown = json.loads(_dvc("plots", "show", "--json", repo=repo, env=env))
+    rendered = json.dumps(shown)
+    for stage in curve_stages:
+        assert f"data/metrics/curves/{stage}/" in rendered, stage

@@ -55,6 +55,32 @@ def test_missing_folder_and_offline_hub_id_fail_clearly(tmp_path):
         load_policy(PolicySpec(), tmp_path / "never-prepared")
 
 
+def test_a_hub_policy_is_recorded_by_repo_id_and_commit_not_by_cache_path(tiny_llama, tmp_path, monkeypatch):
+    """The manifest travels with ``dvc pull``: it names the repo and the commit its revision resolved to, and each
+    machine finds those weights in its own Hugging Face cache (here an offline cache laid out as the hub's)."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny-policy"
+    shutil.copytree(tiny_llama, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    manifest = prepare_policy(PolicySpec(model="someone/tiny-policy", revision="main"), tmp_path / "policy")
+    assert manifest == {"kind": "hub", "model": "someone/tiny-policy", "revision": "main", "commit": commit}
+    assert str(tmp_path) not in (tmp_path / "policy" / MANIFEST).read_text()
+    pulled = tmp_path / "elsewhere"  # what `dvc pull` brings to another machine: the manifest alone
+    pulled.mkdir()
+    shutil.copy(tmp_path / "policy" / MANIFEST, pulled / MANIFEST)
+    (repo / "refs" / "main").write_text("f" * 40)  # the branch moved on: the manifest's commit still loads
+    policy = load_policy(PolicySpec(model="someone/tiny-policy", device="cpu", dtype="float32"), pulled)
+    assert policy.model.config.vocab_size > 0
+
+
 def test_embedded_gguf_is_found_without_importing_the_package():
     import sys
 

@@ -191,17 +191,22 @@ def prepare_policy(cfg: PolicySpec, policy_dir: Path) -> dict:
         raise PolicyNotFoundError(f"policy.model folder {cfg.model} does not exist")
     else:
         snapshot = _hub_snapshot(cfg.model, cfg.revision)
-        manifest = {"kind": "hub", "model": cfg.model, "revision": cfg.revision, "path": str(snapshot)}
+        # the repo id and the commit the revision resolved to (the snapshot folder's name), not this machine's
+        # cache path: the manifest travels with `dvc pull`, and another machine finds or fetches the same weights
+        manifest = {"kind": "hub", "model": cfg.model, "revision": cfg.revision, "commit": snapshot.name}
     write_json(manifest, policy_dir / MANIFEST)
     return manifest
 
 
 def policy_path(policy_dir: Path) -> Path:
-    """Folder holding the prepared weights, read from the manifest."""
+    """Folder holding the prepared weights, read from the manifest (a hub model: its pinned commit in the Hugging
+    Face cache, fetched there if missing and the hub is reachable)."""
     manifest_path = Path(policy_dir) / MANIFEST
     if not manifest_path.is_file():
         raise PolicyNotFoundError(f"no prepared policy in {policy_dir}: run the prepare_policy stage first")
     manifest = json.loads(manifest_path.read_text())
+    if manifest["kind"] == "hub":
+        return _hub_snapshot(manifest["model"], manifest["commit"])
     path = Path(manifest["path"])
     return path if path.is_absolute() else Path(policy_dir) / path
 
