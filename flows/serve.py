@@ -1,8 +1,14 @@
-"""Register one deployment per flow with a running Prefect server: served here, or on work pools.
+"""Register the deployments with a running Prefect server: served here, or on work pools.
+
+One deployment runs the whole pipeline, and one per stage runs that stage: every one of them is the ``pipeline``
+flow (``dvc repro``, with ``targets`` = the stage for a stage's deployment), so a stage triggered from the UI
+runs through DVC, with its stale ancestors, and ``dvc.lock``, the metrics and the DVC remote stay true whichever
+way it was started. DVC then runs the stage's own flow (``python -m flows.stages STAGE``), which reports to the
+same Prefect server.
 
 ``foresight serve`` (or ``python -m flows.serve``) blocks, polling the server for runs triggered from
-the UI (Deployments → a flow → Run → Quick run, or Custom run to edit its parameters) or the API
-(``prefect deployment run 'pipeline/pipeline'``). No work pool is needed: ``prefect.serve`` runs
+the UI (Deployments → a deployment → Run → Quick run, or Custom run to edit its parameters) or the API
+(``prefect deployment run 'pipeline/train-medusa'``). No work pool is needed: ``prefect.serve`` runs
 them in this process's machine, in the repository folder.
 
 ``foresight deploy --work-pool gpu-pool`` registers the same deployments on work pools instead (docs/gpu.md):
@@ -19,22 +25,29 @@ from uuid import UUID
 from prefect import Flow, serve
 
 from flows.pipeline import pipeline_flow
-from flows.stages import STAGE_FLOWS, _task
+from flows.stages import _task
 from foresight.stages import STAGES
 from tasks.data import GPU_TAG
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _deployment_specs(params_path: Path) -> list[tuple[str, dict, str, bool]]:
+    """(name, parameters, description, whether it runs a network on a GPU) of the pipeline's deployment and each
+    stage's, all of the pipeline flow."""
+    params = {"params_path": str(params_path)}
+    pipeline = ("pipeline", params, (pipeline_flow.description or "").strip().splitlines()[0], True)
+    stages = [(stage.flow_name, {**params, "targets": [stage.name]},
+               f"{stage.description} Runs dvc repro {stage.name} (the stage and its stale ancestors).",
+               GPU_TAG in _task(stage).tags) for stage in STAGES]
+    return [pipeline, *stages]
+
+
 def deployments(params_path: Path = ROOT / "params.yaml") -> list:
-    """A deployment per flow (the pipeline's and one per stage of the stage table); each defaults to this
-    repository's params file and shows its flow's one-line description in the UI."""
-    flows = [pipeline_flow, *STAGE_FLOWS.values()]
-    return [
-        f.to_deployment(name=f.name, parameters={"params_path": str(params_path)}, tags=["foresight"],
-                        description=(f.description or "").strip().splitlines()[0])
-        for f in flows
-    ]
+    """The pipeline's deployment and one per stage of the stage table, each defaulting to this repository's params
+    file and showing its one-line description in the UI."""
+    return [pipeline_flow.to_deployment(name=name, parameters=parameters, tags=["foresight"], description=description)
+            for name, parameters, description, _ in _deployment_specs(params_path)]
 
 
 def main(params_path: Path = ROOT / "params.yaml") -> None:
@@ -46,25 +59,14 @@ if __name__ == "__main__":
     main()
 
 
-def _entrypoints() -> list[tuple[Flow, str, bool]]:
-    """(flow, entrypoint, whether it runs a network on a GPU) for the pipeline and every stage."""
-    stages = [(STAGE_FLOWS[stage.name], f"flows/stages.py:{stage.name}_flow", GPU_TAG in _task(stage).tags)
-              for stage in STAGES]
-    return [(pipeline_flow, "flows/pipeline.py:pipeline_flow", True), *stages]
-
-
 def deploy(work_pool: str, cpu_work_pool: str | None = None, params_path: Path = ROOT / "params.yaml") -> list[UUID]:
     """Register every deployment on a work pool (no image: workers run this folder's code); returns their ids.
 
     The pipeline and the GPU stages go to ``work_pool``; the CPU-only stages to ``cpu_work_pool`` (default:
     ``work_pool`` too). GPU deployments carry the ``gpu`` tag as well, for filtering in the UI.
     """
-    ids = []
-    for f, entrypoint, gpu in _entrypoints():
-        source = Flow.from_source(source=str(ROOT), entrypoint=entrypoint)
-        ids.append(source.deploy(name=f.name, work_pool_name=work_pool if gpu else cpu_work_pool or work_pool,
-                                 parameters={"params_path": str(params_path)},
-                                 tags=["foresight", *([GPU_TAG] if gpu else [])],
-                                 description=(f.description or "").strip().splitlines()[0],
-                                 build=False, push=False, print_next_steps=False))
-    return ids
+    source = Flow.from_source(source=str(ROOT), entrypoint="flows/pipeline.py:pipeline_flow")
+    return [source.deploy(name=name, work_pool_name=work_pool if gpu else cpu_work_pool or work_pool,
+                          parameters=parameters, tags=["foresight", *([GPU_TAG] if gpu else [])],
+                          description=description, build=False, push=False, print_next_steps=False)
+            for name, parameters, description, gpu in _deployment_specs(params_path)]

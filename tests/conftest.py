@@ -15,6 +15,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 from tests.tiny import (  # noqa: E402
     build_remote_code_classifier,
@@ -27,6 +28,8 @@ from tests.tiny import (  # noqa: E402
 # badly (forwards measured 10-40x slower); subprocesses the tests start keep torch's default.
 torch.set_num_threads(1)
 
+
+REPO = Path(__file__).resolve().parent.parent
 
 # The longest file first: under pytest-xdist (``--dist loadfile``, pyproject.toml) one worker spends the run on the
 # DVC pipeline, mostly waiting for stage processes to start, while the other takes every other file.
@@ -108,6 +111,32 @@ def tiny_params(root: Path, model: Path, **sections) -> dict:
     for name, values in sections.items():
         params.setdefault(name, {}).update(values)
     return params
+
+
+def make_dvc_repo(repo: Path, params: dict, env: dict, remote: Path | None = None) -> None:
+    """A committed git + DVC repository at ``repo`` with this project's code, ``dvc.yaml`` and ``params`` (written
+    resolved: DVC reads params.yaml itself, and the config's defaults are invisible to it); ``remote``: a local
+    DVC remote. ``env``: the environment of its git and dvc commands (a git identity included)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from foresight.config import parse_config
+
+    repo.mkdir(parents=True, exist_ok=True)
+    for package in ("foresight", "models", "tasks", "flows"):
+        shutil.copytree(REPO / package, repo / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy(REPO / "dvc.yaml", repo / "dvc.yaml")
+    resolved = parse_config(params).model_dump(mode="json", by_alias=True)
+    (repo / "params.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    (repo / ".gitignore").write_text("__pycache__/\nmlflow.db\nmlruns/\n*.log\n")
+    dvc = [sys.executable, "-m", "dvc"]
+    commands = [["git", "init", "-q"], ["git", "config", "user.name", "test"],
+                ["git", "config", "user.email", "test@example.com"], [*dvc, "init", "-q"],
+                *([[*dvc, "remote", "add", "-d", "local", str(remote)]] if remote else []),
+                ["git", "add", "-A"], ["git", "commit", "-q", "-m", "tiny pipeline"]]
+    for command in commands:
+        subprocess.run(command, cwd=repo, env=env, check=True, capture_output=True)
 
 
 @pytest.fixture(scope="session")

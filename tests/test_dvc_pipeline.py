@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -22,8 +21,7 @@ import pytest
 import yaml
 
 import foresight.stages
-from foresight.config import parse_config
-from tests.conftest import tiny_params
+from tests.conftest import make_dvc_repo, tiny_params
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = [stage.name for stage in foresight.stages.STAGES]  # every stage's run checks its declared reads
@@ -57,36 +55,20 @@ def dvc_repo(tmp_path_factory, tiny_llama, tiny_armorm, prefect_server):
     """
     base = tmp_path_factory.mktemp("dvc")
     repo, remote = base / "repo", base / "remote"
-    repo.mkdir()
-    for package in ("foresight", "models", "tasks", "flows"):
-        shutil.copytree(REPO / package, repo / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    shutil.copy(REPO / "dvc.yaml", repo / "dvc.yaml")
     # A random tiny policy rarely states a right answer, so score with a reward model: the tiny ArmoRM-layout
     # checkpoint, loaded natively (real key names, gating, transform). Its scores differ between samples, which
     # gives every prompt a spread and the validate stage its pairs; it is also the RL reward of train_mtp_rl.
-    # DVC reads params.yaml itself (``${paths.*}`` in dvc.yaml, and params deps such as
-    # ``prompts.system_prompt``): the config's defaults are invisible to it, so write the resolved config.
     params = tiny_params(repo, tiny_llama,
                          prompts={"num_train": NUM_TRAIN}, generate={"num_samples": NUM_SAMPLES},
                          label={"labeler": "armorm", "model": str(tiny_armorm), "device": "cpu", "batch_size": 4},
                          validate={"min_response_chars": 0})
-    params = parse_config(params).model_dump(mode="json", by_alias=True)
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    (repo / ".gitignore").write_text("__pycache__/\nmlflow.db\nmlruns/\n")
-
     # MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL: every second (default 10), for the tiny stages to have some
     env = dict(os.environ, PREFECT_API_URL=prefect_server, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                GIT_AUTHOR_NAME="test", GIT_AUTHOR_EMAIL="test@example.com",
                GIT_COMMITTER_NAME="test", GIT_COMMITTER_EMAIL="test@example.com")
     env.pop("FORESIGHT_MLFLOW_PARENT_RUN_ID", None)
-    _run(["git", "init", "-q"], repo, env)
-    _run(["git", "config", "user.name", "test"], repo, env)
-    _run(["git", "config", "user.email", "test@example.com"], repo, env)
-    _dvc("init", "-q", repo=repo, env=env)
-    _dvc("remote", "add", "-d", "local", str(remote), repo=repo, env=env)
-    _run(["git", "add", "-A"], repo, env)
-    _run(["git", "commit", "-q", "-m", "tiny pipeline"], repo, env)
+    make_dvc_repo(repo, params, env, remote)
     yield repo, remote, env
 
 

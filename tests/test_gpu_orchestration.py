@@ -57,31 +57,91 @@ def test_only_stage_tasks_take_gpu_slots():
 
 def test_deployments_on_work_pools(prefect_server, tmp_path):
     """``foresight deploy``: the pipeline and the GPU stages on the GPU pool (tagged ``gpu``), the rest on the CPU
-    pool, each running this repository's flow by entrypoint with the given params file."""
+    pool; every deployment runs this repository's pipeline flow by entrypoint with the given params file, a stage's
+    with the stage as its DVC target."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
 
     from flows.serve import ROOT
     from foresight.cli import main
+    from foresight.stages import STAGES
 
     with get_client(sync_client=True) as client:
         for name in ("test-gpu-pool", "test-cpu-pool"):
             client.create_work_pool(WorkPoolCreate(name=name, type="process"), overwrite=True)
     params = tmp_path / "params.yaml"
     params.write_text("policy:\n  device: cpu\n")
-    assert main(["--params", str(params), "deploy", "--work-pool", "test-gpu-pool",
-                 "--cpu-work-pool", "test-cpu-pool"]) == 0
+    assert main(["deploy", "--work-pool", "test-gpu-pool", "--cpu-work-pool", "test-cpu-pool",
+                 "--params", str(params)]) == 0
     with get_client(sync_client=True) as client:
-        deployments = {client.read_flow(d.flow_id).name: d for d in client.read_deployments()
+        deployments = {d.name: d for d in client.read_deployments()
                        if d.work_pool_name in ("test-gpu-pool", "test-cpu-pool")}
+        assert {client.read_flow(d.flow_id).name for d in deployments.values()} == {"pipeline"}
     cpu_only = {"prepare-policy", "prepare-prompts", "validate"}
-    assert "pipeline" in deployments and "train-dpo" not in deployments and "dpo" in deployments
+    assert sorted(deployments) == sorted(["pipeline", *(stage.flow_name for stage in STAGES)])
     for name, deployment in deployments.items():
         assert deployment.work_pool_name == ("test-cpu-pool" if name in cpu_only else "test-gpu-pool"), name
         assert (GPU_TAG in deployment.tags) == (name not in cpu_only), name
-        assert deployment.parameters == {"params_path": str(params.resolve())}
+        stage = name.replace("-", "_")
+        assert deployment.parameters == ({"params_path": str(params.resolve())} if name == "pipeline" else
+                                         {"params_path": str(params.resolve()), "targets": [stage]}), name
+        assert deployment.entrypoint == "flows/pipeline.py:pipeline_flow"
         assert deployment.path == str(ROOT) or str(ROOT) in str(deployment.pull_steps), deployment.pull_steps
-    assert deployments["train-mtp-rl"].entrypoint == "flows/stages.py:train_mtp_rl_flow"
+
+
+def test_a_worker_on_a_work_pool_runs_a_stage_through_dvc(prefect_server, tmp_path, tiny_llama):
+    """A real process work pool and ``prefect worker start`` on loopback: the ``prepare-prompts`` deployment,
+    triggered through the API (the UI's Run button), runs ``dvc repro prepare_prompts`` in the repository, so
+    ``dvc.lock`` records it and the DVC remote gets its outputs. The worker is stopped by PID."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    import yaml
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.deployments import run_deployment
+
+    from foresight.cli import main
+    from tests.conftest import make_dvc_repo, tiny_params
+
+    repo, remote = tmp_path / "repo", tmp_path / "remote"
+    env = dict(os.environ, PREFECT_API_URL=prefect_server, PREFECT_WORKER_QUERY_SECONDS="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               GIT_AUTHOR_NAME="test", GIT_AUTHOR_EMAIL="test@example.com",
+               GIT_COMMITTER_NAME="test", GIT_COMMITTER_EMAIL="test@example.com")
+    env.pop("FORESIGHT_MLFLOW_PARENT_RUN_ID", None)
+    make_dvc_repo(repo, tiny_params(repo, tiny_llama, prompts={"num_train": 5, "num_eval": 3}), env, remote)
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name="worker-test-pool", type="process"), overwrite=True)
+    assert main(["deploy", "--work-pool", "worker-test-pool", "--params", str(repo / "params.yaml")]) == 0
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "worker-test-pool",
+                                   "--limit", "1"], cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        started = time.perf_counter()
+        flow_run = run_deployment("pipeline/prepare-prompts", poll_interval=1, timeout=300)
+        seconds = time.perf_counter() - started
+        assert flow_run.state is not None and flow_run.state.is_completed(), (
+            f"{flow_run.state!r} after {seconds:.0f} s; worker log:\n{log.read_text(errors='replace')[-4000:]}")
+        print(f"worker ran the prepare-prompts deployment in {seconds:.1f} s")
+        assert worker.poll() is None, "the worker keeps polling after a run"
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=30)
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert set(lock["stages"]) == {"prepare_prompts"}  # the stage alone: it has no ancestors
+    assert len((repo / "data/prompts/train.jsonl").read_text().splitlines()) == 5
+    assert any(path.is_file() for path in remote.rglob("*")), "dvc push sent the outputs to the remote"
+    assert not Path(f"/proc/{worker.pid}").exists()
 
 
 def test_launch_command_uses_accelerate(tmp_path):

@@ -426,7 +426,7 @@ def spiky_policy_dir(tiny_llama, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("spiky-policy")
     load_spiky_tiny_llama(tiny_llama).save_pretrained(folder / "weights")
     AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(folder / "weights")
-    (folder / "manifest.json").write_text(json.dumps({"path": "weights"}))
+    (folder / "manifest.json").write_text(json.dumps({"kind": "folder", "path": "weights"}))
     return folder
 
 

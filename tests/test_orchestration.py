@@ -1,5 +1,6 @@
-"""Prefect orchestration end to end: a real ``prefect server``, ``flows.serve`` serving every flow, and a
-run triggered through the API (what the UI's "Run" button does), executed by the served runner.
+"""Prefect orchestration end to end: a real ``prefect server``, ``flows.serve`` serving every deployment from a
+git + DVC repository, and a stage's run triggered through the API (what the UI's "Run" button does), executed by
+the served runner through ``dvc repro``.
 
 Both processes run in their own process group and are killed by PID at teardown, children included.
 """
@@ -23,7 +24,7 @@ from foresight.stages import STAGES
 from tests.conftest import tiny_params
 
 REPO = Path(__file__).resolve().parent.parent
-FLOW_NAMES = ["pipeline", *(stage.flow_name for stage in STAGES)]
+DEPLOYMENTS = ["pipeline/pipeline", *(f"pipeline/{stage.flow_name}" for stage in STAGES)]
 NUM_TRAIN, NUM_EVAL = 5, 3
 
 
@@ -112,23 +113,27 @@ def _deployments() -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def served(prefect_api, tmp_path_factory, tiny_llama):
-    """``flows.serve.main(params)`` in a subprocess, cwd = a temp folder holding a tiny ``params.yaml``.
-
-    Yields the folder once every flow's deployment is registered.
+    """``flows.serve.main(params)`` in a subprocess, cwd = a git + DVC repository holding a tiny ``params.yaml``
+    (and a local DVC remote). Yields the repository once every deployment is registered.
     """
     import prefect.settings
 
+    from tests.conftest import make_dvc_repo
+
     url, env = prefect_api
-    work = tmp_path_factory.mktemp("served")
-    params = tiny_params(work, tiny_llama, prompts={"num_train": NUM_TRAIN, "num_eval": NUM_EVAL})
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    log = work / "serve.log"
+    base = tmp_path_factory.mktemp("served")
+    work = base / "repo"
+    env = dict(env, GIT_AUTHOR_NAME="test", GIT_AUTHOR_EMAIL="test@example.com", GIT_COMMITTER_NAME="test",
+               GIT_COMMITTER_EMAIL="test@example.com")
+    make_dvc_repo(work, tiny_params(work, tiny_llama, prompts={"num_train": NUM_TRAIN, "num_eval": NUM_EVAL}), env,
+                  base / "remote")
+    log = base / "serve.log"
     code = "import sys; from pathlib import Path; from flows.serve import main; main(Path(sys.argv[1]))"
     proc = _start([sys.executable, "-c", code, str(work / "params.yaml")], work, env, log)
     try:
         started = time.perf_counter()
         with prefect.settings.temporary_settings(updates={prefect.settings.PREFECT_API_URL: url}):
-            while len(_deployments()) < len(FLOW_NAMES):
+            while len(_deployments()) < len(DEPLOYMENTS):
                 assert proc.poll() is None, f"serve exited ({proc.returncode}):\n{_tail(log)}"
                 assert time.perf_counter() - started < 120, f"deployments not registered in 120 s:\n{_tail(log)}"
                 time.sleep(0.5)
@@ -138,45 +143,48 @@ def served(prefect_api, tmp_path_factory, tiny_llama):
         _stop(proc)
 
 
-def test_every_flow_has_a_deployment(served, api_client_settings):
+def test_every_stage_has_a_deployment(served, api_client_settings):
     work = served[0]
     deployments = _deployments()
-    assert sorted(deployments) == sorted(f"{name}/{name}" for name in FLOW_NAMES)
-    for deployment in deployments.values():
-        assert deployment.parameters == {"params_path": str(work / "params.yaml")}
+    assert sorted(deployments) == sorted(DEPLOYMENTS)
+    for name, deployment in deployments.items():
+        stage = name.split("/")[1].replace("-", "_")
+        assert deployment.parameters == ({"params_path": str(work / "params.yaml")} if stage == "pipeline" else
+                                         {"params_path": str(work / "params.yaml"), "targets": [stage]}), name
         assert "foresight" in deployment.tags
-        assert deployment.description  # the flow's docstring, shown in the UI
+        assert deployment.description  # shown in the UI
 
 
-def test_run_deployment_through_the_api(served, api_client_settings):
+def test_a_stage_triggered_through_the_api_runs_through_dvc(served, api_client_settings):
+    """The ``prepare-prompts`` deployment runs ``dvc repro prepare_prompts`` (its flow run is the pipeline's;
+    DVC runs the stage's own flow, which reports to the same server): ``dvc.lock`` records it."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.deployments import run_deployment
 
     work, proc, log = served
     started = time.perf_counter()
-    flow_run = run_deployment("prepare-prompts/prepare-prompts", poll_interval=1, timeout=180)
+    flow_run = run_deployment("pipeline/prepare-prompts", poll_interval=1, timeout=240)
     seconds = time.perf_counter() - started
     print(f"prepare-prompts deployment run: {seconds:.1f} s from trigger to final state")
     assert flow_run.state is not None and flow_run.state.is_completed(), (
         f"state {flow_run.state!r} after {seconds:.0f} s; serve log:\n{_tail(log)}")
-    assert flow_run.parameters == {"params_path": str(work / "params.yaml")}
+    assert flow_run.parameters == {"params_path": str(work / "params.yaml"), "targets": ["prepare_prompts"]}
 
-    # the run wrote into the folder of the deployment's params file
+    # the run wrote into the repository of the deployment's params file, through DVC
     train = (work / "data/prompts/train.jsonl").read_text().splitlines()
     held_out = (work / "data/prompts/eval.jsonl").read_text().splitlines()
     assert len(train) == NUM_TRAIN and len(held_out) == NUM_EVAL
     assert all(json.loads(line)["question"] for line in train)
     metrics = json.loads((work / "data/metrics/prepare_prompts.json").read_text())
     assert metrics["num_train"] == NUM_TRAIN and metrics["num_eval"] == NUM_EVAL
+    lock = yaml.safe_load((work / "dvc.lock").read_text())
+    assert set(lock["stages"]) == {"prepare_prompts"}
 
     with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=["prepare-prompts-summary"]),
-            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]),
-        ))
+        summaries = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["prepare-prompts-summary"])))
         flow = client.read_flow(flow_run.flow_id)
-    assert len(artifacts) == 1 and "Stage `prepare_prompts`" in artifacts[0].data
-    assert f"| num_train | {NUM_TRAIN} |" in artifacts[0].data
-    assert flow.name == "prepare-prompts"
+    assert any("Stage `prepare_prompts`" in a.data and f"| num_train | {NUM_TRAIN} |" in a.data for a in summaries)
+    assert flow.name == "pipeline"
     assert proc.poll() is None, "the serve process must keep serving after a run"
