@@ -218,7 +218,8 @@ class GenerateConfig(_Section):
     machines: paper-scale jobs). Both write the same table, batch by batch, resuming after a crash
     (docs/pipeline.md#generation-engines)."""
     tensor_parallel_size: int = Field(Sampling.tensor_parallel_size, ge=1)
-    """``vllm``: GPUs one copy of the model is split over (vLLM's own workers); 1 with ``hf``."""
+    """``vllm``: GPUs one copy of the model is split over (vLLM's own workers); 1 with ``hf``. Data parallelism:
+    ``launch.num_processes`` processes, each with its own copy on its own GPUs."""
 
     @model_validator(mode="after")
     def _parallel_needs_vllm(self) -> GenerateConfig:
@@ -730,13 +731,13 @@ class MTPRLConfig(_Section):
 
 
 class LaunchConfig(_Section):
-    """How the training stages' processes are started (section ``launch``; docs/gpu.md)."""
+    """How the training stages' and generation's processes are started (section ``launch``; docs/gpu.md)."""
 
     num_processes: int = Field(1, ge=1)
-    """1: each stage runs in its own process. > 1: every training stage runs under ``accelerate launch
-    --num_processes N`` (data parallel, one process per GPU); only the first process writes outputs and the
-    flow's process does the Prefect and MLflow bookkeeping. Results depend on it (the data order), so DVC
-    re-runs the training stages when it changes."""
+    """1: each stage runs in its own process. > 1: every training stage, and the generate stage, runs under
+    ``accelerate launch --num_processes N`` (data parallel, one process per GPU); only the first process writes
+    outputs and the flow's process does the Prefect and MLflow bookkeeping. Training results depend on it (the data
+    order; generation's do not), so DVC re-runs those stages when it changes."""
     accelerate_config: Path | None = None
     """An ``accelerate config`` file for the launch (multi-node, DeepSpeed, FSDP…); ``None``: accelerate's
     defaults for ``num_processes`` processes on this machine."""

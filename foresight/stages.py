@@ -56,8 +56,8 @@ class Stage:
     """Arguments after the config, for a task that serves several stages; a path expression is passed as the
     absolute path it names."""
     distributed: bool = False
-    """A training stage: under ``launch.num_processes`` > 1 its task runs in every process of an ``accelerate
-    launch`` (data parallel; ``flows.stages``), so it also depends on the ``launch`` section."""
+    """A training stage, or generation: under ``launch.num_processes`` > 1 its task runs in every process of an
+    ``accelerate launch`` (data parallel; ``flows.stages``), so it also depends on the ``launch`` section."""
     curves: bool = False
     """The task reports per-step curves (``StageResult.curves``): the flow writes each as a CSV (``step,value``)
     under :attr:`curves_dir`, a DVC plot of the stage (``dvc plots show`` / ``dvc plots diff``)."""
@@ -139,6 +139,7 @@ STAGES: tuple[Stage, ...] = (
         code=(*TASK_CODE, "foresight/shards.py", "models/engine"),
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}"),
         outputs=("${paths.samples}",),
+        distributed=True,
         headline=("num_samples", "generation_tokens_per_s", "mean_response_tokens"),
     ),
     Stage(

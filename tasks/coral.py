@@ -67,7 +67,7 @@ def train_coral_task(cfg: Config) -> StageResult:
             logger.info("%s step %d/%d: loss %.4f (forward %.4f, backward %.4f)", stage, step, num_steps,
                         stats["loss"], stats["forward_loss"], stats.get("backward_loss", float("nan")))
 
-    accelerator = stage_accelerator(policy, c.mixed_precision)
+    accelerator = stage_accelerator(policy.device, c.mixed_precision)
     train_started = time.perf_counter()
     history = train_coral(policy, train, component(CoralTraining, c), accelerator, on_step)
     train_seconds = time.perf_counter() - train_started

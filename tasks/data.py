@@ -156,9 +156,9 @@ def load_trained_policy(cfg: Config, folder: Path, training: bool = False):
     return load_pretrained(folder, component(PolicySpec, cfg.policy), training)
 
 
-def stage_accelerator(policy, mixed_precision: str = "no"):
-    """The ``accelerate.Accelerator`` a training stage runs under: on the policy's device (CPU when it is on the
-    CPU), one or many processes as ``accelerate launch`` configured them.
+def stage_accelerator(device, mixed_precision: str = "no"):
+    """The ``accelerate.Accelerator`` a stage runs under: on the policy's ``device`` (CPU when it is on the CPU),
+    one or many processes as ``accelerate launch`` configured them.
 
     Under several processes, some work runs on the main process alone while the others wait at a barrier (the
     Medusa stage's distillation pass, writing outputs): hours at 8B on real data, so the process group's timeout
@@ -167,7 +167,7 @@ def stage_accelerator(policy, mixed_precision: str = "no"):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    return Accelerator(cpu=policy.device.type == "cpu", mixed_precision=mixed_precision,
+    return Accelerator(cpu=device.type == "cpu", mixed_precision=mixed_precision,
                        kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)])
 
 
@@ -264,6 +264,8 @@ def generate_task(cfg: Config) -> StageResult:
     """Sample N responses per training prompt from the policy with the configured engine, batch by batch: each
     batch's rows go to a shard as soon as it is done, and a re-run after a crash samples only the batches missing
     (:mod:`foresight.shards`); the shards become the samples table at the end."""
+    import torch
+
     from foresight.shards import ShardStore, shard_folder
     from models.engine.config import Sampling
     from models.engine.generation import chat_prompts, sample_batches
@@ -272,31 +274,45 @@ def generate_task(cfg: Config) -> StageResult:
     started = time.perf_counter()
     prompts_df = read_prompts(cfg, "train")
     sampling = component(Sampling, cfg.generate)
-    sampler, tokenizer, where = _sampler(cfg, sampling)
+    sampler, tokenizer, device = _sampler(cfg, sampling)
     prompts = chat_prompts(tokenizer, prompts_df["question"].tolist(), cfg.prompts.system_prompt)
     output = cfg.path(cfg.paths.samples)
     # what decides the shards' contents: another value of any of these makes old shards useless
     spec = {"generate": cfg.generate.model_dump(), "policy": cfg.policy.model_dump(),
             "policy_manifest": _policy_manifest(cfg), "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest()}
-    shards = ShardStore(shard_folder(output), spec)
+    # under `accelerate launch` (launch.num_processes) each process samples every N-th batch: a batch's draws
+    # depend on its index only, so the table is the one process's, row for row
+    accelerator = stage_accelerator(device)
+    with accelerator.main_process_first():  # the main process clears shards of other settings before any is read
+        shards = ShardStore(shard_folder(output), spec)
     batches = range(-(-len(prompts) // sampling.batch_size))
     resumed = shards.done() & set(batches)
-    logger.info("sampling %d × %d with %s on %s%s", len(prompts), sampling.num_samples, sampling.engine, where,
+    accelerator.wait_for_everyone()  # every process has seen the same finished batches before any is written
+    mine = set(batches[accelerator.process_index :: accelerator.num_processes]) - resumed
+    logger.info("sampling %d × %d with %s on %s%s", len(prompts), sampling.num_samples, sampling.engine,
+                f"{device}, {accelerator.num_processes} process(es)",
                 f"; {len(resumed)} of {len(batches)} batches already sampled by an earlier run" if resumed else "")
 
     progress = progress_artifact(key="generate-progress", description="Batches of prompts sampled")
-    bar = tqdm(total=len(batches), initial=len(resumed), desc="generate", unit="batch")
+    bar = tqdm(total=len(batches), initial=len(resumed), desc="generate", unit="batch",
+               disable=not accelerator.is_local_main_process)
     new_tokens, seconds = 0, 0.0
-    for b, completions, batch_seconds in sample_batches(sampler, prompts, sampling.batch_size, skip=resumed):
+    for b, completions, batch_seconds in sample_batches(sampler, prompts, sampling.batch_size,
+                                                        skip=set(batches) - mine):
         shards.write(b, _sample_rows(cfg, sampling, prompts_df, prompts, completions))
         new_tokens += sum(c.response_tokens for c in completions)
         seconds += batch_seconds
-        bar.update(1)
+        bar.update(min(accelerator.num_processes, bar.total - bar.n))  # the others advance alike
         progress(100.0 * bar.n / len(batches))
     bar.close()
+    totals = accelerator.reduce(torch.tensor([new_tokens, seconds], dtype=torch.float64, device=accelerator.device))
+    new_tokens, seconds = int(totals[0]), float(totals[1]) / accelerator.num_processes  # processes run side by side
+    accelerator.wait_for_everyone()  # every shard is written
     samples = shards.read(batches)
-    out = write_table(samples, output)
-    shards.remove()
+    accelerator.wait_for_everyone()  # every process has read the shards
+    out = write_table(samples, output) if accelerator.is_main_process else output
+    if accelerator.is_main_process:
+        shards.remove()
     metrics = {
         "num_samples": len(samples),
         # this run's sampling only (batches resumed from an earlier run are not timed)
@@ -304,6 +320,7 @@ def generate_task(cfg: Config) -> StageResult:
         "generation_seconds": seconds,
         "new_tokens": new_tokens,
         "resumed_batches": len(resumed),
+        "num_processes": accelerator.num_processes,
         "mean_response_tokens": float(samples["response_tokens"].mean()),
         "truncated_share": float((samples["finish_reason"] == "length").mean()),
         "wall_seconds": time.perf_counter() - started,
@@ -314,18 +331,18 @@ def generate_task(cfg: Config) -> StageResult:
 
 
 def _sampler(cfg: Config, sampling):
-    """The configured engine (:class:`models.engine.generation.Sampler`), the policy's tokenizer and where it runs.
-    vLLM loads the weights itself: the HF model is never loaded beside it."""
+    """The configured engine (:class:`models.engine.generation.Sampler`), the policy's tokenizer and the device it
+    runs on. vLLM loads the weights itself: the HF model is never loaded beside it."""
     from models.engine.config import PolicySpec
     from models.engine.generation import HFSampler
 
     if sampling.engine == "hf":
         policy = load_stage_policy(cfg, "base")
-        return HFSampler(policy, sampling), policy.tokenizer, str(policy.device)
+        return HFSampler(policy, sampling), policy.tokenizer, policy.device
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from models.engine.generation import generation_end_token_ids
-    from models.engine.policy import policy_path
+    from models.engine.policy import policy_path, resolve_device
     from models.engine.vllm_sampling import VLLMSampler
 
     path = policy_path(cfg.path(cfg.paths.policy_dir))
@@ -336,8 +353,8 @@ def _sampler(cfg: Config, sampling):
     except OSError:  # no generation_config.json: the model config's end tokens
         generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
     eos = generation_end_token_ids(generation_config, tokenizer)
-    return (VLLMSampler(path, spec, sampling, tokenizer, eos, sampling.tensor_parallel_size), tokenizer,
-            f"{sampling.tensor_parallel_size} GPU(s)")
+    return VLLMSampler(path, spec, sampling, tokenizer, eos, sampling.tensor_parallel_size), tokenizer, resolve_device(
+        spec.device)
 
 
 def _policy_manifest(cfg: Config) -> str:

@@ -107,7 +107,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
     m = cfg.medusa
     training = component(MedusaTraining, m)
     policy = load_stage_policy(cfg, "base")
-    accelerator = stage_accelerator(policy, m.mixed_precision)
+    accelerator = stage_accelerator(policy.device, m.mixed_precision)
     distill_started = time.perf_counter()
     if accelerator.is_main_process:  # one pass, one cache on disk: every process then reads it from there
         _distil(cfg, policy, training, _medusa_dir(cfg) / "distilled")
@@ -221,7 +221,7 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
         with torch.no_grad():
             return embedding(tokens.to(embedding.weight.device))
 
-    accelerator = stage_accelerator(policy)
+    accelerator = stage_accelerator(policy.device)
     logger.info("fitting r(e, h) on %d states × %d candidates", len(train.rl_rows), train.rl_candidates.shape[1])
     reward_model, reward_losses = fit_reward_model(train.rl_states(), embed, train.rl_candidates, train.rl_probs,
                                                    training, accelerator)

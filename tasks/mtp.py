@@ -80,7 +80,7 @@ def train_mtp_task(cfg: Config) -> StageResult:
     training = component(MTPTraining, m, ce_weights=tuple(m.ce_weights))
     policy = load_stage_policy(cfg, "base", training=True)
     policy.model.requires_grad_(False).eval()
-    accelerator = stage_accelerator(policy, m.mixed_precision)
+    accelerator = stage_accelerator(policy.device, m.mixed_precision)
     responses = sft_responses(cfg, m.data, "mtp.data")
     train_rows, eval_rows = split_responses(responses, m.eval_fraction, m.seed)
     sequences = sft_sequences(policy.tokenizer, responses, m.max_length)
@@ -248,7 +248,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     # training stages load it on a CPU: most of GRPO's time is sampling, which runs in that dtype as an inference
     # engine's would, and the updates keep float32 master weights (models.mtp.rl)
     policy = load_stage_policy(cfg, "base")
-    accelerator = stage_accelerator(policy, r.mixed_precision)
+    accelerator = stage_accelerator(policy.device, r.mixed_precision)
     # loaded once for every variant, beside the policy on its device (under a launch, each process's own GPU)
     labeler = build_labeler(component(LabelerSpec, cfg.label, device=cfg.policy.device))
     eos = end_token_ids(policy)

@@ -133,7 +133,7 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     # dtype: the heads learn on the very states SLA decoding will feed them (bf16 on a CPU with bf16 units: 1.9 s a
     # step instead of 2.7 s in float32 on the 2-core CPU), with float32 master weights (models/common/training.py)
     policy = load_stage_policy(cfg, policy_source)
-    accelerator = stage_accelerator(policy)
+    accelerator = stage_accelerator(policy.device)
 
     heads = {"channel": RewardHeadConfig(kind="channel", hidden_size=cfg.reward.hidden_size)}
     # §5.3's adapters are as wide as the policy: "4K" parameters for 1 layer and 50.3M for 4 layers on

@@ -9,6 +9,7 @@ mapping is tested against stand-ins that follow vLLM's documented types (``Sampl
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -181,6 +182,7 @@ class LLM:
 
     def __init__(self, **kwargs):
         self.kwargs, self.calls = kwargs, []
+        self.visible_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")  # what vLLM's engine would start on
         LLM.instances.append(self)
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
@@ -249,3 +251,53 @@ def test_a_missing_vllm_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
     with pytest.raises(ImportError, match=r"pip install -e \.\[vllm\].*generate.engine: hf"):
         import_vllm()
+
+
+def test_each_launched_process_gives_its_vllm_its_own_gpus(stand_in_vllm, tiny_llama, monkeypatch):
+    """Data parallel generation (``launch.num_processes``): local rank r's vLLM sees the r-th group of
+    ``tensor_parallel_size`` GPUs; without a launch, every visible GPU."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    policy = PolicySpec(model=str(tiny_llama))
+
+    def start(local_rank: int | None, world: int, tensor_parallel_size: int) -> str | None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+        if local_rank is None:
+            monkeypatch.delenv("LOCAL_RANK", raising=False)
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+        VLLMSampler(tiny_llama, policy, Sampling(), tokenizer, {2}, tensor_parallel_size)
+        return LLM.instances[-1].visible_gpus
+
+    assert start(None, 1, 2) == "0,1,2,3"
+    assert start(0, 4, 1) == "0" and start(3, 4, 1) == "3"
+    assert start(1, 2, 2) == "2,3"
+    with pytest.raises(RuntimeError, match="local rank 2 needs GPUs 4…5 of 4 visible"):
+        start(2, 3, 2)
+
+
+def test_generation_in_two_processes_writes_the_one_process_table(tiny_llama, tmp_path):
+    """``accelerate launch`` of the generate task in 2 CPU processes (gloo): each samples every other batch, the
+    main one writes the table, equal to one process's row for row."""
+    once = _project(tmp_path / "once", tiny_llama)
+    _generate(once)
+    cfg = load_config(once)
+    expected = read_table(cfg.path(cfg.paths.samples), "samples")
+
+    twice = _project(tmp_path / "twice", tiny_llama)
+    launch = ("import sys; from prefect.logging import disable_run_logger; from foresight.config import load_config; "
+              "from tasks.data import generate_task\nwith disable_run_logger():\n"
+              "    print('RESULT', generate_task.fn(load_config(sys.argv[1])).metrics)")
+    script = tmp_path / "launch_generate.py"
+    script.write_text(launch)
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script),
+                           str(twice)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'num_processes': 2" in proc.stdout, proc.stdout[-2000:]
+    cfg = load_config(twice)
+    pd.testing.assert_frame_equal(read_table(cfg.path(cfg.paths.samples), "samples"), expected)
+    assert not shard_folder(cfg.path(cfg.paths.samples)).exists()

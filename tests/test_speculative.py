@@ -479,10 +479,12 @@ class Scripted:
         self.reference, self.stats, self.vocab, self.depth, self.right = reference, stats, vocab, depth, right
         self.gen = torch.Generator().manual_seed(seed)
         self.calls = 0
+        self.at: list[int] = []  # tokens out when each draft was asked for
 
     def __call__(self, hidden: torch.Tensor, root_token: int) -> torch.Tensor:
         self.calls += 1
         done = self.stats.generated_tokens  # tokens out so far, the root included
+        self.at.append(done)
         logits = torch.randn(self.depth, self.vocab, generator=self.gen)
         for d in range(min(self.depth, len(self.reference) - done)):
             logits[d, self.reference[done + d]] = 100.0 if self.right(done) else -100.0
@@ -523,8 +525,8 @@ def test_adaptive_decoding_falls_back_probes_and_resumes_losslessly(tiny, right_
 @torch.no_grad()
 def test_a_drafting_state_carries_its_decisions_to_the_next_prompt(tiny):
     """Useless drafts (c = 1.5): decided afresh, each 40-token prompt pays for 4 cycles and 2 probes again (as in the
-    hand-worked case above); with one AdaptiveDrafting for both, the second prompt starts plain where the first left
-    off (9 plain tokens into a gap of 32): 23 plain tokens, one failing probe (the gap doubles to 64), 15 plain."""
+    hand-worked case above); with one AdaptiveDrafting for both, the second prompt keeps the first's window and gap:
+    it opens with one probe, which fails (the gap doubles to 64), then 38 plain tokens."""
     model, prompts = tiny
     adaptation = Adaptation(window=4, probe_every=8, cycle_cost=1.5)
     drafting = AdaptiveDrafting(adaptation)
@@ -537,11 +539,28 @@ def test_a_drafting_state_carries_its_decisions_to_the_next_prompt(tiny):
             tokens, _ = speculative_generate(model, TreeDrafter(chain_tree(3), drafts), TreeVerifier(), ids, 40, set(),
                                              stats, adaptation=state)
             assert tokens == reference
-            runs[name] = (stats.accepted_lengths, stats.plain_forwards)
-        assert runs["fresh"] == ([1] * 6, 33)
+            runs[name] = (stats.accepted_lengths, stats.plain_forwards, drafts.at)
+        assert runs["fresh"][:2] == ([1] * 6, 33)
         first = ids is prompts[0]
-        assert runs["carried"] == (([1] * 6, 33) if first else ([1], 38))
+        assert runs["carried"] == (([1] * 6, 33, runs["fresh"][2]) if first else ([1], 38, [1]))
     assert drafting.gap == 64 and not drafting.paying
+
+
+@torch.no_grad()
+def test_a_prompt_after_one_where_drafting_did_not_pay_opens_with_a_probe(tiny):
+    """Drafts useless on the first prompt and always right on the second (one drafting state, c = 1.5): the second
+    prompt's first step probes, gains 4, τ = (1 + 1 + 1 + 4) / 4 ≥ c, and it drafts all the way, as a fresh state
+    would, instead of waiting out the gap of 32 the first prompt left."""
+    model, prompts = tiny
+    drafting = AdaptiveDrafting(Adaptation(window=4, probe_every=8, cycle_cost=1.5))
+    for ids, right in ((prompts[0], False), (prompts[1], True)):
+        reference = _greedy(model, ids, 40, set())
+        stats = SpeculativeStats()
+        drafts = Scripted(reference, stats, model.config.vocab_size, 3, lambda done, right=right: right)
+        tokens, _ = speculative_generate(model, TreeDrafter(chain_tree(3), drafts), TreeVerifier(), ids, 40, set(),
+                                         stats, adaptation=drafting)
+        assert tokens == reference
+    assert stats.accepted_lengths == [4] * 9 + [3] and stats.plain_forwards == 0 and drafts.at[0] == 1
 
 
 def _ticks(stats: SpeculativeStats, drafts: Scripted):

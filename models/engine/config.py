@@ -94,7 +94,8 @@ class Adaptation:
     engine keeps τ as the mean tokens gained per cycle over the last ``window`` cycles; once that window is
     full and τ < c, it decodes plainly (the root alone, no drafter forward), and after ``probe_every`` plain
     tokens it drafts one cycle again, which re-measures τ; each probe that still does not pay doubles the gap to
-    the next (up to ``max_probe_every``), one that pays resets it. Lossless either way: greedy verification and a
+    the next (up to ``max_probe_every``), one that pays resets it; a decision state carried to the next prompt
+    opens it with a probe. Lossless either way: greedy verification and a
     plain greedy step both emit greedy's token, and a plain sampling step samples the model itself.
     """
 

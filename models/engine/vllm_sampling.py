@@ -21,6 +21,7 @@ The two engines draw from the same distribution but not the same random numbers:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -69,6 +70,25 @@ def vllm_completions(outputs: Sequence, first_index: int) -> list[Completion]:
     return completions
 
 
+def narrow_to_local_gpus(tensor_parallel_size: int) -> None:
+    """Under ``accelerate launch`` (data parallel: ``launch.num_processes`` processes on a host, each sampling its
+    share of the batches), show this process's vLLM only its own GPUs: local rank r gets the r-th group of
+    ``tensor_parallel_size`` visible GPUs. vLLM's engine starts on the first GPU it sees, so without this every
+    process would pile onto GPU 0. A single process (no launch) keeps every visible GPU."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:
+        return
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    first = int(os.environ["LOCAL_RANK"]) * tensor_parallel_size
+    mine = gpus[first : first + tensor_parallel_size]
+    if len(mine) < tensor_parallel_size:
+        raise RuntimeError(f"local rank {os.environ['LOCAL_RANK']} needs GPUs {first}…{first + tensor_parallel_size - 1}"
+                           f" of {len(gpus)} visible: lower launch.num_processes or generate.tensor_parallel_size")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+
+
 class VLLMSampler:
     """:class:`models.engine.generation.Sampler` on a vLLM ``LLM`` over the prepared policy's folder.
 
@@ -80,6 +100,7 @@ class VLLMSampler:
                  tensor_parallel_size: int = 1):
         vllm = import_vllm()
         self.vllm, self.cfg, self.tokenizer, self.eos_ids = vllm, cfg, tokenizer, eos_ids
+        narrow_to_local_gpus(tensor_parallel_size)
         # the policy's dtype; its "auto" on a GPU is bf16 (vLLM's "auto" would take the checkpoint's, float32 for
         # the embedded model's conversion)
         dtype = "bfloat16" if policy.dtype == "auto" else policy.dtype
