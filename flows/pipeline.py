@@ -62,9 +62,10 @@ def stage_metrics(cfg: Config) -> dict[str, dict]:
             for stage in STAGES}
 
 
-def stage_table(cfg: Config, ran: list[str]) -> list[dict]:
-    """One row per stage, in pipeline order: whether it ran now, its wall time and headline metrics."""
-    rows, every = [], stage_metrics(cfg)
+def stage_table(every: dict[str, dict], ran: list[str]) -> list[dict]:
+    """One row per stage, in pipeline order, from ``every`` stage's metrics (:func:`stage_metrics`): whether it ran
+    now, its wall time and headline metrics."""
+    rows = []
     for stage in STAGES:
         metrics = every[stage.name]
         row = {"stage": stage.name, "status": "ran" if stage.name in ran else "up to date",
@@ -99,13 +100,14 @@ def pipeline_flow(params_path: str = "params.yaml", targets: list[str] | None = 
     root = Path(params_path).resolve().parent
     with pipeline_run(cfg, "pipeline" if not targets else f"pipeline: {' '.join(targets)}") as run_id:
         ran = reproduce_task(root, run_id, targets or [], force)
-        rows = stage_table(cfg, ran)
+        every = stage_metrics(cfg)
+        rows = stage_table(every, ran)
         import mlflow
 
         mlflow.log_dict({"stages": rows}, "pipeline_stages.json")
         mlflow.log_metrics({f"{r['stage']}.seconds": r["seconds"] for r in rows if r["status"] == "ran"})
         # every stage's headline figures (with their intervals) on the parent run: one row per pipeline run
-        mlflow.log_metrics(headline_metrics(stage_metrics(cfg), {stage.name: stage.headline for stage in STAGES}))
+        mlflow.log_metrics(headline_metrics(every, {stage.name: stage.headline for stage in STAGES}))
     create_table_artifact(key="pipeline-stages", table=rows, description="Stages of this pipeline run")
     create_markdown_artifact(key="pipeline-summary", markdown=_markdown(rows, run_id, cfg),
                              description="Pipeline run summary")

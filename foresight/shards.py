@@ -6,7 +6,7 @@ in its own file, written atomically (temp file, then rename), so a killed run le
 skips the units whose shards exist. The shards carry the settings that decided their contents (``spec.json``):
 shards written under other settings (another seed, model or prompt set) are removed, never mixed in. The stage
 concatenates the shards in unit order into its output and then removes the folder, so the output is the same as
-an uninterrupted run's, row for row (``tests/test_policy_generation.py``).
+an uninterrupted run's, row for row (``tests/test_generation_engines.py``).
 
 The folder sits next to the stage's output, outside what DVC tracks: DVC clears a stage's outputs before it runs
 it, and the shards must outlive a failed run.

@@ -115,7 +115,7 @@ def register_models(cfg: Config, folders: dict[str, Path]) -> dict[str, int]:
     import mlflow
     from mlflow.entities import LoggedModelStatus
 
-    client = mlflow.MlflowClient()
+    client, tags = mlflow.MlflowClient(), run_tags(cfg)
     versions = {}
     for name, folder in folders.items():
         if name not in cfg.tracking.register_models:
@@ -123,7 +123,7 @@ def register_models(cfg: Config, folders: dict[str, Path]) -> dict[str, int]:
         if not Path(folder).is_dir():
             raise FileNotFoundError(f"model {name}: no folder {folder} to register")
         registered = f"{cfg.tracking.experiment}-{name}"
-        model = mlflow.initialize_logged_model(name=registered, model_type=name, tags=run_tags(cfg))
+        model = mlflow.initialize_logged_model(name=registered, model_type=name, tags=tags)
         client.log_model_artifacts(model.model_id, str(folder))
         mlflow.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
         versions[name] = int(mlflow.register_model(f"models:/{model.model_id}", registered).version)

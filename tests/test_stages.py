@@ -187,7 +187,7 @@ def test_stage_table_shows_the_headline_metrics_a_stage_wrote(tmp_path):
     left out of the pipeline's summary row rather than shown as None."""
     import json
 
-    from flows.pipeline import stage_table
+    from flows.pipeline import stage_metrics, stage_table
     from flows.stages import metrics_path
 
     cfg = parse_config({}, root=tmp_path)
@@ -195,6 +195,6 @@ def test_stage_table_shows_the_headline_metrics_a_stage_wrote(tmp_path):
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"stage_seconds": 74.12, "held_out_expected_tau": 1.38371,
                                 "held_out_top1_depth_1": 0.277}))
-    (row,) = [r for r in stage_table(cfg, ["train_mtp"]) if r["stage"] == "train_mtp"]
+    (row,) = [r for r in stage_table(stage_metrics(cfg), ["train_mtp"]) if r["stage"] == "train_mtp"]
     assert row == {"stage": "train_mtp", "status": "ran", "seconds": 74.1, "held_out_expected_tau": 1.384,
                    "held_out_top1_depth_1": 0.277}
