@@ -4,6 +4,17 @@ DVC decides what is stale (params, code and data hashes in ``dvc.lock``) and run
 stage's flow (``flows.stages``) in its own process; this flow opens the parent MLflow run that those
 stage runs nest under, streams their output into the Prefect log, collects every stage's metrics into
 a table artifact and a markdown summary, and pushes the versioned data to the DVC remote.
+
+Independent branches of the DAG at once, on several workers (docs/gpu.md, "Prefect on GPUs"): DVC releases its
+lock while a stage's command runs, but two runs in one workspace whose targets share a stale ancestor would both
+run it, into the same output paths. So an ``isolated`` run reproduces its stages in a temporary copy of the
+workspace (``dvc exp run --temp``, DVC's own executor, sharing the workspace's cache) and the workspace then takes
+the results from DVC's run cache (``dvc repro`` again, which finds every stage "cached - skipping run" and only
+checks the outputs out and records them in ``dvc.lock``). Every run waits for DVC's lock rather than failing
+after DVC's default 3 s when another run holds it for its bookkeeping. Across
+machines the same run cache travels through the DVC remote: runs pull missing data and run-cache entries
+(``--pull``) and push theirs (``dvc push --run-cache``), so a worker in its own clone restores what another
+worker computed instead of computing it again.
 """
 
 from __future__ import annotations
@@ -32,9 +43,15 @@ def _prefect_api_url() -> str | None:
         return str(client.api_url).rstrip("/") or None
 
 
+def _ran_stages(lines: list[str]) -> list[str]:
+    """The stages DVC ran (not restored from its run cache), from its output."""
+    return [m.group(1) for line in lines if (m := re.match(r"Running stage '([^']+)'", line))]
+
+
 @task(name="dvc-repro", cache_policy=NO_CACHE)
-def reproduce_task(root: Path, parent_run_id: str, targets: list[str], force: bool) -> list[str]:
-    """``dvc repro`` the stale stages; returns the names of the stages that ran.
+def reproduce_task(root: Path, parent_run_id: str, targets: list[str], force: bool, isolated: bool = False
+                   ) -> list[str]:
+    """``dvc repro`` the stale stages (in a temporary workspace when ``isolated``); returns the stages that ran.
 
     Not tagged ``gpu``: it waits for the stage tasks that are, and under a ``gpu`` concurrency limit of 1 it
     would hold the only slot they wait for (a deadlock). The stage tasks themselves take the slots.
@@ -45,15 +62,23 @@ def reproduce_task(root: Path, parent_run_id: str, targets: list[str], force: bo
     api_url = _prefect_api_url()
     if api_url:  # stage processes report to the same Prefect server instead of starting their own
         env["PREFECT_API_URL"] = api_url
-    cmd = [sys.executable, "-m", "dvc", "repro", *targets, *(["--force"] if force else [])]
-    lines = run_streaming(cmd, root, env, "dvc repro")
-    return [m.group(1) for line in lines if (m := re.match(r"Running stage '([^']+)'", line))]
+    dvc, force_flag = [sys.executable, "-m", "dvc", "--wait-for-lock"], ["--force"] if force else []
+    if not isolated:
+        return _ran_stages(run_streaming([*dvc, "repro", "--pull", *targets, *force_flag], root, env, "dvc repro"))
+    ran = _ran_stages(run_streaming([*dvc, "exp", "run", "--temp", "--pull", *targets, *force_flag], root, env,
+                                    "dvc exp run --temp"))
+    restored = run_streaming([*dvc, "repro", *targets], root, env, "dvc repro (run cache)")
+    if again := _ran_stages(restored):  # the run cache lacked them (a stage DVC cannot cache): they ran twice
+        get_run_logger().warning("the run cache did not restore %s: they ran again in the workspace",
+                                 ", ".join(again))
+    return ran
 
 
 @task(name="dvc-push", retries=1, cache_policy=NO_CACHE)
 def push_task(root: Path) -> None:
-    """Copy the versioned outputs to the default DVC remote."""
-    run_streaming([sys.executable, "-m", "dvc", "push"], root, dict(os.environ), "dvc push")
+    """Copy the versioned outputs and the run cache to the default DVC remote (another machine's runs restore
+    these stages from it instead of running them)."""
+    run_streaming([sys.executable, "-m", "dvc", "push", "--run-cache"], root, dict(os.environ), "dvc push")
 
 
 def stage_metrics(cfg: Config) -> dict[str, dict]:
@@ -90,16 +115,17 @@ def _markdown(rows: list[dict], run_id: str, cfg: Config) -> str:
 
 @flow(name="pipeline", log_prints=True)
 def pipeline_flow(params_path: str = "params.yaml", targets: list[str] | None = None, force: bool = False,
-                  push: bool = True) -> dict:
+                  push: bool = True, isolated: bool = False) -> dict:
     """Reproduce the DVC pipeline (all stages, or ``targets`` and what they depend on).
 
-    ``force`` re-runs stages even when DVC finds them up to date; ``push`` sends the outputs to the
-    default DVC remote afterwards.
+    ``force`` re-runs stages even when DVC finds them up to date; ``push`` sends the outputs (and the run cache)
+    to the default DVC remote afterwards; ``isolated`` runs the stages in a temporary copy of the workspace, so
+    that runs of independent branches started at once (on several workers) do not contend for DVC's lock.
     """
     cfg = load_config(params_path)  # fail on malformed params before anything runs
     root = Path(params_path).resolve().parent
     with pipeline_run(cfg, "pipeline" if not targets else f"pipeline: {' '.join(targets)}") as run_id:
-        ran = reproduce_task(root, run_id, targets or [], force)
+        ran = reproduce_task(root, run_id, targets or [], force, isolated)
         every = stage_metrics(cfg)
         rows = stage_table(every, ran)
         import mlflow

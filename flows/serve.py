@@ -4,7 +4,8 @@ One deployment runs the whole pipeline, and one per stage runs that stage: every
 flow (``dvc repro``, with ``targets`` = the stage for a stage's deployment), so a stage triggered from the UI
 runs through DVC, with its stale ancestors, and ``dvc.lock``, the metrics and the DVC remote stay true whichever
 way it was started. DVC then runs the stage's own flow (``python -m flows.stages STAGE``), which reports to the
-same Prefect server.
+same Prefect server. A stage's deployment runs ``isolated`` (``flows/pipeline.py``): in a temporary workspace, its
+results then recorded here from DVC's run cache, so independent branches can run at once on several workers.
 
 ``foresight serve`` (or ``python -m flows.serve``) blocks, polling the server for runs triggered from
 the UI (Deployments → a deployment → Run → Quick run, or Custom run to edit its parameters) or the API
@@ -37,8 +38,10 @@ def _deployment_specs(params_path: Path) -> list[tuple[str, dict, str, bool]]:
     stage's, all of the pipeline flow."""
     params = {"params_path": str(params_path)}
     pipeline = ("pipeline", params, (pipeline_flow.description or "").strip().splitlines()[0], True)
-    stages = [(stage.flow_name, {**params, "targets": [stage.name]},
-               f"{stage.description} Runs dvc repro {stage.name} (the stage and its stale ancestors).",
+    # isolated: a stage's runs on several workers at once (independent branches) each get a temporary workspace
+    stages = [(stage.flow_name, {**params, "targets": [stage.name], "isolated": True},
+               f"{stage.description} Runs dvc repro {stage.name} (the stage and its stale ancestors) in a temporary "
+               "workspace, then records it in this one from DVC's run cache.",
                GPU_TAG in _task(stage).tags) for stage in STAGES]
     return [pipeline, *stages]
 

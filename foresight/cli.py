@@ -35,7 +35,7 @@ def _pipeline(args) -> int:
               file=sys.stderr)
         return 2
     result = pipeline_flow(params_path=str(Path(args.params).resolve()), targets=targets, force=args.force,
-                           push=not args.no_push)
+                           push=not args.no_push, isolated=args.isolated)
     print("\n" + "=" * 72)
     print(f"Foresight {'pipeline' if not targets else ' '.join(targets)} finished. Stages:")
     for row in result["stages"]:
@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             runner.add_argument("stages", nargs="+", metavar="STAGE", help="stage names (foresight/stages.py)")
         runner.add_argument("--force", action="store_true", help="re-run stages even if up to date")
         runner.add_argument("--no-push", action="store_true", help="do not push outputs to the DVC remote")
+        runner.add_argument("--isolated", action="store_true",
+                            help="run in a temporary workspace (dvc exp run --temp), then record the results here "
+                                 "from the run cache: runs of independent branches can go at once")
     command("serve", "serve deployments of every flow for the Prefect UI", _serve)
     deployer = command("deploy", "register every deployment on Prefect work pools (docs/gpu.md)", _deploy)
     deployer.add_argument("--work-pool", required=True, help="pool of the pipeline and the GPU stages")

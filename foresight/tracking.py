@@ -23,13 +23,21 @@ PARENT_RUN_ENV = "FORESIGHT_MLFLOW_PARENT_RUN_ID"
 
 def _mlflow(cfg: Config):
     import mlflow
+    from filelock import FileLock
 
-    mlflow.set_tracking_uri(cfg.mlflow_uri())
-    if mlflow.get_experiment_by_name(cfg.tracking.experiment) is None and cfg.mlflow_uri().startswith("sqlite:"):
-        # MLflow would put artifacts under the *working* folder's ./mlruns; keep them beside the sqlite store.
-        location = (cfg.tracking_root / "mlruns").resolve().as_uri()
-        mlflow.create_experiment(cfg.tracking.experiment, artifact_location=location)
-    mlflow.set_experiment(cfg.tracking.experiment)
+    uri = cfg.mlflow_uri()
+    mlflow.set_tracking_uri(uri)
+    if not uri.startswith("sqlite:"):  # a tracking server creates its store and experiments itself
+        mlflow.set_experiment(cfg.tracking.experiment)
+        return mlflow
+    # Runs started at once (workers on independent branches) would race to create the store's tables and the
+    # experiment, and the loser fails ("table ... already exists"): one process at a time does it.
+    with FileLock(uri.removeprefix("sqlite:///") + ".lock"):
+        if mlflow.get_experiment_by_name(cfg.tracking.experiment) is None:
+            # MLflow would put artifacts under the *working* folder's ./mlruns; keep them beside the sqlite store.
+            location = (cfg.tracking_root / "mlruns").resolve().as_uri()
+            mlflow.create_experiment(cfg.tracking.experiment, artifact_location=location)
+        mlflow.set_experiment(cfg.tracking.experiment)
     return mlflow
 
 

@@ -129,7 +129,7 @@ def make_dvc_repo(repo: Path, params: dict, env: dict, remote: Path | None = Non
     shutil.copy(REPO / "dvc.yaml", repo / "dvc.yaml")
     resolved = parse_config(params).model_dump(mode="json", by_alias=True)
     (repo / "params.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    (repo / ".gitignore").write_text("__pycache__/\nmlflow.db\nmlruns/\n*.log\n")
+    (repo / ".gitignore").write_text("__pycache__/\nmlflow.db\nmlflow.db.lock\nmlruns/\n*.log\n")
     dvc = [sys.executable, "-m", "dvc"]
     commands = [["git", "init", "-q"], ["git", "config", "user.name", "test"],
                 ["git", "config", "user.email", "test@example.com"], [*dvc, "init", "-q"],

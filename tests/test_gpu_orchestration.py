@@ -83,18 +83,36 @@ def test_deployments_on_work_pools(prefect_server, tmp_path):
         assert deployment.work_pool_name == ("test-cpu-pool" if name in cpu_only else "test-gpu-pool"), name
         assert (GPU_TAG in deployment.tags) == (name not in cpu_only), name
         stage = name.replace("-", "_")
-        assert deployment.parameters == ({"params_path": str(params.resolve())} if name == "pipeline" else
-                                         {"params_path": str(params.resolve()), "targets": [stage]}), name
+        expected = {"params_path": str(params.resolve())}
+        if name != "pipeline":  # a stage's deployment: that stage, in a temporary workspace
+            expected |= {"targets": [stage], "isolated": True}
+        assert deployment.parameters == expected, name
         assert deployment.entrypoint == "flows/pipeline.py:pipeline_flow"
         assert deployment.path == str(ROOT) or str(ROOT) in str(deployment.pull_steps), deployment.pull_steps
 
 
-def test_a_worker_on_a_work_pool_runs_a_stage_through_dvc(prefect_server, tmp_path, tiny_llama):
-    """A real process work pool and ``prefect worker start`` on loopback: the ``prepare-prompts`` deployment,
-    triggered through the API (the UI's Run button), runs ``dvc repro prepare_prompts`` in the repository, so
-    ``dvc.lock`` records it and the DVC remote gets its outputs. The worker is stopped by PID."""
+def _stop_group(proc) -> None:
+    """Stop a process started with ``start_new_session`` and everything it started, by process group."""
     import os
     import signal
+    import subprocess
+
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def test_workers_run_independent_branches_at_once_through_dvc(prefect_server, tmp_path, tiny_llama):
+    """Two real ``prefect worker start`` processes (``--limit 1`` each) on one process work pool, on loopback: the
+    ``prepare-prompts`` and ``prepare-policy`` deployments (two independent branches of the DAG), triggered at once
+    through the API (the UI's Run button), run at the same time, so on different workers, each through
+    ``dvc exp run --temp`` in its own temporary workspace; both are then recorded in the repository's ``dvc.lock``
+    and pushed to the DVC remote with the run cache. A second clone of the repository, sharing only that remote,
+    restores the stage from the remote's run cache instead of running it. The workers are stopped by PID."""
+    import os
     import subprocess
     import time
     from pathlib import Path
@@ -117,31 +135,61 @@ def test_a_worker_on_a_work_pool_runs_a_stage_through_dvc(prefect_server, tmp_pa
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name="worker-test-pool", type="process"), overwrite=True)
     assert main(["deploy", "--work-pool", "worker-test-pool", "--params", str(repo / "params.yaml")]) == 0
-    log = tmp_path / "worker.log"
-    with log.open("wb") as out:
-        worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "worker-test-pool",
-                                   "--limit", "1"], cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+    logs = [tmp_path / f"worker{i}.log" for i in range(2)]
+    workers = []
     try:
+        for count, log in enumerate(logs, start=1):
+            with log.open("wb") as out:
+                workers.append(subprocess.Popen(
+                    [sys.executable, "-m", "prefect", "worker", "start", "--pool", "worker-test-pool", "--limit", "1",
+                     "--name", f"worker-{count}"],
+                    cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            # one at a time: workers that register at the same moment contend for the test server's sqlite
+            with get_client(sync_client=True) as client:
+                deadline = time.perf_counter() + 60
+                while len(client.read_workers_for_work_pool("worker-test-pool")) < count:
+                    assert time.perf_counter() < deadline, log.read_text(errors="replace")[-3000:]
+                    time.sleep(0.5)
         started = time.perf_counter()
-        flow_run = run_deployment("pipeline/prepare-prompts", poll_interval=1, timeout=300)
-        seconds = time.perf_counter() - started
-        assert flow_run.state is not None and flow_run.state.is_completed(), (
-            f"{flow_run.state!r} after {seconds:.0f} s; worker log:\n{log.read_text(errors='replace')[-4000:]}")
-        print(f"worker ran the prepare-prompts deployment in {seconds:.1f} s")
-        assert worker.poll() is None, "the worker keeps polling after a run"
+        names = ["pipeline/prepare-prompts", "pipeline/prepare-policy"]
+        ids = [run_deployment(name, timeout=0).id for name in names]  # both scheduled now; neither awaited
+        with get_client(sync_client=True) as client:
+            while not all((run := client.read_flow_run(i)).state and run.state.is_final() for i in ids):
+                assert time.perf_counter() - started < 300, "the runs did not finish in 300 s"
+                time.sleep(1)
+            runs = [client.read_flow_run(i) for i in ids]
+        worker_logs = "\n".join(log.read_text(errors="replace")[-3000:] for log in logs)
+        for name, run in zip(names, runs, strict=True):
+            assert run.state.is_completed(), f"{name}: {run.state!r}; worker logs:\n{worker_logs}"
+        (first, second), seconds = sorted(runs, key=lambda r: r.start_time), time.perf_counter() - started
+        print(f"the two deployments ran in {seconds:.1f} s: {first.start_time:%X}-{first.end_time:%X} and "
+              f"{second.start_time:%X}-{second.end_time:%X}")
+        # each worker takes one run at a time: runs that overlap ran on different workers
+        assert second.start_time < first.end_time, "the two runs did not overlap"
+        assert all(worker.poll() is None for worker in workers), "the workers keep polling after a run"
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait(timeout=30)
+        for worker in workers:
+            _stop_group(worker)
+    assert all(not Path(f"/proc/{worker.pid}").exists() for worker in workers)
+
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"prepare_prompts"}  # the stage alone: it has no ancestors
+    assert set(lock["stages"]) == {"prepare_prompts", "prepare_policy"}  # both recorded in the one workspace
     assert len((repo / "data/prompts/train.jsonl").read_text().splitlines()) == 5
-    assert any(path.is_file() for path in remote.rglob("*")), "dvc push sent the outputs to the remote"
-    assert not Path(f"/proc/{worker.pid}").exists()
+    experiments = subprocess.run([sys.executable, "-m", "dvc", "exp", "ls", "--name-only"], cwd=repo, env=env,
+                                 capture_output=True, text=True, check=True).stdout.split()
+    assert len(experiments) == 2, experiments  # each ran in its own temporary workspace
+    assert (remote / "runs").is_dir(), "dvc push --run-cache sent the run cache to the remote"
+
+    # another machine: a clone with the committed (empty) dvc.lock and only the remote in common
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], env=env, check=True)
+    result = subprocess.run([sys.executable, "-m", "foresight.cli", "run", "prepare_prompts", "--no-push",
+                             "--params", str(clone / "params.yaml")], cwd=clone, env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "prepare_prompts  up to date" in result.stdout, result.stdout[-2000:]  # restored, not run
+    assert (clone / "data/prompts/train.jsonl").read_bytes() == (repo / "data/prompts/train.jsonl").read_bytes()
+    assert "prepare_prompts" in yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
 
 
 def test_launch_command_uses_accelerate(tmp_path):

@@ -149,8 +149,10 @@ def test_every_stage_has_a_deployment(served, api_client_settings):
     assert sorted(deployments) == sorted(DEPLOYMENTS)
     for name, deployment in deployments.items():
         stage = name.split("/")[1].replace("-", "_")
-        assert deployment.parameters == ({"params_path": str(work / "params.yaml")} if stage == "pipeline" else
-                                         {"params_path": str(work / "params.yaml"), "targets": [stage]}), name
+        expected = {"params_path": str(work / "params.yaml")}
+        if stage != "pipeline":  # a stage's deployment: that stage, in a temporary workspace
+            expected |= {"targets": [stage], "isolated": True}
+        assert deployment.parameters == expected, name
         assert "foresight" in deployment.tags
         assert deployment.description  # shown in the UI
 
@@ -169,7 +171,8 @@ def test_a_stage_triggered_through_the_api_runs_through_dvc(served, api_client_s
     print(f"prepare-prompts deployment run: {seconds:.1f} s from trigger to final state")
     assert flow_run.state is not None and flow_run.state.is_completed(), (
         f"state {flow_run.state!r} after {seconds:.0f} s; serve log:\n{_tail(log)}")
-    assert flow_run.parameters == {"params_path": str(work / "params.yaml"), "targets": ["prepare_prompts"]}
+    assert flow_run.parameters == {"params_path": str(work / "params.yaml"), "targets": ["prepare_prompts"],
+                                   "isolated": True}
 
     # the run wrote into the repository of the deployment's params file, through DVC
     train = (work / "data/prompts/train.jsonl").read_text().splitlines()
