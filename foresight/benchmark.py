@@ -7,6 +7,8 @@
   asynchronously: every timer waits for them (:func:`synchronize`) before reading the clock, or it would time
   their launches.
 - :func:`interleaved_decoding`: every decoder on every prompt at batch 1, prompt-major, timed.
+- :func:`batch_speed_curve`: the same at several batch sizes, a batch of prompts being the timed unit: speedup over
+  the reference decoder, tokens per forward and the share of rows identical to the reference's, per batch size.
 - :func:`markdown_table`: the human-readable report table, ``value [low, high]`` (``*`` = significant) wherever a
   row carries an interval (plots: :mod:`foresight.plots`).
 """
@@ -95,12 +97,14 @@ def speed_row(timer: DecodeTimer, reference: DecodeTimer) -> dict:
 
 
 def interleaved_decoding(decoders: Sequence[str], prompts: Sequence[Any],
-                         decode: Callable[[str, Any, int], tuple[list[int], Any]], max_new_tokens: int, desc: str,
-                         warm_up_tokens: int = 8) -> tuple[dict[str, DecodeTimer], list[dict]]:
+                         decode: Callable[[str, Any, int], tuple[list, Any]], max_new_tokens: int, desc: str,
+                         warm_up_tokens: int = 8, count: Callable[[list], int] = len
+                         ) -> tuple[dict[str, DecodeTimer], list[dict]]:
     """Decode every prompt with every decoder, ``decode(decoder, prompt, max_new_tokens) → (tokens, stats)``,
     and time each decoder. One short warm-up call per decoder first (first calls pay one-off allocation
     costs); then prompt-major order, so slow drifts of the machine's speed affect every decoder alike.
     Returns the timers and one record per (prompt, decoder): ``prompt_index``, ``decoder``, ``tokens``, ``stats``.
+    ``count(tokens)``: the tokens a call generated (a batch's call returns one list per row).
     """
     for decoder in decoders:
         decode(decoder, prompts[0], warm_up_tokens)
@@ -110,9 +114,51 @@ def interleaved_decoding(decoders: Sequence[str], prompts: Sequence[Any],
         for decoder in decoders:
             with timers[decoder]:
                 tokens, stats = decode(decoder, prompt, max_new_tokens)
-            timers[decoder].add_tokens(len(tokens))
+            timers[decoder].add_tokens(count(tokens))
             records.append({"prompt_index": i, "decoder": decoder, "tokens": tokens, "stats": stats})
     return timers, records
+
+
+def batch_speed_curve(decoders: Sequence[str], prompts: Sequence[Any],
+                      decode: Callable[[str, list, int], tuple[list[list[int]], list | None]], reference: str,
+                      batch_sizes: Sequence[int], batches: int, max_new_tokens: int, desc: str,
+                      compare_outputs: bool = True) -> list[dict]:
+    """Speed against batch size. For each size B, ``batches`` batches of B prompts (``prompts`` in order, cycled
+    when there are fewer than B × ``batches``), every decoder on every batch, batch-major
+    (:func:`interleaved_decoding`), ``decode(decoder, batch, max_new_tokens) → (each row's tokens, each row's
+    SpeculativeStats or None)``. One row per (B, decoder): tokens/s; the speedup over ``reference`` with its
+    interval over the batches (paired); ``tokens_per_forward`` (Σ tokens / Σ forwards over the batch's rows, an
+    interval over the batches; NaN for a decoder without counters); the share of plain (non-draft) forwards; and
+    ``identical_to_reference``, the share of rows whose output equals the reference decoder's on the same batch,
+    compared token for token (``compare_outputs``; not for samplers, whose outputs differ by design). The
+    reference's row has its tokens/s only."""
+    rows = []
+    for size in batch_sizes:
+        units = [[prompts[(i * size + j) % len(prompts)] for j in range(size)] for i in range(batches)]
+        timers, records = interleaved_decoding(decoders, units, decode, max_new_tokens, f"{desc}, batch {size}",
+                                               count=lambda outputs: sum(map(len, outputs)))
+        outputs = {(r["decoder"], r["prompt_index"]): r for r in records}
+        for decoder in decoders:
+            mine = [outputs[decoder, i] for i in range(batches)]
+            identical = [float(row == ref) for i, record in enumerate(mine)
+                         for row, ref in zip(record["tokens"], outputs[reference, i]["tokens"], strict=True)]
+            counted = [record["stats"] for record in mine if record["stats"] is not None]
+            forwards = [sum(s.forwards for s in stats) for stats in counted]
+            generated = [sum(s.generated_tokens for s in stats) for stats in counted]
+            plain = sum(s.plain_forwards for stats in counted for s in stats)
+            if decoder == reference:  # its own speed; ratios to itself would be 1 by construction
+                timer = timers[decoder]
+                rows.append({"batch": size, "decoder": decoder, "batches": batches,
+                             "tokens_per_s": timer.tokens_per_s, "ms_per_token": timer.ms_per_token})
+                continue
+            rows.append({"batch": size, "decoder": decoder, "batches": batches,
+                         **speed_row(timers[decoder], timers[reference]),
+                         **statistics.interval_columns("tokens_per_forward", statistics.ratio_of_sums(generated,
+                                                                                                      forwards)),
+                         "plain_share": plain / sum(forwards) if sum(forwards) else float("nan"),
+                         **(statistics.interval_columns("identical_to_reference", statistics.mean_interval(identical))
+                            if compare_outputs else {})})
+    return rows
 
 
 def _number(value) -> str:
@@ -142,3 +188,14 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row, c) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def curve_bars(rows: list[dict], label: Callable[[dict], str]) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """:func:`batch_speed_curve` rows as :func:`foresight.plots.bar_plot` groups: one group per batch size, one bar
+    per ``label(row)`` with its speedup and interval (the reference's rows have none)."""
+    groups: dict[str, dict[str, tuple[float, float, float]]] = {}
+    for row in rows:
+        if "speedup_vs_reference" in row:
+            groups.setdefault(f"batch {row['batch']}", {})[label(row)] = (
+                row["speedup_vs_reference"], row["speedup_vs_reference_low"], row["speedup_vs_reference_high"])
+    return groups

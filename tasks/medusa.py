@@ -33,7 +33,14 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from foresight import statistics
-from foresight.benchmark import display_rows, interleaved_decoding, markdown_table, speed_row
+from foresight.benchmark import (
+    batch_speed_curve,
+    curve_bars,
+    display_rows,
+    interleaved_decoding,
+    markdown_table,
+    speed_row,
+)
 from foresight.config import Config, component
 from foresight.plots import bar_plot, interval_bar, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
@@ -334,8 +341,12 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
     batched = _batched_drafters(cfg, policy, drafters)
     checks = _DivergenceChecks(cfg, policy)
     eos = end_token_ids(policy)
-    records, rows, divergences = [], [], []
-    for set_name, questions in _prompt_sets(cfg).items():
+    records, rows, divergences, curve = [], [], [], []
+    sets = _prompt_sets(cfg)
+    unknown = sorted(set(s.curve_sets) - set(sets))
+    if unknown:
+        raise ValueError(f"medusa_benchmark.curve_sets names {unknown}, not a benchmarked prompt set ({sorted(sets)})")
+    for set_name, questions in sets.items():
         prompt_ids = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions,
                                                                       cfg.prompts.system_prompt)]
         reference = hf_decode(policy, [ids[0].tolist() for ids in prompt_ids], GREEDY, s.max_new_tokens, eos,
@@ -358,8 +369,38 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
         records += set_records
         rows += set_rows
         divergences += set_divergences
-    return _medusa_report(cfg, records, rows, divergences, tree, str(policy.model.dtype),
+        if set_name in s.curve_sets and s.curve_batch_sizes and batched:
+            set_curve = _speed_curve(cfg, policy, batched, [ids[0].tolist() for ids in prompt_ids], eos, set_name)
+            logger.info("\n%s", markdown_table(set_curve, CURVE_COLUMNS))
+            curve += set_curve
+    return _medusa_report(cfg, records, rows, divergences, curve, tree, str(policy.model.dtype),
                           time.perf_counter() - started)
+
+
+def _speed_curve(cfg: Config, policy, drafters: dict, prompts: list[list[int]], eos: set[int], set_name: str
+                 ) -> list[dict]:
+    """Speed against batch size on one prompt set (:func:`foresight.benchmark.batch_speed_curve`): HF batched greedy
+    (the reference) and each Medusa drafter in the batched tree engine, greedy-verified, adaptive as configured
+    with one decision state per drafter and batch size (a cycle's cost in plain steps grows with the batch)."""
+    from models.engine.batched import BatchGreedy, HeadsDrafter, batched_speculative_generate
+    from models.engine.config import Adaptation
+    from models.engine.decoding import GREEDY, hf_decode
+    from models.engine.speculative import AdaptiveDrafting
+
+    s = cfg.medusa_benchmark
+    states: dict[tuple[str, int], AdaptiveDrafting | None] = {}
+
+    def decode(decoder: str, batch: list[list[int]], max_new_tokens: int):
+        if decoder == "greedy":
+            return hf_decode(policy, batch, GREEDY, max_new_tokens, eos, batch_size=len(batch)), None
+        state = states.setdefault((decoder, len(batch)), AdaptiveDrafting(Adaptation()) if s.adaptive else None)
+        drafter = drafters[decoder]
+        return batched_speculative_generate(policy.model, HeadsDrafter(drafter.tree, drafter.draft_logits),
+                                            BatchGreedy(), batch, max_new_tokens, eos, state)
+
+    rows = batch_speed_curve(["greedy", *drafters], prompts, decode, "greedy", s.curve_batch_sizes,
+                             s.curve_batches, s.max_new_tokens, f"speed curve ({set_name})")
+    return [{"prompt_set": set_name, **row} for row in rows]
 
 
 def _medusa_decoders(cfg: Config, policy, tree) -> tuple[dict[str, Callable], dict]:
@@ -420,15 +461,16 @@ def _batched_decoding(cfg: Config, policy, drafters: dict, prompts: list[list[in
                       set_name: str) -> list[dict]:
     """Each drafter's outputs on every prompt, decoded in batches of ``medusa_benchmark.batch_size`` up to an end
     token in ``eos`` (one record per prompt, decoder ``<name>_batched``)."""
-    from models.engine.batched import batched_tree_generate
+    from models.engine.batched import BatchGreedy, HeadsDrafter, batched_speculative_generate
 
     s = cfg.medusa_benchmark
     records = []
     for name, drafter in drafters.items():
         for start in tqdm(range(0, len(prompts), s.batch_size), unit="batch",
                           desc=f"batched speculative decoding ({set_name}, {name})"):
-            outputs, stats = batched_tree_generate(policy.model, drafter, prompts[start : start + s.batch_size],
-                                                   s.max_new_tokens, eos)
+            outputs, stats = batched_speculative_generate(
+                policy.model, HeadsDrafter(drafter.tree, drafter.draft_logits), BatchGreedy(),
+                prompts[start : start + s.batch_size], s.max_new_tokens, eos)
             records += [{"prompt_index": start + i, "decoder": f"{name}_batched", "batch": s.batch_size,
                          "tokens": tokens, "stats": row}
                         for i, (tokens, row) in enumerate(zip(outputs, stats, strict=True))]
@@ -534,12 +576,15 @@ DIVERGENCE_FIELDS = ["prompt_set", "decoder", "prompt_index", "position", "greed
                      "greedy_text", "decoder_text", "margin", "top2_margin", "argmax", "float32_margin",
                      "float32_choice"]
 METRIC_COLUMNS = ("tau", "speedup_vs_reference", "tokens_per_s", "identical_to_greedy", "plain_share")
+CURVE_COLUMNS = ["prompt_set", "batch", "decoder", "speedup_vs_reference", "tokens_per_s", "tokens_per_forward",
+                 "plain_share", "identical_to_reference", "batches"]
+CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "plain_share", "identical_to_reference")
 
 
-def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergences: list[dict], tree, dtype: str,
-                   seconds: float) -> StageResult:
-    """``benchmarks/medusa``: every output, the speed table, the divergences from greedy, the speedup and τ plots
-    (with their intervals), the report and the tree."""
+def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergences: list[dict], curve: list[dict],
+                   tree, dtype: str, seconds: float) -> StageResult:
+    """``benchmarks/medusa``: every output, the speed table, the divergences from greedy, the speed curve over batch
+    sizes, the speedup, τ and curve plots (with their intervals), the report and the tree."""
     out_dir = cfg.path(cfg.paths.benchmarks_dir) / "medusa"
     divergence_table = pd.DataFrame(divergences, columns=DIVERGENCE_FIELDS)
     with atomic_path(out_dir) as tmp:
@@ -555,11 +600,18 @@ def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergenc
         bar_plot({p: {r["decoder"]: interval_bar(r, "tau") for r in rows
                       if r["prompt_set"] == p and r["tau"] == r["tau"]} for p in sets},
                  "Mean accepted length τ (tokens per forward)", "τ", tmp / "tau.png", reference_line=1.0)
-        (tmp / "report.md").write_text(_report(rows, divergence_table, tree, dtype, cfg))
+        if curve:
+            write_table(pd.DataFrame(curve), tmp / "speed_curve.csv")
+            bar_plot(curve_bars(curve, lambda r: f"{r['prompt_set']} {r['decoder']}"),
+                     "Batched Medusa over HF batched greedy, by batch size (same run)", "× greedy tokens/s",
+                     tmp / "speed_curve.png", reference_line=1.0)
+        (tmp / "report.md").write_text(_report(rows, divergence_table, curve, tree, dtype, cfg))
         write_json({"choices": [list(c) for c in tree.choices]}, tmp / "tree.json")
     metrics = {f"{r['prompt_set']}.{r['decoder']}.{column}": r[column] for r in rows
                for key in METRIC_COLUMNS for column in (key, f"{key}_low", f"{key}_high")
                if column in r and r[column] == r[column]}
+    metrics |= {f"{r['prompt_set']}.{r['decoder']}.batch{r['batch']}.{column}": r[column] for r in curve
+                for key in CURVE_METRICS for column in (key, f"{key}_low", f"{key}_high") if column in r}
     metrics["divergences"] = len(divergence_table)
     if divergence_table["float32_choice"].notna().any():
         metrics["divergences_float32_greedy_share"] = float((divergence_table["float32_choice"] == "greedy").mean())
@@ -572,7 +624,7 @@ def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergenc
     return StageResult(metrics=metrics, tables={"medusa_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
 
 
-def _report(rows: list[dict], divergences: pd.DataFrame, tree, dtype: str, cfg: Config) -> str:
+def _report(rows: list[dict], divergences: pd.DataFrame, curve: list[dict], tree, dtype: str, cfg: Config) -> str:
     s = cfg.medusa_benchmark
     rl_eval_path = _medusa_dir(cfg) / "rl" / "evaluation.json"
     lines = [
@@ -594,6 +646,20 @@ def _report(rows: list[dict], divergences: pd.DataFrame, tree, dtype: str, cfg: 
     for name in dict.fromkeys(r["prompt_set"] for r in rows):
         lines += [f"\n## Prompt set `{name}`\n", markdown_table([r for r in rows if r["prompt_set"] == name],
                                                                  SPEED_COLUMNS)]
+    if curve:
+        lines += [
+            "\n## Speed against batch size\n",
+            (f"Each prompt set's prompts in batches of {', '.join(map(str, s.curve_batch_sizes))} ({s.curve_batches} "
+             "timed batches per size, every decoder on the same batch in turn): HF batched greedy (left-padded, the "
+             "reference) against each Medusa decoder in the batched tree engine (greedy-verified"
+             f"{', adaptive with one decision state per batch size' if s.adaptive else ', every step drafting'}). "
+             "Speedup = tokens/s over the reference's with its 95 % interval over the batches (* = excludes 1); "
+             "`tokens_per_forward` = generated tokens / batch forwards per row; `identical_to_reference` = share of "
+             "rows equal to HF batched greedy's output, token for token (half precision rounds a batch's rows "
+             "differently at each batch size). A bigger batch makes a tree forward cost more plain batch steps, so "
+             "drafting pays less as the batch grows; the adaptive rule measures that cost at each size.\n"),
+            markdown_table(curve, CURVE_COLUMNS),
+        ]
     lines.append("\n## Outputs that differ from greedy\n")
     if divergences.empty:
         lines.append("None: every output equals HF greedy's token for token.")

@@ -30,7 +30,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from foresight import statistics
-from foresight.benchmark import display_rows, markdown_table
+from foresight.benchmark import batch_speed_curve, curve_bars, display_rows, markdown_table
 from foresight.config import Config, component
 from foresight.plots import bar_plot, interval_bar, line_plot
 from foresight.storage import atomic_path, write_json, write_table
@@ -173,6 +173,9 @@ ROLLOUT_COLUMNS = ["variant", "steps", "tau_first", "tau_last", "tau_pooled", "a
 JUDGED = ("reward", "accuracy")  # what the held-out greedy responses are judged by
 HELD_OUT_COLUMNS = [f"{key}_{when}" for key in JUDGED for when in ("before", "after", "change")]
 SUMMARY_COLUMNS = ROLLOUT_COLUMNS + HELD_OUT_COLUMNS
+CURVE_COLUMNS = ["batch", "decoder", "speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "plain_share",
+                 "batches"]
+CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "plain_share")
 INTERVAL_ENDS = ("", "_low", "_high")  # a figure's columns with its interval
 
 
@@ -263,6 +266,12 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     logger.info("held-out greedy responses before RL, scored by %s: %s on %d prompts", _scorer(cfg.label),
                 _judged_text(before), len(eval_ids))
     weights = depth_weights(cfg.mtp.ce_weights, num_depths)
+    curve = []
+    if r.curve_batch_sizes and accelerator.is_main_process:
+        curve = _rollout_curve(cfg, policy, MTPModule.load(module_dir, policy.model),
+                               [ids[0].tolist() for ids in rl_ids], eos)
+        logger.info("rollout speed against batch size:\n%s", markdown_table(curve, CURVE_COLUMNS))
+    accelerator.wait_for_everyone()
 
     # this process's rollouts (each rolls out its share of every step's prompts)
     total_rollouts = len(r.variants) * r.steps * r.prompts_per_step * r.group_size // accelerator.num_processes
@@ -303,7 +312,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                     r.adaptive)
     logger.info("\n%s", markdown_table(rows, SUMMARY_COLUMNS))
     out = cfg.path(cfg.paths.mtp_rl_dir)
-    report = _report(rows, cfg, len(eval_ids), num_depths)
+    report = _report(rows, curve, cfg, len(eval_ids), num_depths)
     if main:  # every process holds the same histories (gathered per step); one writes them
         with atomic_path(out) as tmp:
             tmp.mkdir(parents=True)
@@ -314,6 +323,11 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                        tmp / "history.json")
             write_table(pd.DataFrame(rows), tmp / "table.csv")
             _plots(histories, rows, tmp, _scorer(cfg.label))
+            if curve:
+                write_table(pd.DataFrame(curve), tmp / "rollout_curve.csv")
+                bar_plot(curve_bars(curve, lambda row: row["decoder"]),
+                         "MTP-drafted rollouts over HF batched sampling, by batch size (same run)",
+                         "× vanilla tokens/s", tmp / "rollout_curve.png", reference_line=1.0)
             (tmp / "report.md").write_text(report)
         table_artifact(key="mtp-rl-summary", table=display_rows(rows, SUMMARY_COLUMNS),
                        description="GRPO variants: acceptance length, rollout time, speedup, reward and held-out "
@@ -326,6 +340,8 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     metrics |= {f"{key}_before{end}": rows[0][f"{key}_before{end}"] for key in before for end in INTERVAL_ENDS}
     metrics |= {f"{row['variant']}.{key}_{when}{end}": row[f"{key}_{when}{end}"] for row in rows for key in before
                 for when in ("after", "change") for end in INTERVAL_ENDS}
+    metrics |= {f"rollout_curve.{row['decoder']}.batch{row['batch']}.{column}": row[column] for row in curve
+                for key in CURVE_METRICS for column in (key, f"{key}_low", f"{key}_high") if column in row}
     metrics["wall_seconds"] = time.perf_counter() - started
     curves = {f"{name}.{key}": [record[key] for record in history] for name, history in histories.items()
               for key in ("tau", "acceptance_rate", "rollout_seconds", "reward_seconds", "reward")}
@@ -333,12 +349,46 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                        artifacts={"mtp_rl": out})
 
 
+def _rollout_curve(cfg: Config, policy, module, prompts: list[list[int]], eos: set[int]) -> list[dict]:
+    """Rollout speed against batch size before RL (:func:`foresight.benchmark.batch_speed_curve`): the starting
+    policy's rollouts of ``prompts`` (cycled) at the rollout temperature, ``vanilla`` (HF batched sampling) against
+    ``mtp`` (batched speculative sampling with ``module``'s chained drafts, adaptive as ``mtp_rl.adaptive`` with one
+    decision state per batch size). The j-th batch of both draws from the same per-row seeded streams."""
+    import torch
+
+    from models.engine.batched import BatchSampling, batched_speculative_generate
+    from models.mtp.config import MTPRLTraining
+    from models.mtp.module import MTPBatchDrafter, draft_parts
+    from models.mtp.rl import rollout_drafting, rollout_generator, sample_plainly
+
+    r = cfg.mtp_rl
+    training = component(MTPRLTraining, r)
+    device = policy.model.get_output_embeddings().weight.device
+    draft_base, draft_module = draft_parts(policy.model, module.eval(), getattr(torch, r.draft_dtype))
+    states, calls = {}, {"vanilla": 0, "mtp": 0}
+
+    def decode(decoder: str, batch: list[list[int]], max_new_tokens: int):
+        call, calls[decoder] = calls[decoder], calls[decoder] + 1  # both decoders' j-th call: the same batch
+        # streams apart from the RL steps' (whose step numbers are small)
+        generators = [rollout_generator(r.seed, 1_000_000 + len(batch), call * len(batch) + row, device)
+                      for row in range(len(batch))]
+        if decoder == "vanilla":
+            return sample_plainly(policy.model, batch, max_new_tokens, eos, r.temperature, generators[0]), None
+        drafter = MTPBatchDrafter(draft_base, draft_module, r.draft_temperature, generators)
+        return batched_speculative_generate(policy.model, drafter, BatchSampling(r.temperature, generators), batch,
+                                            max_new_tokens, eos, states.setdefault(len(batch),
+                                                                                  rollout_drafting(training)))
+
+    return batch_speed_curve(["vanilla", "mtp"], prompts, decode, "vanilla", r.curve_batch_sizes, r.curve_batches,
+                             r.max_new_tokens, "rollout speed curve", compare_outputs=False)
+
+
 def _summary(histories: dict[str, list[dict]], drafting: dict[str, bool], before: dict[str, list[float]],
              after: dict[str, dict[str, list[float]]], adaptive: bool) -> list[dict]:
-    """One row per variant, with 95 % intervals over its rollouts (each step's ``rollouts``): τ and α pooled over
-    its draft cycles (``tau_first`` / ``tau_last``: the first and last step's τ; 1 and 0 for a variant that does not
-    draft); ``rollout_speedup``, its tokens/s over vanilla's, the rollouts paired by their place in the run (the
-    same prompt and sampling stream: the different samples of different policies, but of the same prompt), NaN
+    """One row per variant, with 95 % intervals over its rollout batches (each step's ``rollouts``): τ and α pooled
+    over its draft cycles (``tau_first`` / ``tau_last``: the first and last step's τ; 1 and 0 for a variant that does
+    not draft); ``rollout_speedup``, its tokens/s over vanilla's, the batches paired by their place in the run (the
+    same prompts and sampling streams: the different samples of different policies, but of the same prompts), NaN
     without vanilla; then the held-out columns (:func:`_held_out_columns`). ``adaptive``: the drafting variants
     also took plain steps, which their rollout time includes and their cycle count does not, so a cycle's time (and
     the break-even τ) cannot be told from the totals: NaN."""
@@ -419,14 +469,16 @@ def _reward_text(label) -> str:
             "(question, response), on prompts with or without a known answer.")
 
 
-def _report(rows: list[dict], cfg: Config, num_eval: int, num_depths: int) -> str:
+def _report(rows: list[dict], curve: list[dict], cfg: Config, num_eval: int, num_depths: int) -> str:
     r = cfg.mtp_rl
-    return "\n".join([
+    batch = r.rollout_batch_size or r.prompts_per_step * r.group_size
+    lines = [
         "# GRPO with MTP-drafted rollouts (MTP-RL) and its baselines",
         f"\n{r.steps} RL steps per variant; each step {r.prompts_per_step} prompt(s) × G = {r.group_size} rollouts at "
-        f"temperature {r.temperature}, max {r.max_new_tokens} new tokens, batch 1. Rollouts of the drafting variants "
-        f"use K = {num_depths} chained MTP drafts and speculative sampling (the same distribution as plain "
-        f"sampling); vanilla samples with HF `generate`. {_reward_text(cfg.label)} Rollout time is the sampling's, "
+        f"temperature {r.temperature}, max {r.max_new_tokens} new tokens, sampled in batches of {batch}. Rollouts of "
+        f"the drafting variants use K = {num_depths} chained MTP drafts and batched speculative sampling (the same "
+        "distribution as plain sampling, each rollout with its own seeded stream); vanilla samples with HF batched "
+        f"`generate`. {_reward_text(cfg.label)} Rollout time is the sampling's, "
         "the scoring's apart (`reward_seconds` in `history.json`). "
         "τ = tokens per draft–verify cycle, the bonus token included, over all of a variant's cycles (`tau_first` / "
         "`tau_last`: its first and last step's); α = accepted share of draft tokens; speedup = the variant's rollout "
@@ -439,12 +491,27 @@ def _report(rows: list[dict], cfg: Config, num_eval: int, num_depths: int) -> st
         f"policy and MTP module and draws from the same seeded streams. Held-out: the greedy responses to {num_eval} "
         f"prompts, `reward_*` their mean score by {_scorer(cfg.label)}, `accuracy_*` their share of right answers "
         "(NaN unless every held-out prompt has a known answer); `*_change` = after − before, prompt by prompt.\n",
-        ("Brackets: 95 % bootstrap intervals. τ, α and the speedup resample rollouts (the speedup pairs each "
-         "rollout with vanilla's of the same prompt and sampling stream; τ and α are Σ / Σ over the rollouts "
+        ("Brackets: 95 % bootstrap intervals. τ, α and the speedup resample rollout batches (the speedup pairs each "
+         "batch with vanilla's of the same prompts and sampling streams; τ and α are Σ / Σ over the batches "
          "drawn); held-out figures resample prompts (the change pairs each prompt's before and after). `*` = "
          "differs significantly: a speedup whose interval excludes 1, a held-out `*_after` whose change's interval "
-         "excludes 0.\n"),
+         "excludes 0. The variants run one after another, so a slow drift of the machine's speed between them "
+         "enters the speedup; the rollout curve below interleaves its decoders batch by batch.\n"),
         markdown_table(rows, SUMMARY_COLUMNS),
-        "\nPlots: `speedup.png` (speedup and τ with intervals), `tau.png`, `rollout_seconds.png`, `reward.png`; "
-        "per-step and per-rollout numbers in `history.json`.",
-    ]) + "\n"
+    ]
+    if curve:
+        lines += [
+            "\n## Rollout speed against batch size\n",
+            (f"Before RL, the starting policy's rollouts of the training prompts (cycled) at temperature "
+             f"{r.temperature}, in batches of {', '.join(map(str, r.curve_batch_sizes))} ({r.curve_batches} timed "
+             "batches per size): `vanilla` (HF batched sampling) against `mtp` (batched speculative sampling with "
+             f"the equipped module{', adaptive with one decision state per batch size' if r.adaptive else ''}), "
+             "interleaved batch by batch, the j-th batch of both from the same seeded streams. Speedup = tokens/s "
+             "over vanilla's with its 95 % interval over the batches; `tokens_per_forward` = tokens per batch "
+             "forward per row; `plain_share` = share of forwards that drafted nothing.\n"),
+            markdown_table(curve, CURVE_COLUMNS),
+        ]
+    lines.append("\nPlots: `speedup.png` (speedup and τ with intervals), `tau.png`, `rollout_seconds.png`, "
+                 "`reward.png`" + (", `rollout_curve.png`" if curve else "") + "; per-step and per-batch numbers in "
+                 "`history.json`.")
+    return "\n".join(lines) + "\n"

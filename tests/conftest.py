@@ -97,7 +97,7 @@ def tiny_params(root: Path, model: Path, **sections) -> dict:
         "rlmedusa": {"trajectory_tokens": 4, "top_pool": 10, "reward_width": 16, "reward_epochs": 1,
                      "num_actions": 4, "batch_size": 8},
         "medusa_benchmark": {"tree": [[0], [1], [0, 0]], "num_prompts": 2, "speed_prompts": 2, "general_prompts": 2,
-                             "max_new_tokens": 8,
+                             "max_new_tokens": 8, "curve_batch_sizes": [1, 2], "curve_batches": 2,
                              "decoders": ["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl"]},
         "coral": {"stage1_epochs": 1, "stage2_epochs": 1, "batch_size": 4, "max_length": 128, "mixed_precision": "no"},
         "coral_benchmark": {"block_size": 6, "num_prompts": 2, "speed_prompts": 2, "max_new_tokens": 8,
@@ -106,7 +106,8 @@ def tiny_params(root: Path, model: Path, **sections) -> dict:
         "mtp": {"num_depths": 2, "ce_weights": [0.6, 0.4], "epochs": 1, "batch_size": 4, "max_length": 128,
                 "ablation_depths": [1], "mixed_precision": "no"},
         "mtp_rl": {"steps": 1, "group_size": 2, "max_new_tokens": 6, "eval_prompts": 2,
-                   "variants": ["vanilla", "mtp_rl", "frozen_mtp", "ce_only", "no_backprop"]},
+                   "variants": ["vanilla", "mtp_rl", "frozen_mtp", "ce_only", "no_backprop"],
+                   "curve_batch_sizes": [1, 2], "curve_batches": 2},
     }
     for name, values in sections.items():
         params.setdefault(name, {}).update(values)

@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.engine.batched import batch_tree_inputs, batched_tree_generate
-from models.engine.speculative import TreeDrafter, accepted_paths, build_tree, chain_tree, greedy_match
+from models.engine.batched import (
+    BatchGreedy,
+    BatchSampling,
+    HeadsDrafter,
+    batch_tree_inputs,
+    batched_speculative_generate,
+)
+from models.engine.speculative import accepted_paths, build_tree, chain_tree, greedy_match
 from tests.test_speculative import CHOICES, WINDOW, _greedy, _sliding_model
 from tests.tiny import load_spiky_tiny_llama
 
@@ -15,6 +21,11 @@ from tests.tiny import load_spiky_tiny_llama
 @pytest.fixture(scope="module")
 def model(tiny_llama):
     return load_spiky_tiny_llama(tiny_llama)
+
+
+def batched_tree_generate(model, drafter: HeadsDrafter, prompts, max_new_tokens: int, eos: set[int]):
+    """Greedy-verified batched decoding with a heads drafter."""
+    return batched_speculative_generate(model, drafter, BatchGreedy(), prompts, max_new_tokens, eos)
 
 
 def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
@@ -69,7 +80,7 @@ def test_batched_tree_decoding_equals_per_row_greedy(model, batch):
     for eos, max_new_tokens in ((set(), 30), ({7, 11, 13}, 30), (set(), 4), (set(), 1)):
         references = [_greedy(model, torch.tensor([p]), max_new_tokens, eos) for p in prompts]
         oracle = HiddenOracle(model, prompts, references, tree.depth, seed=batch)
-        outputs, stats = batched_tree_generate(model, TreeDrafter(tree, oracle), prompts, max_new_tokens, eos)
+        outputs, stats = batched_tree_generate(model, HeadsDrafter(tree, oracle), prompts, max_new_tokens, eos)
         assert outputs == references, (eos, max_new_tokens)
         assert oracle.largest_distance < 1e-5 and oracle.stale_states == 0  # drafts read the last accepted state
         for reference, row in zip(references, stats, strict=True):
@@ -79,7 +90,7 @@ def test_batched_tree_decoding_equals_per_row_greedy(model, batch):
             multi_token_steps += sum(n > 1 for n in row.accepted_lengths)
         # a useless drafter is just as lossless
         noise = torch.Generator().manual_seed(batch)
-        noisy = TreeDrafter(tree, lambda h, r, noise=noise: torch.randn(len(h), tree.depth, model.config.vocab_size,
+        noisy = HeadsDrafter(tree, lambda h, r, noise=noise: torch.randn(len(h), tree.depth, model.config.vocab_size,
                                                                         generator=noise))
         assert batched_tree_generate(model, noisy, prompts, max_new_tokens, eos)[0] == references
     assert multi_token_steps > batch  # the rows accepted multi-token paths, at different steps
@@ -95,7 +106,7 @@ def test_rows_that_end_early_leave_the_batch(model):
     assert references[1] == [first] and any(len(r) > 1 for r in references)
     chain = chain_tree(2)
     noise = torch.Generator().manual_seed(0)
-    drafter = TreeDrafter(chain, lambda h, r: torch.randn(len(h), 2, model.config.vocab_size, generator=noise))
+    drafter = HeadsDrafter(chain, lambda h, r: torch.randn(len(h), 2, model.config.vocab_size, generator=noise))
     outputs, stats = batched_tree_generate(model, drafter, prompts, 12, {first})
     assert outputs == references
     assert stats[1].forwards == 1 and stats[1].accepted_lengths == []
@@ -125,6 +136,160 @@ def test_each_row_sees_its_own_prefix_and_ancestors():
 
 def test_a_sliding_window_model_is_refused_naming_its_layers():
     model = _sliding_model("mistral")
-    drafter = TreeDrafter(chain_tree(1), lambda h, r: torch.zeros(len(h), 1, model.config.vocab_size))
+    drafter = HeadsDrafter(chain_tree(1), lambda h, r: torch.zeros(len(h), 1, model.config.vocab_size))
     with pytest.raises(NotImplementedError, match="DynamicSlidingWindowLayer"):
         batched_tree_generate(model, drafter, [[1, 2, 3] * WINDOW, [4, 5]], 4, set())
+
+
+class RecordingBatchDrafter:
+    """Wraps a batch drafter and records every row's draft tokens per cycle, by prompt."""
+
+    def __init__(self, inner):
+        self.inner, self.tree = inner, inner.tree
+
+    def start(self, prompts, hidden, roots):
+        self.rows, self.drafts = list(range(len(prompts))), [[] for _ in prompts]
+        self.inner.start(prompts, hidden, roots)
+
+    def propose(self, roots):
+        tokens, probs = self.inner.propose(roots)
+        for row, prompt in enumerate(self.rows):
+            self.drafts[prompt].append(tokens[row, 1:].tolist())
+        return tokens, probs
+
+    def accept(self, hidden, tokens):
+        self.inner.accept(hidden, tokens)
+
+    def keep(self, rows):
+        self.rows = [self.rows[i] for i in rows.tolist()]
+        self.inner.keep(rows)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 16])
+@torch.no_grad()
+def test_batched_mtp_drafting_equals_per_row_greedy_and_drafts_as_at_batch_1(model, batch):
+    """MTP's chained drafts through the same engine: per-row HF greedy token for token, and every row's drafts, cycle
+    by cycle, are the ones the batch-1 MTP drafter proposes on that prompt (each row reads its own depth caches)."""
+    from models.engine.speculative import TreeVerifier, speculative_generate
+    from models.mtp.module import MTPBatchDrafter, MTPDrafter
+    from tests.test_mtp import _perturbed_module
+
+    class RecordingDrafter(MTPDrafter):
+        def propose(self, room):
+            draft = super().propose(room)
+            drafts.append(draft.tokens[1:].tolist())
+            return draft
+
+    prompts = _prompts(batch, model.config.vocab_size, seed=100 + batch)
+    module = _perturbed_module(model, 2, scale=0.0)
+    references = [_greedy(model, torch.tensor([p]), 24, set()) for p in prompts]
+    drafter = RecordingBatchDrafter(MTPBatchDrafter(model, module))
+    outputs, stats = batched_speculative_generate(model, drafter, BatchGreedy(), prompts, 24, set())
+    assert outputs == references
+    for prompt, row_drafts in zip(prompts, drafter.drafts, strict=True):
+        drafts = []
+        speculative_generate(model, RecordingDrafter(model, module), TreeVerifier(), torch.tensor([prompt]), 24, set())
+        assert row_drafts == drafts
+    assert sum(len(d) for d in drafter.drafts) > batch  # several cycles per row
+
+
+def _second_token_laws(model, prompts: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each prompt's exact law of its first sampled token p(a) (V,) and of its second, Σ_a p(a) p(b | a) (V,), at
+    T = 1, computed over the whole vocabulary."""
+    laws = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        first = torch.softmax(model(ids).logits[0, -1], dim=-1)  # (V,)
+        every = torch.arange(len(first))
+        continued = torch.cat([ids.expand(len(every), -1), every[:, None]], dim=1)  # every possible first token
+        second = torch.softmax(model(continued).logits[:, -1], dim=-1)  # (V, V)
+        laws.append((first, (first[:, None] * second).sum(dim=0)))
+    return laws
+
+
+class GullibleBatch(BatchSampling):
+    """The negative control: keeps every draft as it comes, then the model's own token."""
+
+    def __call__(self, tokens, probs, logits, tree, prompts):
+        nodes, counts, roots = super().__call__(tokens, probs, logits, tree, prompts)
+        bonus = torch.cat([torch.multinomial(torch.softmax(logits[b, -1], dim=-1), 1, generator=self.generators[p])
+                           for b, p in enumerate(prompts)])
+        return nodes, torch.full_like(counts, tree.size), bonus
+
+
+@pytest.mark.parametrize("draft_temperature", [1.0, 0.0])
+@torch.no_grad()
+def test_batched_speculative_sampling_keeps_every_rows_distribution(model, draft_temperature):
+    """Three prompts of different lengths, 400 rows each (interleaved), decoded together at T = 1 with MTP drafts
+    (sampled or top-1), each row with its own generator: every prompt's first and second output tokens (the second:
+    a drafted position) follow that prompt's exact laws (χ² per row position). Keeping every draft (the negative
+    control) fails the same test on the second token."""
+    from models.mtp.module import MTPBatchDrafter
+    from tests.test_mtp import _chi_square_p, _perturbed_module
+
+    prompts = [[5, 9, 14], [3, 8, 21, 7, 30, 11, 6], [12, 4]]
+    copies = 400
+    laws = _second_token_laws(model, prompts)
+    module = _perturbed_module(model, 2, scale=0.3)
+    rows = [prompts[i % len(prompts)] for i in range(copies * len(prompts))]  # neighbouring rows: other prompts
+
+    def sample(verifier_class) -> tuple[list[list[int]], list]:
+        generators = [torch.Generator().manual_seed(1000 + i) for i in range(len(rows))]
+        drafter = MTPBatchDrafter(model, module, draft_temperature, generators)
+        return batched_speculative_generate(model, drafter, verifier_class(1.0, generators), rows, 2, set())
+
+    def p_values(outputs: list[list[int]]) -> list[float]:
+        values = []
+        for i, (first, second) in enumerate(laws):
+            mine = torch.tensor(outputs[i :: len(prompts)])  # (copies, 2)
+            for position, law in enumerate((first, second)):
+                counts = dict(enumerate(torch.bincount(mine[:, position], minlength=len(law)).tolist()))
+                values.append(_chi_square_p(counts, {v: float(law[v]) for v in range(len(law))}, copies))
+        return values
+
+    outputs, stats = sample(BatchSampling)
+    assert 0 < sum(s.accepted_drafts for s in stats) < sum(s.drafted_tokens for s in stats)  # both verdicts ran
+    assert min(p_values(outputs)) > 1e-3
+    gullible = p_values(sample(GullibleBatch)[0])
+    assert min(gullible[1::2]) < 1e-6  # the second tokens: the drafts' law, not the model's
+
+
+@torch.no_grad()
+def test_adaptive_batched_decoding_runs_plain_steps_and_stays_greedy(model):
+    """With a cycle cost no draft can pay (c = 4 with 2 drafts), the batch falls back to plain steps, probes, and
+    its output is still every row's greedy decoding."""
+    from models.engine.config import Adaptation
+    from models.mtp.module import MTPBatchDrafter
+    from tests.test_mtp import _perturbed_module
+
+    prompts = _prompts(5, model.config.vocab_size, seed=3)
+    references = [_greedy(model, torch.tensor([p]), 30, set()) for p in prompts]
+    drafter = MTPBatchDrafter(model, _perturbed_module(model, 2, scale=0.05))
+    outputs, stats = batched_speculative_generate(model, drafter, BatchGreedy(), prompts, 30, set(),
+                                                  adaptation=Adaptation(window=2, probe_every=4, cycle_cost=4.0))
+    assert outputs == references
+    plain = {row.plain_forwards for row in stats}
+    cycles = {len(row.accepted_lengths) for row in stats}
+    assert min(plain) > 10 and 2 <= min(cycles) < 10  # mostly plain, with the first window and probes drafting
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@torch.no_grad()
+def test_batched_mtp_decoding_of_a_bfloat16_policy(tiny_llama, device):
+    """A bf16 policy (on the GPU under cuda): batched MTP drafting greedy-verified agrees with per-row greedy up to
+    bf16 near-ties, and batched speculative sampling draws with generators on the policy's device."""
+    from models.mtp.module import MTPBatchDrafter
+    from tests.test_mtp import _perturbed_module
+    from tests.test_speculative import _assert_agrees_up_to_ties, _bf16_tiny
+
+    model = _bf16_tiny(tiny_llama, device)
+    prompts = _prompts(5, model.config.vocab_size, seed=11)
+    module = _perturbed_module(model, 2, scale=0.0)
+    outputs, _ = batched_speculative_generate(model, MTPBatchDrafter(model, module), BatchGreedy(), prompts, 16, set())
+    for prompt, tokens in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([prompt], device=device)
+        _assert_agrees_up_to_ties(model, ids, tokens, _greedy(model, ids, 16, set()))
+    generators = [torch.Generator(device=device).manual_seed(i) for i in range(len(prompts))]
+    sampled, stats = batched_speculative_generate(model, MTPBatchDrafter(model, module, 1.0, generators),
+                                                  BatchSampling(1.0, generators), prompts, 16, set())
+    assert [len(tokens) for tokens in sampled] == [16] * len(prompts) and sum(s.drafted_tokens for s in stats) > 0

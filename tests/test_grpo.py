@@ -201,9 +201,10 @@ def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
         assert [h["step"] for h in history] == [1, 2]
         for h in history:
             assert h["rollout_seconds"] > 0 and 0 <= h["reward"] <= 1
-            # per rollout (the intervals' units): they add up to the step's totals
+            # per rollout batch (the intervals' units; a step's prompt × G = 2 rollouts in one): they add up to the
+            # step's totals
             rollouts = h["rollouts"]
-            assert len(rollouts) == 2 and sum(r["tokens"] for r in rollouts) == h["rollout_tokens"]
+            assert [r["rows"] for r in rollouts] == [2] and sum(r["tokens"] for r in rollouts) == h["rollout_tokens"]
             assert 0 < sum(r["seconds"] for r in rollouts) <= h["rollout_seconds"]
             if var.drafts:
                 assert h["tau"] >= 1 and 0 <= h["acceptance_rate"] <= 1
@@ -375,8 +376,9 @@ def _two_process_runs(tiny_llama: str, folder: str, batch_size: int) -> dict:
                                      MTPTraining(epochs=1, batch_size=batch_size, learning_rate=1e-3), accelerator)
     # MTP-RL: a step of 2 prompts, split between the processes, each scoring its own rollouts
     # adaptive drafting decides by measured wall times: the two runs would draw different (equally exact) rollouts
+    # one rollout batch per prompt's group, so the gathered batches of two processes are one process's batches
     cfg = MTPRLTraining(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=5, learning_rate=1e-3,
-                        mtp_learning_rate=1e-3, adaptive=False)
+                        mtp_learning_rate=1e-3, adaptive=False, rollout_batch_size=2)
     rl_module = MTPModule(policy.model, MTPModuleConfig(2))
     history = train_variant(policy, rl_module, variant("mtp_rl", cfg), _prompts(policy.tokenizer), QUESTIONS,
                             [None, None], first_of_each_pair, cfg, [0.6, 0.4],
@@ -428,6 +430,37 @@ def test_two_processes_train_like_one_on_the_same_global_batch(tiny_llama, tmp_p
         assert two["record"][key] == pytest.approx(one["record"][key], abs=1e-6), key
     for key in ("equip_module", "policy", "rl_module"):
         torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("draft_temperature", [0.0, 1.0])
+def test_a_drafted_rollout_does_not_depend_on_its_batch(policy, draft_temperature):
+    """Each rollout draws from its own seeded stream (its drafts and its verdicts), so MTP-drafted rollouts sampled
+    one at a time, two by two or all six together are the same tokens (always drafting; an adaptive batch decides
+    for all its rows at once); vanilla rollouts too are sampled as batches."""
+    from models.engine.generation import end_token_ids
+    from tests.test_mtp import _perturbed_module
+
+    module = _perturbed_module(policy.model, 2, scale=0.0)
+    prompts, eos = _prompts(policy.tokenizer), end_token_ids(policy)
+
+    def rollouts(batch_size: int | None, drafts: bool = True):
+        cfg = MTPRLTraining(group_size=3, max_new_tokens=12, adaptive=False, rollout_batch_size=batch_size,
+                            draft_temperature=draft_temperature)
+        return collect_rollouts(policy.model, policy.tokenizer, module if drafts else None, prompts, QUESTIONS,
+                                [None, None], response_length, cfg, 0, eos)
+
+    together = rollouts(None)
+    assert [c.rows for c in together.counts] == [6]
+    assert len(set(map(tuple, together.completion_ids))) > 1
+    if draft_temperature:  # sampled drafts pass often on this flat model (Σ min(p, q)); top-1 ones seldom (≈ 1/V)
+        assert together.stats.accepted_drafts > 0
+    for size in (1, 2):
+        apart = rollouts(size)
+        assert [c.rows for c in apart.counts] == [size] * (6 // size)
+        assert apart.completion_ids == together.completion_ids, size
+    vanilla = rollouts(None, drafts=False)
+    assert [c.rows for c in vanilla.counts] == [6] and not any(c.cycles for c in vanilla.counts)
+    assert len(set(map(tuple, vanilla.completion_ids))) > 1  # sampled, not greedy
 
 
 def test_rollouts_are_scored_by_the_reward_function_given_in_one_call(policy):

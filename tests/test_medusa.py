@@ -503,7 +503,8 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
                 "general_prompts": 3, "max_new_tokens": 8, "eval_fraction": 0.4},
         rlmedusa={"trajectory_tokens": 4, "top_pool": 10},
         medusa_benchmark={"tree": [[0], [1], [0, 0]], "num_prompts": 3, "speed_prompts": 2, "general_prompts": 2,
-                          "max_new_tokens": 8, "decoders": ["greedy", "prompt_lookup", "medusa_supervised"]})
+                          "max_new_tokens": 8, "decoders": ["greedy", "prompt_lookup", "medusa_supervised"],
+                          "curve_batch_sizes": [1, 2], "curve_batches": 2})
 
     trained = train_medusa_task.fn(cfg)
     responses = pd.read_parquet(tmp_path / "data/medusa/distilled/responses.parquet")
@@ -540,3 +541,14 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     report = (out / "report.md").read_text()
     assert "## Prompt set `held_out`" in report and "## Prompt set `general`" in report and " [" in report
     assert result.metrics["divergences"] == 0 and "general.medusa_supervised.tau_low" in result.metrics
+    # the speed curve: every set, batch size and decoder; batched Medusa equal to HF batched greedy row for row
+    curve = pd.read_csv(out / "speed_curve.csv")
+    assert list(zip(curve["prompt_set"], curve["batch"], curve["decoder"], strict=True)) == [
+        (prompt_set, batch, decoder) for prompt_set in ("held_out", "general") for batch in (1, 2)
+        for decoder in ("greedy", "medusa_supervised")]
+    medusa = curve[curve["decoder"] == "medusa_supervised"]
+    assert (medusa["identical_to_reference"] == 1.0).all() and medusa["tokens_per_forward"].notna().all()
+    assert (medusa["speedup_vs_reference_low"] <= medusa["speedup_vs_reference_high"]).all()
+    assert curve.loc[curve["decoder"] == "greedy", "speedup_vs_reference"].isna().all()  # no ratio to itself
+    assert (out / "speed_curve.png").is_file() and "## Speed against batch size" in report
+    assert "held_out.medusa_supervised.batch2.speedup_vs_reference_low" in result.metrics

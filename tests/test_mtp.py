@@ -472,7 +472,8 @@ def test_rl_stage_rewarded_by_a_reward_model_uses_prompts_without_answers(tiny_l
     label = {"labeler": "hf-classifier", "model": str(tiny_classifier), "device": "cpu"}
     held_out = {"What is 2 + 3?": "5", **OPEN_PROMPTS}
     cfg = _rl_stage(tmp_path / "rm", tiny_llama, OPEN_PROMPTS, held_out, label=label,
-                    mtp_rl={"variants": ["vanilla", "mtp_rl"]})
+                    mtp_rl={"variants": ["vanilla", "mtp_rl"], "rollout_batch_size": 1,  # 2 units
+                            "curve_batch_sizes": [1, 2], "curve_batches": 2})
     result = _run_rl_stage(cfg)
     out = cfg.path(cfg.paths.mtp_rl_dir)
     history = json.loads((out / "history.json").read_text())
@@ -501,6 +502,18 @@ def test_rl_stage_rewarded_by_a_reward_model_uses_prompts_without_answers(tiny_l
     assert table.loc["mtp_rl", "reward_change"] == pytest.approx(_mean(scored[4][3]) - _mean(scored[0][3]))
     assert m["mtp_rl.tau_pooled_low"] <= m["mtp_rl.tau_pooled"] <= m["mtp_rl.tau_pooled_high"]
     assert "mtp_rl.rollout_speedup_high" in m
+    # the rollout speed curve before RL: vanilla (its tokens/s) and MTP drafting (speedup over it) per batch size
+    curve = pd.read_csv(out / "rollout_curve.csv")
+    assert list(zip(curve["batch"], curve["decoder"], strict=True)) == [(b, d) for b in (1, 2)
+                                                                        for d in ("vanilla", "mtp")]
+    mtp = curve[curve["decoder"] == "mtp"]
+    assert (mtp["speedup_vs_reference_low"] <= mtp["speedup_vs_reference_high"]).all()
+    assert mtp["tokens_per_forward"].notna().all() and curve.loc[curve["decoder"] == "vanilla",
+                                                                 "speedup_vs_reference"].isna().all()
+    assert m["rollout_curve.mtp.batch2.speedup_vs_reference"] == pytest.approx(
+        mtp.set_index("batch").loc[2, "speedup_vs_reference"])
+    assert "## Rollout speed against batch size" in (out / "report.md").read_text()
+    assert (out / "rollout_curve.png").is_file()
     assert f"hf-classifier `{tiny_classifier}`" in (out / "report.md").read_text()
 
     verifiable = _rl_stage(tmp_path / "verifiable", tiny_llama, OPEN_PROMPTS, OPEN_PROMPTS)

@@ -399,7 +399,8 @@ def _assert_agrees_up_to_ties(model, ids: torch.Tensor, tokens: list[int], refer
     if tokens == reference:
         return
     i = next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)
-    logits = model(input_ids=torch.cat([ids[0], torch.tensor(reference[:i], device=ids.device)])[None]).logits[0, -1]
+    common = torch.tensor(reference[:i], dtype=torch.long, device=ids.device)  # long even when empty
+    logits = model(input_ids=torch.cat([ids[0], common])[None]).logits[0, -1]
     logits = logits.float()
     assert logits[tokens[i]] >= logits.max() - 0.02 * logits.abs().max(), (i, tokens[i], reference[i])
 

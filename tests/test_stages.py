@@ -79,7 +79,8 @@ def test_every_stage_has_a_flow_and_a_deployment_found_by_entrypoint():
         assert (stage_flow.name, stage_flow.description) == (stage.flow_name, stage.description)
         deployment = by_name[stage.flow_name]
         assert deployment.description.startswith(stage.description)
-        assert deployment.parameters == {"params_path": str(REPO / "params.yaml"), "targets": [stage.name]}
+        assert deployment.parameters == {"params_path": str(REPO / "params.yaml"), "targets": [stage.name],
+                                         "isolated": True}
         assert deployment.entrypoint.endswith("flows/pipeline.py:pipeline_flow"), deployment.entrypoint
     loaded = load_flow_from_entrypoint(f"{REPO / 'flows/stages.py'}:train_reward_dpo_flow")
     assert loaded.name == "train-reward-dpo"

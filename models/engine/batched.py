@@ -1,12 +1,12 @@
-"""Tree speculative decoding of several prompts in one batch, greedy-verified (lossless).
+"""Tree speculative decoding of several prompts in one batch: greedy-verified (lossless) or by speculative sampling
+(exact in distribution), row by row.
 
-The batch-B counterpart of :func:`models.engine.speculative.speculative_generate` for a
-:class:`~models.engine.speculative.TreeDrafter` (Medusa's drafter: a fixed tree filled from the last accepted
-token's hidden state) under greedy verification, so its outputs are each prompt's greedy decoding, token for token
-(tests compare them with per-row HF greedy at batch 1, 2, 5 and 16). Medusa §2.1.2 (tree attention) batched; the
-step is the same pipeline of small functions: draft (``batch_candidates``) → one tree forward of every row
-(:func:`batch_tree_inputs`) → greedy verdict per row (``accepted_paths``) → keep each row's accepted nodes
-(:func:`compact_cache`).
+The batch-B counterpart of :func:`models.engine.speculative.speculative_stream`, for Medusa's heads and MTP's
+chained drafts alike. Medusa §2.1.2 (tree attention) batched, as the same pipeline of small functions:
+
+    draft (``drafter.propose``: every row's N + 1 tree tokens)  →  one tree forward of every row
+    (:func:`batch_tree_inputs`)  →  a verdict per row (:class:`BatchGreedy` | :class:`BatchSampling`)
+    →  keep each row's accepted nodes (:func:`compact_cache`)  →  ``drafter.accept``
 
 Layout: a right-padded KV cache. Row b holds its L_b real positions at cache indices [0, L_b), then junk up to
 the longest row's length T. A step appends every row's N + 1 tree nodes at [T, T + N + 1) (Hugging Face caches
@@ -15,31 +15,144 @@ ancestors, nothing else (one additive mask per row). Rows accept different numbe
 layer then moves each row's accepted nodes to [L_b, L_b + a_b) and cuts the cache to the new longest row. Right
 padding makes a row's cache index its position, so rotary positions need no per-row offsets, and compaction is
 that one gather (Hugging Face's own cache update copies the whole cache every step anyway). Rows that end (an
-end token, or ``max_new_tokens``) leave the batch: the cache keeps only the rows still decoding.
+end token, or ``max_new_tokens``) leave the batch: the cache and the drafter keep only the rows still decoding.
+
+Randomness: under sampling each prompt has its own generator, which draws its drafts (MTP at a draft temperature)
+and its verdicts, so a prompt's output does not depend on which prompts share its batch.
+
+Adapting (:class:`models.engine.config.Adaptation`): the batch drafts a step or runs it plainly (every row's root
+alone, one token each) as one. A cycle's gain is the mean over the rows of the tokens it gave them, and its cost,
+measured, is the cycle's time over a plain step's *at this batch size*: a bigger batch makes a tree forward cost
+more plain steps (the forward stops being memory-bound), which is where drafting stops paying, and the rule
+follows it.
 
 Scope: full-attention models (every cache layer a plain ``DynamicLayer``: Llama, SmolLM2; sliding-window and
-other layers are refused, naming the layer) and greedy verification; no adaptive plain steps (every step drafts,
-so τ here is the heads' gain per cycle). Batch-1 decoding with adaptation, typical acceptance or sliding windows
-stays in :mod:`models.engine.speculative`.
+other layers are refused, naming the layer); speculative sampling on chains (one path, as at batch 1). Typical
+acceptance and sliding windows stay in :mod:`models.engine.speculative`, at batch 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from models.engine.config import Adaptation
 from models.engine.speculative import (
+    AdaptiveDrafting,
+    DraftLogits,
     SpeculativeStats,
     Tree,
-    TreeDrafter,
     accepted_paths,
     batch_candidates,
     emitted,
     greedy_match,
+    root_tree,
+    temperature_probs,
+    verify_speculative_sampling,
 )
+
+
+class BatchDrafter(Protocol):
+    """Proposes every decoding row's tree at once, and follows the rows' verified outputs."""
+
+    tree: Tree  # the tree of every drafting step
+
+    def start(self, prompts: Sequence[Sequence[int]], hidden: torch.Tensor, roots: torch.Tensor) -> None:
+        """After the prefill: the prompts, their final hidden states (B, P, H), right-padded, and the first roots
+        (B,)."""
+
+    def propose(self, roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every row's N + 1 tree tokens (B, N+1), root first, and the law each draft of a chain was drawn from
+        (B, D, V) (None: drafts for greedy verification only)."""
+
+    def accept(self, hidden: Sequence[torch.Tensor], tokens: Sequence[Sequence[int]]) -> None:
+        """Each row's step: the final hidden states of the nodes it kept (a_b, H) and its a_b new tokens (the last
+        is the next root). A plain step kept the root alone."""
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only ``rows`` (indices into the current rows) go on decoding."""
+
+
+class BatchVerifier(Protocol):
+    """Judges every row's step."""
+
+    def choose(self, logits: torch.Tensor, prompts: Sequence[int]) -> torch.Tensor:
+        """The model's next token (B,) of each row from its logits (B, V); ``prompts``: each row's prompt index."""
+
+    def __call__(self, tokens: torch.Tensor, probs: torch.Tensor | None, logits: torch.Tensor, tree: Tree,
+                 prompts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """From the tree forward's logits (B, N+1, V): each row's kept nodes (B, D+1), root first, entries past
+        its count filler; the count (B,), root included; and the next root (B,), the model's own token."""
+
+
+class BatchGreedy:
+    """Greedy verification: a node is kept when its token is its parent's argmax (lossless)."""
+
+    def choose(self, logits: torch.Tensor, prompts: Sequence[int]) -> torch.Tensor:
+        return logits.argmax(dim=-1)
+
+    def __call__(self, tokens, probs, logits, tree, prompts):
+        predictions = logits.argmax(dim=-1)  # (B, N+1)
+        nodes, counts = accepted_paths(tree, greedy_match(tokens, predictions, tree))  # (B, D+1), (B,)
+        last = nodes.gather(1, (counts - 1)[:, None])  # (B, 1) the last kept node predicts the bonus
+        return nodes, counts, predictions.gather(1, last)[:, 0]
+
+
+class BatchSampling:
+    """Speculative sampling (:func:`models.engine.speculative.verify_speculative_sampling`) of each row's chain at
+    ``temperature`` > 0 with its prompt's generator: every row's output is distributed exactly as sampling from the
+    model. ``generators``: one per prompt, on the model's device."""
+
+    def __init__(self, temperature: float, generators: Sequence[torch.Generator | None]):
+        if temperature <= 0:
+            raise ValueError(f"speculative sampling needs a temperature > 0, got {temperature} (use BatchGreedy)")
+        self.temperature, self.generators = temperature, list(generators)
+
+    def choose(self, logits: torch.Tensor, prompts: Sequence[int]) -> torch.Tensor:
+        probs = temperature_probs(logits, self.temperature)  # (B, V)
+        return torch.cat([torch.multinomial(probs[b], 1, generator=self.generators[p]) for b, p in enumerate(prompts)])
+
+    def __call__(self, tokens, probs, logits, tree, prompts):
+        if len(tree.paths) != 1:
+            raise ValueError(f"speculative sampling verifies a chain; this tree has {len(tree.paths)} paths")
+        target = temperature_probs(logits, self.temperature)  # (B, N+1, V)
+        counts, roots = [], []
+        for b, prompt in enumerate(prompts):
+            drafts = tokens[b, 1:].tolist()
+            if drafts:
+                accepted, root = verify_speculative_sampling(drafts, probs[b], target[b], self.generators[prompt])
+            else:  # a plain step: a draw from the model at the root
+                accepted, root = 0, int(torch.multinomial(target[b, 0], 1, generator=self.generators[prompt]))
+            counts.append(accepted + 1)
+            roots.append(root)
+        nodes = torch.arange(tree.size, device=logits.device).expand(len(prompts), -1)  # (B, N+1) the chain
+        return nodes, torch.tensor(counts, device=logits.device), torch.tensor(roots, device=logits.device)
+
+
+class HeadsDrafter:
+    """Medusa's drafter at batch B: ``tree`` filled from ``draft_logits`` (B, H), (B,) → (B, D, V) of each row's last
+    kept token's final hidden state (:class:`models.medusa.heads.MedusaDrafter`'s ``logits`` takes a batch)."""
+
+    def __init__(self, tree: Tree, draft_logits: DraftLogits):
+        self.tree, self.draft_logits = tree, draft_logits
+
+    def start(self, prompts, hidden, roots):
+        lengths = torch.tensor([len(p) for p in prompts], device=hidden.device)
+        self.hidden = hidden[torch.arange(len(prompts), device=hidden.device), lengths - 1]  # (B, H)
+
+    def propose(self, roots):
+        return batch_candidates(roots, self.draft_logits(self.hidden, roots), self.tree), None
+
+    def accept(self, hidden, tokens):
+        self.hidden = torch.stack([h[-1] for h in hidden])  # (B, H)
+
+    def keep(self, rows):
+        self.hidden = self.hidden[rows]
 
 
 def batch_tree_inputs(tree: Tree, lengths: torch.Tensor, cache_length: int, dtype: torch.dtype
@@ -79,78 +192,104 @@ def unsupported_layers(model) -> str | None:
     return f"{type(model).__name__} has {', '.join(others)} cache layers" if others else None
 
 
+def _prefill(model, prompts: Sequence[Sequence[int]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    """Every prompt, right-padded, into a new cache: the cache, each row's logits after its last prompt token
+    (B, V) and the final hidden states (B, P, H)."""
+    device = model.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    if len(prompts) == 0 or int(lengths.min()) == 0:
+        raise ValueError("batched tree decoding needs at least one prompt, each of at least one token")
+    input_ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)  # right-padded
+    for row, prompt in enumerate(prompts):
+        input_ids[row, : len(prompt)] = torch.as_tensor(prompt, device=device)
+    real = torch.arange(input_ids.shape[1], device=device)[None] < lengths[:, None]  # (B, P)
+    cache = DynamicCache(config=model.config)
+    last = lengths - 1  # each row's last prompt position
+    kept = last.unique()  # the positions whose logits any row needs (the LM head skips the rest)
+    out = model(input_ids=input_ids, attention_mask=real.long(), past_key_values=cache, use_cache=True,
+                output_hidden_states=True, logits_to_keep=kept)
+    rows = torch.arange(len(prompts), device=device)
+    return cache, out.logits[rows, torch.searchsorted(kept, last)], out.hidden_states[-1]
+
+
 @torch.no_grad()
-def batched_tree_generate(model, drafter: TreeDrafter, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                          eos_token_ids: set[int]) -> tuple[list[list[int]], list[SpeculativeStats]]:
-    """Greedy-verified tree decoding of ``prompts`` (token ids, any lengths) in one batch: each prompt's new
-    tokens, cut after an end token (kept) or at ``max_new_tokens``, and its counters (forwards = the steps it took
-    part in, its prefill included). ``drafter.draft_logits`` must take a batch of hidden states (B, H) and roots
-    (B,) and return (B, D, V), as Medusa's heads do."""
+def batched_speculative_generate(model, drafter: BatchDrafter, verifier: BatchVerifier,
+                                 prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_ids: set[int],
+                                 adaptation: Adaptation | AdaptiveDrafting | None = None,
+                                 clock: Callable[[], float] = time.perf_counter,
+                                 ) -> tuple[list[list[int]], list[SpeculativeStats]]:
+    """Speculative decoding of ``prompts`` (token ids, any lengths) in one batch: each prompt's new tokens, cut
+    after an end token (kept) or at ``max_new_tokens``, and its counters (forwards = the steps it took part in,
+    its prefill included). ``adaptation``: draft only while it pays at this batch size (module docstring); a
+    :class:`~models.engine.speculative.AdaptiveDrafting` carries its state from earlier batches."""
     unsupported = unsupported_layers(model)
     if unsupported:
         raise NotImplementedError(f"batched tree decoding supports full-attention caches only; {unsupported} "
                                   "(decode at batch 1)")
     device = model.device
-    batch = len(prompts)
-    prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
-    if batch == 0 or int(prompt_lengths.min()) == 0:
-        raise ValueError("batched tree decoding needs at least one prompt, each of at least one token")
-    input_ids = torch.zeros(batch, int(prompt_lengths.max()), dtype=torch.long, device=device)  # right-padded
-    for row, prompt in enumerate(prompts):
-        input_ids[row, : len(prompt)] = torch.as_tensor(prompt, device=device)
-    real = torch.arange(input_ids.shape[1], device=device)[None] < prompt_lengths[:, None]  # (B, P)
-    cache = DynamicCache(config=model.config)
-    last = prompt_lengths - 1  # each row's last prompt position
-    kept = last.unique()  # the positions whose logits any row needs (the LM head skips the rest)
-    out = model(input_ids=input_ids, attention_mask=real.long(), past_key_values=cache, use_cache=True,
-                output_hidden_states=True, logits_to_keep=kept)
-    rows = torch.arange(batch, device=device)
-    roots = out.logits[rows, torch.searchsorted(kept, last)].argmax(dim=-1)  # (B,)
-    hidden = out.hidden_states[-1][rows, last]  # (B, H)
+    cache, logits, hidden = _prefill(model, prompts)
+    active = torch.arange(len(prompts), device=device)  # the prompt index of each cache row
+    roots = verifier.choose(logits, active.tolist())  # (B,)
+    drafter.start(prompts, hidden, roots)
+    adapter = AdaptiveDrafting(adaptation) if isinstance(adaptation, Adaptation) else adaptation
+    if adapter is not None:
+        adapter.start_prompt()
+    timed = adapter is not None and adapter.measures
 
     outputs: list[list[int]] = [[] for _ in prompts]
     stats = [SpeculativeStats(forwards=1) for _ in prompts]
-    active = torch.arange(batch, device=device)  # the prompt index of each cache row
-    lengths = prompt_lengths  # real positions per cache row (a row's root is not in the cache yet)
     going = _record(outputs, stats, active.tolist(), [[int(r)] for r in roots], max_new_tokens, eos_token_ids)
-    nodes = torch.zeros(batch, 1, dtype=torch.long, device=device)  # the last step's kept nodes: none yet
-    counts = torch.zeros(batch, dtype=torch.long, device=device)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)  # real positions per row (the root: not yet)
+    nodes = torch.zeros(len(prompts), 1, dtype=torch.long, device=device)  # the last step's kept nodes: none yet
+    counts = torch.zeros(len(prompts), dtype=torch.long, device=device)
     cache_length = cache.get_seq_length()
-    tree = drafter.tree
     while going:
+        started = clock() if timed else 0.0
         keep = torch.tensor(going, device=device)
         if len(going) < len(active) or counts.any():  # rows ended, or the last step's nodes await compaction
             compact_cache(cache, keep, lengths[keep], nodes[keep], counts[keep], cache_length)
-        active, lengths, roots, hidden = active[keep], (lengths + counts)[keep], roots[keep], hidden[keep]
-        tokens = batch_candidates(roots, drafter.draft_logits(hidden, roots), tree)  # (B, N+1)
+        if len(going) < len(active):
+            drafter.keep(keep)
+        active, lengths, roots = active[keep], (lengths + counts)[keep], roots[keep]
+        drafts = adapter is None or adapter.drafts()
+        if drafts:
+            tree = drafter.tree
+            tokens, probs = drafter.propose(roots)  # (B, N+1), (B, D, V) | None
+        else:  # a plain step: each row's root alone
+            tree, tokens, probs = root_tree(), roots[:, None], None
         cache_length = cache.get_seq_length()
         positions, mask = batch_tree_inputs(tree, lengths, cache_length, model.dtype)
         out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache,
                     use_cache=True, output_hidden_states=True)
-        predictions = out.logits.argmax(dim=-1)  # (B, N+1)
-        nodes, counts = accepted_paths(tree, greedy_match(tokens, predictions, tree))  # (B, D+1), (B,)
-        last_node = nodes.gather(1, (counts - 1)[:, None])[:, 0]  # (B,) the last accepted node predicts the bonus
-        rows = torch.arange(len(active), device=device)
-        roots = predictions[rows, last_node]  # the bonus tokens: the next roots
-        hidden = out.hidden_states[-1][rows, last_node]  # (B, H)
-        path_tokens = tokens.gather(1, nodes)  # (B, D+1), root first
-        steps = [path_tokens[b, 1 : counts[b]].tolist() + [int(roots[b])] for b in range(len(active))]
-        going = _record(outputs, stats, active.tolist(), steps, max_new_tokens, eos_token_ids, drafted=tree.size - 1)
+        nodes, counts, roots = verifier(tokens, probs, out.logits, tree, active.tolist())  # (B, D+1), (B,), (B,)
+        kept = [nodes[b, : counts[b]] for b in range(len(active))]
+        steps = [tokens[b, kept[b][1:]].tolist() + [int(roots[b])] for b in range(len(active))]
+        going = _record(outputs, stats, active.tolist(), steps, max_new_tokens, eos_token_ids,
+                        drafted=tree.size - 1 if drafts else 0)
+        drafter.accept([out.hidden_states[-1][b, kept[b]] for b in range(len(active))], steps)
+        if adapter is not None:
+            if timed and device.type == "cuda":
+                torch.cuda.synchronize(device)
+            gain = sum(len(step) for step in steps) / len(steps)  # tokens per row (a plain step: 1)
+            adapter.record(drafts, gain, clock() - started if timed else 0.0)
     return outputs, stats
 
 
 def _record(outputs: list[list[int]], stats: list[SpeculativeStats], prompts: list[int], steps: list[list[int]],
             max_new_tokens: int, eos_token_ids: set[int], drafted: int | None = None) -> list[int]:
     """Append each cache row's step tokens to its prompt's output (up to an end token or ``max_new_tokens``) and
-    count them — the prefill's (``drafted`` None) or a draft–verify cycle's that offered ``drafted`` drafts per row;
-    returns the cache rows that go on decoding."""
+    count them — the prefill's (``drafted`` None), a plain step's (0 drafts) or a draft–verify cycle's that offered
+    ``drafted`` drafts per row; returns the cache rows that go on decoding."""
     going = []
     for b, (index, step) in enumerate(zip(prompts, steps, strict=True)):
         room = max_new_tokens - len(outputs[index])
         kept, ended = emitted(step, room, eos_token_ids)
         outputs[index] += kept
         stats[index].generated_tokens += len(kept)
-        if drafted is not None:
+        if drafted == 0:
+            stats[index].forwards += 1
+            stats[index].plain_forwards += 1
+        elif drafted is not None:
             stats[index].forwards += 1
             stats[index].drafted_tokens += drafted
             stats[index].accepted_lengths.append(len(kept))

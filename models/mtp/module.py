@@ -309,28 +309,78 @@ class MTPDrafter:
 
     @torch.no_grad()
     def draft(self, choose) -> tuple[list[int], torch.Tensor]:
-        length = len(self.hidden)  # L: the root is t_L
-        device = self.hidden.device
         previous, drafts, logits = self.hidden, [], []
         for k in range(1, self.num_depths + 1):
-            cache, final = self.caches[k - 1], self.final_states[k - 1]
-            start = len(final)  # positions before start are cached at this depth
-            positions = torch.arange(start, length, device=device)
-            # t_{j+k}: a final token up to t_L, a draft beyond
-            ahead = torch.tensor([self.tokens[j + k - 1] if j + k <= length else drafts[j + k - length - 1]
-                                  for j in range(start, length)], dtype=torch.long, device=device)
-            inputs = self.module.depth_input(self.base, previous[start:length], ahead)[None]  # (1, Q, H)
-            states = self.module.layer_forward(self.base, inputs, positions, cache)[0]  # (Q, H)
-            num_final = max(0, length - k + 1 - start)  # depth k's inputs are final up to position L − k
-            self.final_states[k - 1] = torch.cat([final, states[:num_final]])
-            for layer in cache.layers:  # keep only the final positions' keys and values
-                layer.keys = layer.keys[:, :, : start + num_final]
-                layer.values = layer.values[:, :, : start + num_final]
-            previous = torch.cat([final, states])  # (L, H): this depth's states at every position
+            previous = self.depth_states(k, previous, drafts)
             step_logits = mtp_logits(self.base, previous[-1])  # (V,)
             drafts.append(int(choose(step_logits)))
             logits.append(step_logits)
         return drafts, torch.stack(logits)  # (K, V)
+
+    @torch.no_grad()
+    def depth_states(self, k: int, previous: torch.Tensor, drafts: Sequence[int]) -> torch.Tensor:
+        """Depth k's states at every position (L, H), from depth k − 1's (``previous``; depth 0: the main model's)
+        and the drafts of depths < k; runs only the positions this depth has not cached, and caches those whose
+        inputs are final. The last state predicts depth k's draft."""
+        length = len(self.hidden)  # L: the root is t_L
+        cache, final = self.caches[k - 1], self.final_states[k - 1]
+        start = len(final)  # positions before start are cached at this depth
+        positions = torch.arange(start, length, device=self.hidden.device)
+        # t_{j+k}: a final token up to t_L, a draft beyond
+        ahead = torch.tensor([self.tokens[j + k - 1] if j + k <= length else drafts[j + k - length - 1]
+                              for j in range(start, length)], dtype=torch.long, device=self.hidden.device)
+        inputs = self.module.depth_input(self.base, previous[start:length], ahead)[None]  # (1, Q, H)
+        states = self.module.layer_forward(self.base, inputs, positions, cache)[0]  # (Q, H)
+        num_final = max(0, length - k + 1 - start)  # depth k's inputs are final up to position L − k
+        self.final_states[k - 1] = torch.cat([final, states[:num_final]])
+        for layer in cache.layers:  # keep only the final positions' keys and values
+            layer.keys = layer.keys[:, :, : start + num_final]
+            layer.values = layer.values[:, :, : start + num_final]
+        return torch.cat([final, states])  # (L, H)
+
+
+class MTPBatchDrafter:
+    """:class:`MTPDrafter` for a batch of sequences (:class:`models.engine.batched.BatchDrafter`): each row keeps its
+    own per-depth caches (rows accept different numbers of tokens), and each depth's LM head, most of a draft's
+    cost, runs once for the whole batch. ``generators``: each prompt's, drawing its drafts at
+    ``draft_temperature`` > 0 (None: top-1 drafts need none)."""
+
+    def __init__(self, base, module: MTPModule, draft_temperature: float = 0.0,
+                 generators: Sequence[torch.Generator | None] | None = None):
+        self.base, self.module, self.draft_temperature = base, module, draft_temperature
+        self.generators = generators
+        self.tree = chain_tree(module.config.num_depths)
+
+    def start(self, prompts: Sequence[Sequence[int]], hidden: torch.Tensor, roots: torch.Tensor) -> None:
+        generators = self.generators or [None] * len(prompts)
+        self.rows = [MTPDrafter(self.base, self.module, self.draft_temperature, generator)
+                     for generator in generators]
+        for row, prompt, states, root in zip(self.rows, prompts, hidden, roots.tolist(), strict=True):
+            row.update(states[: len(prompt)], [*prompt[1:], root])
+
+    @torch.no_grad()
+    def propose(self, roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        previous = [row.hidden for row in self.rows]
+        drafts: list[list[int]] = [[] for _ in self.rows]
+        logits = []
+        for k in range(1, self.module.config.num_depths + 1):
+            previous = [row.depth_states(k, states, row_drafts)
+                        for row, states, row_drafts in zip(self.rows, previous, drafts, strict=True)]
+            step_logits = mtp_logits(self.base, torch.stack([states[-1] for states in previous]))  # (B, V)
+            probs = temperature_probs(step_logits, self.draft_temperature)
+            for b, row in enumerate(self.rows):
+                drafts[b].append(draw(probs[b], row.generator))
+            logits.append(step_logits)
+        tokens = torch.tensor([[int(root), *row_drafts] for root, row_drafts in zip(roots, drafts, strict=True)],
+                              device=roots.device)  # (B, K+1)
+        return tokens, temperature_probs(torch.stack(logits, dim=1), self.draft_temperature)  # (B, K, V)
+
+    def accept(self, hidden: Sequence[torch.Tensor], tokens: Sequence[Sequence[int]]) -> None:
+        for row, states, new in zip(self.rows, hidden, tokens, strict=True):
+            row.update(states, new)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.rows = [self.rows[i] for i in rows.tolist()]
 
 
 def mtp_generate(model, draft_base, module: MTPModule, input_ids: torch.Tensor, max_new_tokens: int,

@@ -17,8 +17,13 @@ reads; the module through L_Adv. The baselines change one thing each (:class:`Va
 the policy (``no_backprop``: the module reads detached states and the policy's parameters are frozen while
 its loss is built).
 
-Why a compact trainer rather than TRL's ``GRPOTrainer``: MTP-RL needs (a) rollouts from our own batch-1
-speculative sampler, timed per step, with per-rollout acceptance counters, and (b) a second model (the MTP
+Rollouts are sampled as batches (a step's prompts × G rows, ``rollout_batch_size``), as RL systems sample them:
+vanilla by HF batched sampling, the drafting variants by the batched speculative engine
+(:mod:`models.engine.batched`: MTP's chained drafts per row, speculative sampling per row, each rollout with its
+own seeded stream, so every variant draws from the same streams).
+
+Why a compact trainer rather than TRL's ``GRPOTrainer``: MTP-RL needs (a) rollouts from our own batched
+speculative sampler, timed per batch, with per-batch acceptance counters, and (b) a second model (the MTP
 module) trained in the same backward from the policy's hidden states. TRL's trainer owns generation and the
 loss; bending both would take more code than the ~100 lines of GRPO here, whose pieces
 (:mod:`models.mtp.grpo`) are tested on hand-worked numbers against TRL's definitions.
@@ -51,7 +56,6 @@ from models.mtp.module import (
     depth_targets,
     draft_parts,
     mtp_cross_entropy,
-    mtp_generate,
 )
 
 if TYPE_CHECKING:
@@ -96,20 +100,17 @@ def variant(name: VariantName, cfg: MTPRLTraining) -> Variant:
 
 @dataclass(frozen=True)
 class RolloutCounts:
-    """One rollout's wall time, tokens and draft counters: the unit that the stage's intervals of rollout speed,
-    τ and α resample (a step's totals hide how much rollouts vary)."""
+    """One rollout batch's counters: the unit the intervals of rollout speed, τ and α resample (a step's totals hide
+    how much batches vary). Batches of the same place in the run hold the same prompts and sampling streams in
+    every variant."""
 
-    seconds: float  # the phase's set-up (the draft copies) counts in its first rollout's
+    seconds: float  # wall time of sampling the batch; the phase's set-up (the draft copies) counts in its first
     tokens: int
-    cycles: int  # draft–verify cycles (0 for plain sampling)
+    cycles: int  # draft–verify cycles, one per row per cycle (0 for plain sampling)
     cycle_tokens: int  # tokens those cycles produced, each cycle's bonus token included
     drafted: int  # draft tokens offered for verification
     accepted: int  # of which accepted
-
-
-def _draft_counters(stats: SpeculativeStats) -> tuple[int, int, int, int]:
-    """``stats``' running totals behind :class:`RolloutCounts`' cycles, cycle tokens, drafted and accepted."""
-    return len(stats.accepted_lengths), sum(stats.accepted_lengths), stats.drafted_tokens, stats.accepted_drafts
+    rows: int = 1  # rollouts in the batch
 
 
 @dataclass
@@ -120,9 +121,9 @@ class Rollouts:
     completion_ids: list[list[int]]
     rewards: torch.Tensor  # (N·G,): the reward function's
     seconds: float  # wall time of the rollout phase (sampling; scoring not included)
-    stats: SpeculativeStats  # draft counters (empty for plain sampling)
+    stats: SpeculativeStats  # draft counters over every rollout (empty for plain sampling)
     reward_seconds: float = 0.0  # wall time of scoring the rollouts
-    counts: list[RolloutCounts] = field(default_factory=list)  # per rollout, in order
+    counts: list[RolloutCounts] = field(default_factory=list)  # per rollout batch, in order
 
 
 def rollout_generator(seed: int, step: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -135,16 +136,26 @@ def rollout_generator(seed: int, step: int, index: int, device: torch.device | s
 
 
 @torch.no_grad()
-def sample_plainly(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids: set[int], temperature: float,
-                   generator: torch.Generator) -> list[int]:
-    """Vanilla rollout: HF ``generate`` at batch 1, pure temperature sampling, seeded from ``generator``."""
-    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)))
-    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+def sample_plainly(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_ids: set[int],
+                   temperature: float, generator: torch.Generator) -> list[list[int]]:
+    """Vanilla rollouts: HF ``generate`` of the batch (left-padded), pure temperature sampling, seeded from
+    ``generator`` (the batch's first rollout's stream); each completion cut after its end token."""
+    device = generator.device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):  # left padding: every row's next token comes after the same column
+        input_ids[row, width - len(prompt):] = torch.as_tensor(prompt, device=device)
+        attention_mask[row, width - len(prompt):] = 1
+    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator, device=device)))
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
                          temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                          eos_token_id=sorted(eos_token_ids), pad_token_id=sorted(eos_token_ids)[0])
-    new = out[0, input_ids.shape[1]:].tolist()
-    ended = next((i for i, t in enumerate(new) if t in eos_token_ids), None)
-    return new if ended is None else new[: ended + 1]
+    completions = []
+    for new in out[:, width:].tolist():
+        ended = next((i for i, t in enumerate(new) if t in eos_token_ids), None)
+        completions.append(new if ended is None else new[: ended + 1])
+    return completions
 
 
 def rollout_rewards(reward_fn: RewardFunction, questions: Sequence[str], answers: Sequence[str | None],
@@ -174,11 +185,16 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
                      cfg: MTPRLTraining, step: int, eos_token_ids: set[int], first_prompt: int = 0,
                      on_rollout: Callable[[], None] | None = None,
                      drafting: AdaptiveDrafting | None = None) -> Rollouts:
-    """G rollouts per prompt at batch 1 (plain sampling when ``module`` is None), then their rewards from
-    ``reward_fn`` in one call. ``questions`` / ``answers``: each prompt's question text and known answer (None:
-    none). ``first_prompt``: the index of ``prompts[0]`` among the step's prompts (a process's share starts
-    there), which picks each rollout's sampling stream. ``drafting``: under ``cfg.adaptive``, the state that
-    decides when to draft, carried on from earlier steps (None: a fresh one for these rollouts)."""
+    """G rollouts per prompt, sampled in batches of ``cfg.rollout_batch_size`` rows (None: all in one) — by HF
+    batched sampling when ``module`` is None, else by batched speculative sampling with the module's chained
+    drafts, each rollout with its own sampling stream — then their rewards from ``reward_fn`` in one call.
+    ``questions`` / ``answers``: each prompt's question text and known answer (None: none). ``first_prompt``: the
+    index of ``prompts[0]`` among the step's prompts (a process's share starts there), which picks each rollout's
+    sampling stream. ``drafting``: under ``cfg.adaptive``, the state that decides when a batch drafts, carried on
+    from earlier steps (None: a fresh one for these rollouts)."""
+    from models.engine.batched import BatchSampling, batched_speculative_generate
+    from models.mtp.module import MTPBatchDrafter
+
     model.eval()
     device = model.get_output_embeddings().weight.device
     started = time.perf_counter()
@@ -186,31 +202,46 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
     if module is not None:
         draft_dtype = getattr(torch, cfg.draft_dtype)
         draft_base, draft_module = draft_parts(model, module.eval(), draft_dtype)
-        drafting = drafting if drafting is not None else rollout_drafting(cfg)  # one state for every rollout
-    prompt_ids, completions, counts = [], [], []
-    rollout_started = started  # the first rollout carries the phase's set-up (the draft copies)
-    for p, ids in enumerate(prompts, start=first_prompt):
-        for g in range(cfg.group_size):
-            generator = rollout_generator(cfg.seed, step, p * cfg.group_size + g, device)
-            ids = ids.to(device)
-            counters = _draft_counters(stats)
-            if module is None:
-                tokens = sample_plainly(model, ids, cfg.max_new_tokens, eos_token_ids, cfg.temperature, generator)
-            else:
-                tokens = mtp_generate(model, draft_base, draft_module, ids, cfg.max_new_tokens, eos_token_ids,
-                                      cfg.temperature, generator, stats, cfg.draft_temperature, drafting)
-            # the tokens are a list: the rollout's device work is done when the clock is read
-            since = [now - before for now, before in zip(_draft_counters(stats), counters, strict=True)]
-            counts.append(RolloutCounts(time.perf_counter() - rollout_started, len(tokens), *since))
-            prompt_ids.append(ids[0].tolist())
-            completions.append(tokens)
+        drafting = drafting if drafting is not None else rollout_drafting(cfg)  # one state for every batch
+    prompt_ids = [ids[0].tolist() for ids in prompts for _ in range(cfg.group_size)]
+    generators = [rollout_generator(cfg.seed, step, first_prompt * cfg.group_size + i, device)
+                  for i in range(len(prompt_ids))]
+    size = cfg.rollout_batch_size or len(prompt_ids)
+    completions, counts = [], []
+    batch_started = started  # the first batch carries the phase's set-up (the draft copies)
+    for start in range(0, len(prompt_ids), size):
+        rows = slice(start, start + size)
+        if module is None:
+            tokens = sample_plainly(model, prompt_ids[rows], cfg.max_new_tokens, eos_token_ids, cfg.temperature,
+                                    generators[start])
+            rows_stats = [SpeculativeStats(generated_tokens=len(t)) for t in tokens]
+        else:
+            drafter = MTPBatchDrafter(draft_base, draft_module, cfg.draft_temperature, generators[rows])
+            tokens, rows_stats = batched_speculative_generate(
+                model, drafter, BatchSampling(cfg.temperature, generators[rows]), prompt_ids[rows],
+                cfg.max_new_tokens, eos_token_ids, drafting)
+        # the tokens are lists: the batch's device work is done when the clock is read
+        counts.append(RolloutCounts(time.perf_counter() - batch_started, sum(map(len, tokens)),
+                                    *_draft_counters(rows_stats), rows=len(tokens)))
+        for row in rows_stats:
+            stats.accepted_lengths += row.accepted_lengths
+            stats.drafted_tokens += row.drafted_tokens
+            stats.accepted_drafts += row.accepted_drafts
+        completions += tokens
+        for _ in tokens:
             if on_rollout is not None:
                 on_rollout()
-            rollout_started = time.perf_counter()
+        batch_started = time.perf_counter()
     scoring = time.perf_counter()
     responses = [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in completions]
     rewards = rollout_rewards(reward_fn, questions, answers, responses, cfg.group_size)
     return Rollouts(prompt_ids, completions, rewards, scoring - started, stats, time.perf_counter() - scoring, counts)
+
+
+def _draft_counters(rows: Sequence[SpeculativeStats]) -> tuple[int, int, int, int]:
+    """The cycles, cycle tokens, drafted and accepted drafts of a batch's rows, summed (:class:`RolloutCounts`)."""
+    return (sum(len(s.accepted_lengths) for s in rows), sum(sum(s.accepted_lengths) for s in rows),
+            sum(s.drafted_tokens for s in rows), sum(s.accepted_drafts for s in rows))
 
 
 def rollout_batch(rollouts: Rollouts, pad_token_id: int, device: torch.device) -> dict[str, torch.Tensor]:
