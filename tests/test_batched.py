@@ -97,6 +97,31 @@ def test_batched_tree_decoding_equals_per_row_greedy(model, batch):
 
 
 @torch.no_grad()
+def test_rejected_nodes_stay_as_masked_junk_until_compacted(model, monkeypatch):
+    """A drafter that is always wrong leaves N rejected nodes per row per step in the cache, masked; once the junk
+    outgrows the rows, one compaction moves every row's real keys together. The output stays greedy's throughout,
+    before and after compacting, and rows of different lengths keep their own positions."""
+    import models.engine.batched as batched
+
+    compactions = []
+
+    def counting(cache, visible):
+        compactions.append(visible.shape[1] - int(visible.sum(dim=1).max()))  # the junk columns it removes
+        return compact(cache, visible)
+
+    compact = batched.compact_cache
+    monkeypatch.setattr(batched, "compact_cache", counting)
+    prompts = _prompts(3, model.config.vocab_size, seed=21)
+    references = [_greedy(model, torch.tensor([p]), 60, set()) for p in prompts]
+    tree = build_tree(CHOICES)
+    wrong = HeadsDrafter(tree, lambda h, r: torch.full((len(h), tree.depth, model.config.vocab_size), -1e4)
+                         .index_fill_(2, torch.tensor([1, 2]), 1e4))  # tokens 1 and 2 at every depth
+    outputs, _ = batched_tree_generate(model, wrong, prompts, 60, set())
+    assert outputs == references
+    assert compactions and min(compactions) > 64  # rejected nodes piled up as junk, then were compacted away
+
+
+@torch.no_grad()
 def test_rows_that_end_early_leave_the_batch(model):
     """One row ends after its first token (an end token), the others run on: their outputs stay greedy's and the
     ended row takes part in no tree forward."""
@@ -127,7 +152,8 @@ def test_accepted_paths_per_row_on_a_hand_built_tree():
 
 def test_each_row_sees_its_own_prefix_and_ancestors():
     tree = build_tree([(0,), (1,)])  # root and two siblings
-    positions, mask = batch_tree_inputs(tree, torch.tensor([2, 4]), cache_length=4, dtype=torch.float32)
+    visible = torch.tensor([[True, True, False, False], [True, True, True, True]])  # row 0: 2 real keys, row 1: 4
+    positions, mask = batch_tree_inputs(tree, visible, dtype=torch.float32)
     assert positions.tolist() == [[2, 3, 3], [4, 5, 5]]
     visible = (mask[:, 0] == 0).int().tolist()  # (B, N+1, T+N+1)
     assert visible[0] == [[1, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 1, 0, 1]]

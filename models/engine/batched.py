@@ -6,16 +6,19 @@ chained drafts alike. Medusa §2.1.2 (tree attention) batched, as the same pipel
 
     draft (``drafter.propose``: every row's N + 1 tree tokens)  →  one tree forward of every row
     (:func:`batch_tree_inputs`)  →  a verdict per row (:class:`BatchGreedy` | :class:`BatchSampling`)
-    →  keep each row's accepted nodes (:func:`compact_cache`)  →  ``drafter.accept``
+    →  mark each row's accepted nodes visible  →  ``drafter.accept``
 
-Layout: a right-padded KV cache. Row b holds its L_b real positions at cache indices [0, L_b), then junk up to
-the longest row's length T. A step appends every row's N + 1 tree nodes at [T, T + N + 1) (Hugging Face caches
-concatenate); row b's nodes take position ids L_b + depth and attend to its keys below L_b and to their
-ancestors, nothing else (one additive mask per row). Rows accept different numbers of tokens: one gather per
-layer then moves each row's accepted nodes to [L_b, L_b + a_b) and cuts the cache to the new longest row. Right
-padding makes a row's cache index its position, so rotary positions need no per-row offsets, and compaction is
-that one gather (Hugging Face's own cache update copies the whole cache every step anyway). Rows that end (an
-end token, or ``max_new_tokens``) leave the batch: the cache and the drafter keep only the rows still decoding.
+Layout: a right-padded KV cache whose junk is masked, not moved. Row b's real positions are its *visible*
+columns (a (B, T) mask): after the prefill its L_b prompt columns, then the tree nodes it accepted. A step appends
+every row's N + 1 tree nodes at [T, T + N + 1) (Hugging Face caches concatenate); row b's nodes take position ids
+L_b + depth (L_b: its visible count) and attend to its visible columns and to their ancestors, nothing else (one
+additive mask per row). Rotary embeddings are applied to the keys when they are written, with those position
+ids, so a key's column never matters, only its visibility: keeping a row's accepted nodes is marking their
+columns visible, and its rejected nodes stay behind as masked junk. Rows accept different numbers of tokens at no
+copying cost. When the junk grows past the longest row's half (at least 64 columns), one gather per layer moves
+every row's visible columns to the front (``compact_cache``): attention over junk is cheap, a copy of the whole
+cache every step is not (Hugging Face's own cache update already copies it once per step). Rows that end (an end
+token, or ``max_new_tokens``) leave the batch: the cache and the drafter keep only the rows still decoding.
 
 Randomness: under sampling each prompt has its own generator, which draws its drafts (MTP at a draft temperature)
 and its verdicts, so a prompt's output does not depend on which prompts share its batch.
@@ -155,33 +158,32 @@ class HeadsDrafter:
         self.hidden = self.hidden[rows]
 
 
-def batch_tree_inputs(tree: Tree, lengths: torch.Tensor, cache_length: int, dtype: torch.dtype
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position ids (B, N+1) and the additive mask (B, 1, N+1, T + N+1) of a tree forward over a right-padded
-    cache of ``cache_length`` (T) columns, row b's first ``lengths[b]`` of them real."""
-    device = lengths.device
-    positions = lengths[:, None] + tree.depths.to(device)[None]  # (B, N+1)
-    prefix = torch.arange(cache_length, device=device)[None] < lengths[:, None]  # (B, T)
-    visible = torch.cat([prefix[:, None, :].expand(-1, tree.size, -1),
-                         tree.ancestors.to(device)[None].expand(len(lengths), -1, -1)], dim=2)  # (B, N+1, T+N+1)
-    mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)
+def batch_tree_inputs(tree: Tree, visible: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids (B, N+1) and the additive mask (B, 1, N+1, T + N+1) of a tree forward over a cache of T columns,
+    row b's real keys at its ``visible`` (B, T) columns."""
+    positions = visible.sum(dim=1, keepdim=True) + tree.depths.to(visible.device)[None]  # (B, N+1)
+    keys = torch.cat([visible[:, None, :].expand(-1, tree.size, -1),
+                      tree.ancestors.to(visible.device)[None].expand(len(visible), -1, -1)], dim=2)  # (B, N+1, T+N+1)
+    mask = torch.where(keys, 0.0, torch.finfo(dtype).min).to(dtype)
     return positions, mask[:, None]  # (B, N+1), (B, 1, N+1, T+N+1)
 
 
-def compact_cache(cache: DynamicCache, rows: torch.Tensor, lengths: torch.Tensor, nodes: torch.Tensor,
-                  counts: torch.Tensor, cache_length: int) -> None:
-    """Keep ``rows`` (indices into the batch) and, for each, its ``lengths`` real positions followed by its first
-    ``counts`` tree nodes ``nodes`` (node indices, stored from column ``cache_length`` on), right-padded to the new
-    longest row. Arguments are per kept row."""
-    new_lengths = lengths + counts
-    width = int(new_lengths.max())
-    column = torch.arange(width, device=lengths.device)[None]  # (1, T')
-    from_tree = cache_length + nodes.gather(1, (column - lengths[:, None]).clamp(0, nodes.shape[1] - 1))
-    keep = torch.where(column < lengths[:, None], column, torch.where(column < new_lengths[:, None], from_tree, 0))
+def compact_cache(cache: DynamicCache, visible: torch.Tensor) -> torch.Tensor:
+    """Move every row's visible columns (B, T), in order, to the front of its cache and drop the columns no row
+    needs; returns the new visibility (B, T'), T' the longest row."""
+    lengths = visible.sum(dim=1)
+    width = int(lengths.max())
+    order = (~visible).int().argsort(dim=1, stable=True)[:, :width]  # (B, T') visible columns first, in order
     for layer in cache.layers:
-        keys, values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)  # (B', heads, T+N+1, d)
-        index = keep[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])  # (B', heads, T', d)
-        layer.keys, layer.values = keys.gather(2, index), values.gather(2, index)
+        index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])  # (B, heads, T', d)
+        layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+    return torch.arange(width, device=visible.device)[None] < lengths[:, None]
+
+
+def keep_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep only ``rows`` (indices into the batch) of every cache layer."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
 
 
 def unsupported_layers(model) -> str | None:
@@ -239,29 +241,33 @@ def batched_speculative_generate(model, drafter: BatchDrafter, verifier: BatchVe
     outputs: list[list[int]] = [[] for _ in prompts]
     stats = [SpeculativeStats(forwards=1) for _ in prompts]
     going = _record(outputs, stats, active.tolist(), [[int(r)] for r in roots], max_new_tokens, eos_token_ids)
-    lengths = torch.tensor([len(p) for p in prompts], device=device)  # real positions per row (the root: not yet)
-    nodes = torch.zeros(len(prompts), 1, dtype=torch.long, device=device)  # the last step's kept nodes: none yet
-    counts = torch.zeros(len(prompts), dtype=torch.long, device=device)
-    cache_length = cache.get_seq_length()
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    visible = torch.arange(hidden.shape[1], device=device)[None] < lengths[:, None]  # (B, T) the prompts' columns
     while going:
         started = clock() if timed else 0.0
-        keep = torch.tensor(going, device=device)
-        if len(going) < len(active) or counts.any():  # rows ended, or the last step's nodes await compaction
-            compact_cache(cache, keep, lengths[keep], nodes[keep], counts[keep], cache_length)
-        if len(going) < len(active):
+        if len(going) < len(active):  # rows ended: they leave the cache and the drafter
+            keep = torch.tensor(going, device=device)
+            keep_rows(cache, keep)
             drafter.keep(keep)
-        active, lengths, roots = active[keep], (lengths + counts)[keep], roots[keep]
+            active, visible, roots = active[keep], visible[keep], roots[keep]
+        longest = int(visible.sum(dim=1).max())
+        if visible.shape[1] - longest > max(64, longest // 2):  # too much junk: move the real keys together
+            visible = compact_cache(cache, visible)
         drafts = adapter is None or adapter.drafts()
         if drafts:
             tree = drafter.tree
             tokens, probs = drafter.propose(roots)  # (B, N+1), (B, D, V) | None
         else:  # a plain step: each row's root alone
             tree, tokens, probs = root_tree(), roots[:, None], None
-        cache_length = cache.get_seq_length()
-        positions, mask = batch_tree_inputs(tree, lengths, cache_length, model.dtype)
+        positions, mask = batch_tree_inputs(tree, visible, model.dtype)
         out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache,
                     use_cache=True, output_hidden_states=True)
         nodes, counts, roots = verifier(tokens, probs, out.logits, tree, active.tolist())  # (B, D+1), (B,), (B,)
+        # the kept nodes' columns become visible; the rest of the tree stays behind as junk
+        kept_nodes = torch.arange(nodes.shape[1], device=device)[None] < counts[:, None]  # (B, D+1)
+        kept_index = torch.where(kept_nodes, nodes, nodes[:, :1])  # filler entries point at the root, kept anyway
+        added = torch.zeros(len(active), tree.size, dtype=torch.bool, device=device).scatter(1, kept_index, True)
+        visible = torch.cat([visible, added], dim=1)
         kept = [nodes[b, : counts[b]] for b in range(len(active))]
         steps = [tokens[b, kept[b][1:]].tolist() + [int(roots[b])] for b in range(len(active))]
         going = _record(outputs, stats, active.tolist(), steps, max_new_tokens, eos_token_ids,
