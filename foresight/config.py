@@ -723,12 +723,13 @@ class MTPRLConfig(_Section):
     steps draft depends on timing, and so do the exact tokens sampled, though never their distribution); a
     number (~2 for K = 3 on the 2-core CPU) makes the rollouts repeat exactly under the seed."""
     curve_batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 4, 16])
-    """The rollout speed curve's batch sizes: before RL, the starting policy's rollouts (the training prompts, cycled,
-    at ``temperature``) by HF batched sampling against batched speculative sampling with the equipped MTP module
-    (adaptive as ``adaptive``, one decision state per batch size), interleaved batch by batch (``rollout_curve.csv``,
-    ``rollout_curve.png``); empty: no curve."""
+    """The batch sizes of MTP drafting's speed curves, before RL, with the starting policy and the equipped module
+    (adaptive as ``adaptive``, one decision state per batch size), every decoder on the same batch in turn: greedy
+    decoding of the held-out prompts (HF batched greedy against greedy-verified MTP drafting, outputs compared;
+    ``decoding_curve.csv``) and rollouts of the training prompts, cycled, at ``temperature`` (HF batched sampling
+    against batched speculative sampling; ``rollout_curve.csv``); ``speed_curve.png``. Empty: no curves."""
     curve_batches: int = Field(3, ge=2)
-    """Timed batches per batch size of the rollout curve (the intervals' units)."""
+    """Timed batches per batch size of each curve (the intervals' units)."""
     eval_prompts: int = Field(40, ge=1)
     """Held-out prompts for greedy accuracy before RL and after each variant."""
     eval_batch_size: int = Field(40, ge=1)

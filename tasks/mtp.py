@@ -174,8 +174,9 @@ JUDGED = ("reward", "accuracy")  # what the held-out greedy responses are judged
 HELD_OUT_COLUMNS = [f"{key}_{when}" for key in JUDGED for when in ("before", "after", "change")]
 SUMMARY_COLUMNS = ROLLOUT_COLUMNS + HELD_OUT_COLUMNS
 CURVE_COLUMNS = ["batch", "decoder", "speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "plain_share",
-                 "batches"]
-CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "plain_share")
+                 "identical_to_reference", "batches"]
+CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "plain_share",
+                 "identical_to_reference")
 INTERVAL_ENDS = ("", "_low", "_high")  # a figure's columns with its interval
 
 
@@ -266,11 +267,12 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     logger.info("held-out greedy responses before RL, scored by %s: %s on %d prompts", _scorer(cfg.label),
                 _judged_text(before), len(eval_ids))
     weights = depth_weights(cfg.mtp.ce_weights, num_depths)
-    curve = []
+    curves_by_batch = {}
     if r.curve_batch_sizes and accelerator.is_main_process:
-        curve = _rollout_curve(cfg, policy, MTPModule.load(module_dir, policy.model),
-                               [ids[0].tolist() for ids in rl_ids], eos)
-        logger.info("rollout speed against batch size:\n%s", markdown_table(curve, CURVE_COLUMNS))
+        curves_by_batch = _mtp_curves(cfg, policy, MTPModule.load(module_dir, policy.model),
+                                      [ids[0].tolist() for ids in rl_ids], eval_ids, eos)
+        for curve_name, curve_rows in curves_by_batch.items():
+            logger.info("MTP %s speed against batch size:\n%s", curve_name, markdown_table(curve_rows, CURVE_COLUMNS))
     accelerator.wait_for_everyone()
 
     # this process's rollouts (each rolls out its share of every step's prompts)
@@ -312,7 +314,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                     r.adaptive)
     logger.info("\n%s", markdown_table(rows, SUMMARY_COLUMNS))
     out = cfg.path(cfg.paths.mtp_rl_dir)
-    report = _report(rows, curve, cfg, len(eval_ids), num_depths)
+    report = _report(rows, curves_by_batch, cfg, len(eval_ids), num_depths)
     if main:  # every process holds the same histories (gathered per step); one writes them
         with atomic_path(out) as tmp:
             tmp.mkdir(parents=True)
@@ -323,11 +325,15 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                        tmp / "history.json")
             write_table(pd.DataFrame(rows), tmp / "table.csv")
             _plots(histories, rows, tmp, _scorer(cfg.label))
-            if curve:
-                write_table(pd.DataFrame(curve), tmp / "rollout_curve.csv")
-                bar_plot(curve_bars(curve, lambda row: row["decoder"]),
-                         "MTP-drafted rollouts over HF batched sampling, by batch size (same run)",
-                         "× vanilla tokens/s", tmp / "rollout_curve.png", reference_line=1.0)
+            for curve_name, curve_rows in curves_by_batch.items():
+                write_table(pd.DataFrame(curve_rows), tmp / f"{curve_name}_curve.csv")
+            if curves_by_batch:  # one group per batch size, a bar per curve
+                groups: dict[str, dict] = {}
+                for curve_name, curve_rows in curves_by_batch.items():
+                    for group, bars in curve_bars(curve_rows, lambda row, name=curve_name: name).items():
+                        groups.setdefault(group, {}).update(bars)
+                bar_plot(groups, "MTP drafting over HF batched greedy (decoding) and sampling (rollout)",
+                         "× HF tokens/s", tmp / "speed_curve.png", reference_line=1.0)
             (tmp / "report.md").write_text(report)
         table_artifact(key="mtp-rl-summary", table=display_rows(rows, SUMMARY_COLUMNS),
                        description="GRPO variants: acceptance length, rollout time, speedup, reward and held-out "
@@ -340,7 +346,8 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     metrics |= {f"{key}_before{end}": rows[0][f"{key}_before{end}"] for key in before for end in INTERVAL_ENDS}
     metrics |= {f"{row['variant']}.{key}_{when}{end}": row[f"{key}_{when}{end}"] for row in rows for key in before
                 for when in ("after", "change") for end in INTERVAL_ENDS}
-    metrics |= {f"rollout_curve.{row['decoder']}.batch{row['batch']}.{column}": row[column] for row in curve
+    metrics |= {f"{curve_name}_curve.{row['decoder']}.batch{row['batch']}.{column}": row[column]
+                for curve_name, curve_rows in curves_by_batch.items() for row in curve_rows
                 for key in CURVE_METRICS for column in (key, f"{key}_low", f"{key}_high") if column in row}
     metrics["wall_seconds"] = time.perf_counter() - started
     curves = {f"{name}.{key}": [record[key] for record in history] for name, history in histories.items()
@@ -349,14 +356,21 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                        artifacts={"mtp_rl": out})
 
 
-def _rollout_curve(cfg: Config, policy, module, prompts: list[list[int]], eos: set[int]) -> list[dict]:
-    """Rollout speed against batch size before RL (:func:`foresight.benchmark.batch_speed_curve`): the starting
-    policy's rollouts of ``prompts`` (cycled) at the rollout temperature, ``vanilla`` (HF batched sampling) against
-    ``mtp`` (batched speculative sampling with ``module``'s chained drafts, adaptive as ``mtp_rl.adaptive`` with one
-    decision state per batch size). The j-th batch of both draws from the same per-row seeded streams."""
+def _mtp_curves(cfg: Config, policy, module, train_prompts: list[list[int]], eval_prompts: list[list[int]],
+                eos: set[int]) -> dict[str, list[dict]]:
+    """MTP drafting's speed against batch size before RL (:func:`foresight.benchmark.batch_speed_curve`), with the
+    starting policy and the equipped ``module`` (adaptive as ``mtp_rl.adaptive``, one decision state per batch size
+    and curve), every decoder on the same batch in turn:
+
+    - ``decoding``: the held-out prompts greedily — HF batched greedy against greedy-verified MTP drafting, the
+      outputs compared row by row;
+    - ``rollout``: the training prompts (cycled) at the rollout temperature — ``vanilla`` (HF batched sampling)
+      against ``mtp`` (batched speculative sampling), the j-th batch of both from the same per-row seeded streams.
+    """
     import torch
 
-    from models.engine.batched import BatchSampling, batched_speculative_generate
+    from models.engine.batched import BatchGreedy, BatchSampling, batched_speculative_generate
+    from models.engine.decoding import GREEDY, hf_decode
     from models.mtp.config import MTPRLTraining
     from models.mtp.module import MTPBatchDrafter, draft_parts
     from models.mtp.rl import rollout_drafting, rollout_generator, sample_plainly
@@ -367,20 +381,30 @@ def _rollout_curve(cfg: Config, policy, module, prompts: list[list[int]], eos: s
     draft_base, draft_module = draft_parts(policy.model, module.eval(), getattr(torch, r.draft_dtype))
     states, calls = {}, {"vanilla": 0, "mtp": 0}
 
+    def speculative(curve: str, batch: list[list[int]], max_new_tokens: int, verifier, generators=None):
+        drafter = MTPBatchDrafter(draft_base, draft_module, r.draft_temperature if generators else 0.0, generators)
+        return batched_speculative_generate(policy.model, drafter, verifier, batch, max_new_tokens, eos,
+                                            states.setdefault((curve, len(batch)), rollout_drafting(training)))
+
     def decode(decoder: str, batch: list[list[int]], max_new_tokens: int):
+        if decoder == "greedy":
+            return hf_decode(policy, batch, GREEDY, max_new_tokens, eos, batch_size=len(batch)), None
+        return speculative("decoding", batch, max_new_tokens, BatchGreedy())
+
+    def sample(decoder: str, batch: list[list[int]], max_new_tokens: int):
         call, calls[decoder] = calls[decoder], calls[decoder] + 1  # both decoders' j-th call: the same batch
         # streams apart from the RL steps' (whose step numbers are small)
         generators = [rollout_generator(r.seed, 1_000_000 + len(batch), call * len(batch) + row, device)
                       for row in range(len(batch))]
         if decoder == "vanilla":
             return sample_plainly(policy.model, batch, max_new_tokens, eos, r.temperature, generators[0]), None
-        drafter = MTPBatchDrafter(draft_base, draft_module, r.draft_temperature, generators)
-        return batched_speculative_generate(policy.model, drafter, BatchSampling(r.temperature, generators), batch,
-                                            max_new_tokens, eos, states.setdefault(len(batch),
-                                                                                  rollout_drafting(training)))
+        return speculative("rollout", batch, max_new_tokens, BatchSampling(r.temperature, generators), generators)
 
-    return batch_speed_curve(["vanilla", "mtp"], prompts, decode, "vanilla", r.curve_batch_sizes, r.curve_batches,
-                             r.max_new_tokens, "rollout speed curve", compare_outputs=False)
+    return {"decoding": batch_speed_curve(["greedy", "mtp"], eval_prompts, decode, "greedy", r.curve_batch_sizes,
+                                          r.curve_batches, r.max_new_tokens, "MTP greedy decoding curve"),
+            "rollout": batch_speed_curve(["vanilla", "mtp"], train_prompts, sample, "vanilla", r.curve_batch_sizes,
+                                          r.curve_batches, r.max_new_tokens, "MTP rollout curve",
+                                          compare_outputs=False)}
 
 
 def _summary(histories: dict[str, list[dict]], drafting: dict[str, bool], before: dict[str, list[float]],
@@ -469,7 +493,8 @@ def _reward_text(label) -> str:
             "(question, response), on prompts with or without a known answer.")
 
 
-def _report(rows: list[dict], curve: list[dict], cfg: Config, num_eval: int, num_depths: int) -> str:
+def _report(rows: list[dict], curves_by_batch: dict[str, list[dict]], cfg: Config, num_eval: int,
+            num_depths: int) -> str:
     r = cfg.mtp_rl
     batch = r.rollout_batch_size or r.prompts_per_step * r.group_size
     lines = [
@@ -499,19 +524,26 @@ def _report(rows: list[dict], curve: list[dict], cfg: Config, num_eval: int, num
          "enters the speedup; the rollout curve below interleaves its decoders batch by batch.\n"),
         markdown_table(rows, SUMMARY_COLUMNS),
     ]
-    if curve:
+    if curves_by_batch:
         lines += [
-            "\n## Rollout speed against batch size\n",
-            (f"Before RL, the starting policy's rollouts of the training prompts (cycled) at temperature "
-             f"{r.temperature}, in batches of {', '.join(map(str, r.curve_batch_sizes))} ({r.curve_batches} timed "
-             "batches per size): `vanilla` (HF batched sampling) against `mtp` (batched speculative sampling with "
-             f"the equipped module{', adaptive with one decision state per batch size' if r.adaptive else ''}), "
-             "interleaved batch by batch, the j-th batch of both from the same seeded streams. Speedup = tokens/s "
-             "over vanilla's with its 95 % interval over the batches; `tokens_per_forward` = tokens per batch "
-             "forward per row; `plain_share` = share of forwards that drafted nothing.\n"),
-            markdown_table(curve, CURVE_COLUMNS),
+            "\n## MTP drafting against batch size\n",
+            (f"Before RL, the starting policy and the equipped module, in batches of "
+             f"{', '.join(map(str, r.curve_batch_sizes))} ({r.curve_batches} timed batches per size, every decoder on "
+             "the same batch in turn; MTP drafting adaptive with one decision state per batch size"
+             f"{'' if r.adaptive else ' — off: every step drafts'}). Speedup = tokens/s over the HF reference's with "
+             "its 95 % interval over the batches; `tokens_per_forward` = tokens per batch forward per row; "
+             "`plain_share` = share of forwards that drafted nothing.\n"),
+            (f"**Greedy decoding** of the {num_eval} held-out prompts: HF batched greedy against greedy-verified MTP "
+             "drafting; `identical_to_reference` = share of rows equal to HF's output token for token (in half "
+             "precision the two engines round a batch differently).\n"),
+            markdown_table(curves_by_batch["decoding"], CURVE_COLUMNS),
+            (f"\n**Rollouts** of the training prompts (cycled) at temperature {r.temperature}: `vanilla` (HF batched "
+             "sampling) against `mtp` (batched speculative sampling), the j-th batch of both from the same seeded "
+             "streams (samples differ by design).\n"),
+            markdown_table(curves_by_batch["rollout"], CURVE_COLUMNS),
         ]
     lines.append("\nPlots: `speedup.png` (speedup and τ with intervals), `tau.png`, `rollout_seconds.png`, "
-                 "`reward.png`" + (", `rollout_curve.png`" if curve else "") + "; per-step and per-batch numbers in "
+                 "`reward.png`" + (", `speed_curve.png`" if curves_by_batch else "") + "; per-step and per-batch "
+                 "numbers in "
                  "`history.json`.")
     return "\n".join(lines) + "\n"

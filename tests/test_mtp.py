@@ -512,8 +512,15 @@ def test_rl_stage_rewarded_by_a_reward_model_uses_prompts_without_answers(tiny_l
                                                                  "speedup_vs_reference"].isna().all()
     assert m["rollout_curve.mtp.batch2.speedup_vs_reference"] == pytest.approx(
         mtp.set_index("batch").loc[2, "speedup_vs_reference"])
-    assert "## Rollout speed against batch size" in (out / "report.md").read_text()
-    assert (out / "rollout_curve.png").is_file()
+    assert m["rollout_curve.mtp.batch2.speedup_vs_reference_low"] <= m["rollout_curve.mtp.batch2.speedup_vs_reference"]
+    # greedy decoding of the held-out prompts: greedy-verified MTP drafting equals HF batched greedy (float32)
+    decoding = pd.read_csv(out / "decoding_curve.csv")
+    assert list(zip(decoding["batch"], decoding["decoder"], strict=True)) == [(b, d) for b in (1, 2)
+                                                                              for d in ("greedy", "mtp")]
+    assert (decoding.loc[decoding["decoder"] == "mtp", "identical_to_reference"] == 1.0).all()
+    assert "decoding_curve.mtp.batch1.speedup_vs_reference_high" in m
+    assert "## MTP drafting against batch size" in (out / "report.md").read_text()
+    assert (out / "speed_curve.png").is_file()
     assert f"hf-classifier `{tiny_classifier}`" in (out / "report.md").read_text()
 
     verifiable = _rl_stage(tmp_path / "verifiable", tiny_llama, OPEN_PROMPTS, OPEN_PROMPTS)
