@@ -395,6 +395,13 @@ def _train_mtp(stage, cfg, shapes, nbytes):
                     (halve("mtp.batch_size"), halve("mtp.max_length")))
 
 
+def _smaller_rollout_batches(cfg):
+    """Half the rows of a rollout batch (null: a step's prompts × G in one)."""
+    r = cfg.mtp_rl
+    size = r.rollout_batch_size or r.prompts_per_step * r.group_size
+    return {"mtp_rl.rollout_batch_size": size // 2} if size > 1 else None
+
+
 def _train_mtp_rl(stage, cfg, shapes, nbytes):
     """GRPO's update over a step's rollouts (policy in full or LoRA; a reference only with kl_beta > 0), the MTP
     module and its draft copy, the KV cache of the rollouts (or of the held-out evaluation's batch), and the labeler
@@ -407,10 +414,14 @@ def _train_mtp_rl(stage, cfg, shapes, nbytes):
     module = _mtp_module(shape)
     parts["MTP module + optimizer + draft copy"] = module * (nbytes + dtype_bytes(r.draft_dtype)) + optimizer_state(
         module, nbytes)
-    # the rollouts' rows, or the held-out evaluation's batch (greedy, between the variants)
-    parts["KV cache"] = kv_cache(shape, max(rows, r.eval_batch_size), tokens, nbytes)
+    # the largest batch decoded: a rollout batch, the held-out evaluation's (greedy, between the variants) or the
+    # speed curves' largest; the batched speculative engine keeps rejected tree nodes as masked junk, up to half the
+    # longest row (at least 64 columns) before it compacts, and appends a tree of K + 1 nodes per step
+    decoded = max(r.rollout_batch_size or rows, r.eval_batch_size, max(r.curve_batch_sizes, default=0))
+    parts["KV cache"] = kv_cache(shape, decoded, tokens + max(64, tokens // 2) + cfg.mtp.num_depths + 1, nbytes)
     parts |= _labeler_parts(cfg, shapes)
-    knobs = (lora("mtp_rl"), checkpointing("mtp_rl"), halve("mtp_rl.eval_batch_size"), halve("mtp_rl.group_size"))
+    knobs = (lora("mtp_rl"), checkpointing("mtp_rl"), halve("mtp_rl.eval_batch_size"), _smaller_rollout_batches,
+             halve("mtp_rl.group_size"))
     return Estimate(stage, parts, knobs + ((halve("label.batch_size"),) if shapes.labeler else ()),
                     _labeler_note(shapes))
 

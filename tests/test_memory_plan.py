@@ -11,7 +11,7 @@ import yaml
 
 from foresight.cli import main
 from foresight.config import parse_config
-from foresight.memory import GIB, Shapes, labeler_shape, model_shape, plan, policy_config
+from foresight.memory import GIB, PROMPT_TOKENS, Shapes, labeler_shape, model_shape, plan, policy_config
 from foresight.stages import STAGES
 
 LORA_EVERYWHERE = {section: {"lora_rank": 16} for section in ("dpo", "coral", "mtp_rl")}
@@ -182,3 +182,29 @@ def test_a_stage_that_will_not_fit_fails_before_it_starts(tmp_path, llama3_8b):
         preflight(dpo, cfg, [80.0])
     preflight(dpo, cfg, [])
     preflight(dpo, _cfg(tmp_path, llama3_8b, **LORA_EVERYWHERE), [80.0])
+
+
+def test_the_grpo_kv_cache_counts_the_largest_batch_decoded_and_its_junk(tmp_path, llama3_8b, llama3_shapes):
+    """train_mtp_rl's KV cache by hand: the largest of a rollout batch, the held-out batch and the curves' biggest
+    batch, each row prompt + new tokens + the junk the batched engine keeps before compacting + one K + 1 tree."""
+    shape = llama3_shapes.policy
+    per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * 2  # bf16 keys and values
+    for mtp_rl, rows in (({"prompts_per_step": 8, "group_size": 32, "eval_batch_size": 40}, 256),
+                         ({"prompts_per_step": 8, "group_size": 32, "rollout_batch_size": 16,
+                           "eval_batch_size": 40}, 40),
+                         ({"prompts_per_step": 1, "group_size": 4, "eval_batch_size": 8, "curve_batch_sizes": [1, 32]},
+                          32)):
+        sections = {**LORA_EVERYWHERE, "mtp_rl": {"lora_rank": 16, "max_new_tokens": 512, **mtp_rl}}
+        cfg = _cfg(tmp_path, llama3_8b, **sections)
+        parts = _by_stage(plan(cfg, 80, 1, shapes=llama3_shapes))["train_mtp_rl"].estimate.parts
+        tokens = PROMPT_TOKENS + 512
+        assert parts["KV cache"] == rows * (tokens + tokens // 2 + cfg.mtp.num_depths + 1) * per_token, mtp_rl
+    # the knob: half the rows of a rollout batch (a step's prompts × G when unset), tried before a smaller G
+    from foresight.memory import _smaller_rollout_batches
+
+    cfg = _cfg(tmp_path, llama3_8b, mtp_rl={"prompts_per_step": 8, "group_size": 32})
+    assert _smaller_rollout_batches(cfg) == {"mtp_rl.rollout_batch_size": 128}
+    assert _smaller_rollout_batches(_cfg(tmp_path, llama3_8b, mtp_rl={"rollout_batch_size": 1})) is None
+    knobs = _by_stage(plan(cfg, 80, 1, shapes=llama3_shapes))["train_mtp_rl"].estimate.knobs
+    proposals = [knob(cfg) for knob in knobs]
+    assert proposals.index({"mtp_rl.rollout_batch_size": 128}) < proposals.index({"mtp_rl.group_size": 16})
