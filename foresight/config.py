@@ -688,6 +688,10 @@ class MTPRLConfig(_Section):
     """Rollouts sampled together, as a batch: vanilla by HF batched sampling, the drafting variants by batched
     speculative sampling (``models/engine/batched.py``). null: a step's prompts × G in one batch (lower on OOM);
     1: one rollout at a time."""
+    update_batch_size: int | None = Field(MTPRLTraining.update_batch_size, ge=1)
+    """Rollouts per forward/backward of the update (gradients accumulate over a step's micro-batches, every loss
+    normalised by the step's global counts, so the update is the whole batch's); null: all of a step's at once.
+    What makes the paper's 8 prompts × 32 rollouts fit a GPU (``foresight plan`` proposes it)."""
     learning_rate: float = Field(MTPRLTraining.learning_rate, gt=0.0)
     """AdamW learning rate of the policy. Measured: at 1e-5, four steps of L_Adv back-propagated from a weak
     MTP module (CE ≈ 5) cut held-out accuracy from 0.44 to 0.13 (MTP-RL) and 0.31 (CE only)."""

@@ -395,6 +395,13 @@ def _train_mtp(stage, cfg, shapes, nbytes):
                     (halve("mtp.batch_size"), halve("mtp.max_length")))
 
 
+def _smaller_update_batches(cfg):
+    """Half the rollouts of an update's micro-batch (null: a step's prompts × G in one)."""
+    r = cfg.mtp_rl
+    size = min(r.update_batch_size or r.prompts_per_step * r.group_size, r.prompts_per_step * r.group_size)
+    return {"mtp_rl.update_batch_size": size // 2} if size > 1 else None
+
+
 def _smaller_rollout_batches(cfg):
     """Half the rows of a rollout batch (null: a step's prompts × G in one)."""
     r = cfg.mtp_rl
@@ -408,9 +415,10 @@ def _train_mtp_rl(stage, cfg, shapes, nbytes):
     scoring them when it is a reward model (held beside the policy for the whole stage)."""
     r, shape = cfg.mtp_rl, shapes.policy
     rows = r.prompts_per_step * r.group_size
+    update_rows = min(r.update_batch_size or rows, rows)  # the update's micro-batch
     tokens = PROMPT_TOKENS + r.max_new_tokens
-    parts = _policy_training(cfg, shape, nbytes, "mtp_rl", rows, tokens, reference=r.kl_beta > 0,
-                             vocab_rows=rows)
+    parts = _policy_training(cfg, shape, nbytes, "mtp_rl", update_rows, tokens, reference=r.kl_beta > 0,
+                             vocab_rows=update_rows)
     module = _mtp_module(shape)
     parts["MTP module + optimizer + draft copy"] = module * (nbytes + dtype_bytes(r.draft_dtype)) + optimizer_state(
         module, nbytes)
@@ -420,8 +428,8 @@ def _train_mtp_rl(stage, cfg, shapes, nbytes):
     decoded = max(r.rollout_batch_size or rows, r.eval_batch_size, max(r.curve_batch_sizes, default=0))
     parts["KV cache"] = kv_cache(shape, decoded, tokens + max(64, tokens // 2) + cfg.mtp.num_depths + 1, nbytes)
     parts |= _labeler_parts(cfg, shapes)
-    knobs = (lora("mtp_rl"), checkpointing("mtp_rl"), halve("mtp_rl.eval_batch_size"), _smaller_rollout_batches,
-             halve("mtp_rl.group_size"))
+    knobs = (lora("mtp_rl"), checkpointing("mtp_rl"), _smaller_update_batches, halve("mtp_rl.eval_batch_size"),
+             _smaller_rollout_batches, halve("mtp_rl.group_size"))
     return Estimate(stage, parts, knobs + ((halve("label.batch_size"),) if shapes.labeler else ()),
                     _labeler_note(shapes))
 

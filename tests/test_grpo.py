@@ -228,6 +228,38 @@ def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
         variant("nope", cfg)
 
 
+@pytest.mark.parametrize("name", ["mtp_rl", "no_backprop"])
+def test_an_update_in_micro_batches_equals_the_whole_batch(tiny_llama, name):
+    """``update_batch_size`` 1 (each rollout its own forward/backward, gradients accumulated) against the whole step
+    at once, with a k3 KL to the reference and two passes (π_old per micro-batch): the same losses, and the policy
+    and the MTP module end the same."""
+    from models.engine.config import PolicySpec
+    from models.engine.generation import end_token_ids
+    from models.engine.policy import load_pretrained
+
+    def run(update_batch_size):
+        torch.manual_seed(0)
+        fresh = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu", dtype="float32"))
+        cfg = MTPRLTraining(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=6, learning_rate=1e-3,
+                            mtp_learning_rate=1e-3, kl_beta=0.1, iterations=2, adaptive=False,
+                            update_batch_size=update_batch_size)
+        module = MTPModule(fresh.model, MTPModuleConfig(2))
+        history = train_variant(fresh, module, variant(name, cfg), _prompts(fresh.tokenizer), QUESTIONS, ["4", "4"],
+                                response_length, cfg, [0.6, 0.4], end_token_ids(fresh))
+        return history[0], [p.detach().clone() for p in fresh.model.parameters()], list(module.parameters())
+
+    whole, whole_policy, whole_module = run(None)
+    micro, micro_policy, micro_module = run(1)
+    assert micro["rollout_tokens"] == whole["rollout_tokens"] and micro["reward"] == whole["reward"]
+    for key in ("policy_loss", "kl", "mtp_loss", "mtp_ce_1", "mtp_kl_2"):
+        assert micro[key] == pytest.approx(whole[key], abs=1e-5), key
+    for a, b in zip(micro_policy + micro_module, whole_policy + whole_module, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert any(not torch.equal(a, b) for a, b in zip(whole_module, MTPModule(
+        load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu", dtype="float32")).model,
+        MTPModuleConfig(2)).parameters(), strict=True))  # the module did train
+
+
 def test_every_pass_of_a_step_uses_the_first_pass_log_probs_as_pi_old(policy, monkeypatch):
     """μ = 3 passes over one step's rollouts: passes 2 and 3 compare against the policy before the step's first
     update (the clip then bounds the whole step's move), not against the previous pass."""

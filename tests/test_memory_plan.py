@@ -208,3 +208,11 @@ def test_the_grpo_kv_cache_counts_the_largest_batch_decoded_and_its_junk(tmp_pat
     knobs = _by_stage(plan(cfg, 80, 1, shapes=llama3_shapes))["train_mtp_rl"].estimate.knobs
     proposals = [knob(cfg) for knob in knobs]
     assert proposals.index({"mtp_rl.rollout_batch_size": 128}) < proposals.index({"mtp_rl.group_size": 16})
+    # and the update's micro-batch before either: the update holds every row's activations and logits
+    assert proposals.index({"mtp_rl.update_batch_size": 128}) < proposals.index({"mtp_rl.rollout_batch_size": 128})
+    # 256 rollouts of 8B in one update do not fit 40 GB with LoRA and checkpointing; micro-batches make them fit
+    cfg = _cfg(tmp_path, llama3_8b, **{**LORA_EVERYWHERE, "mtp_rl": {
+        "lora_rank": 16, "gradient_checkpointing": True, "max_new_tokens": 512, "prompts_per_step": 8,
+        "group_size": 32, "eval_batch_size": 8, "rollout_batch_size": 16}})
+    rl = _by_stage(plan(cfg, 40, 1, shapes=llama3_shapes))["train_mtp_rl"]
+    assert not rl.fits and rl.fix["mtp_rl.update_batch_size"] < 256 and "mtp_rl.group_size" not in rl.fix, rl.fix

@@ -28,6 +28,7 @@ class MTPRLTraining:
     temperature: float = 0.8  # rollout sampling temperature (no top-k / top-p)
     max_new_tokens: int = 64  # longest rollout
     rollout_batch_size: int | None = None  # rollouts sampled together (None: a step's share in one batch)
+    update_batch_size: int | None = None  # rollouts per forward/backward of the update (None: all of a step's)
     learning_rate: float = 2.0e-6  # AdamW, the policy
     mtp_learning_rate: float = 1.0e-4  # AdamW, the MTP module (variants that train it)
     epsilon_low: float = 0.2  # ratio clipped below at 1 − ε_low

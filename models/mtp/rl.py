@@ -472,15 +472,25 @@ def _train(trained, tokenizer, module: MTPModule | None, var: Variant, prompts: 
             advantages = group_advantages(rollouts.rewards, cfg.group_size, cfg.advantage_epsilon)
             batch = rollout_batch(rollouts, padding_id(tokenizer), device)
             totals = batch_totals(batch, num_depths, accelerator)
-            ref_logps = reference_logps(reference, batch, cfg.temperature) if cfg.kl_beta > 0 else None
+            # micro-batches of the update: every loss is normalised by the step's global counts (``totals``), so
+            # their gradients add up to the whole batch's, as the processes' shares do
+            size = cfg.update_batch_size or len(advantages)
+            parts = [slice(start, start + size) for start in range(0, len(advantages), size)]
+            micro = [{key: value[part] for key, value in batch.items()} for part in parts]
+            ref_logps = ([reference_logps(reference, rows, cfg.temperature) for rows in micro] if cfg.kl_beta > 0
+                         else [None] * len(parts))
             update_started = time.perf_counter()
             model.train()
-            old_logps = None  # π_old: the log-probs of the first pass, before any update of this step
+            old_logps = [None] * len(parts)  # π_old: the log-probs of the first pass, before any update of this step
             for _ in range(cfg.iterations):
-                with step_precision(accelerator, half):
-                    logps, stats = mtp_rl_step_loss(model, trained, trained_module, batch, advantages, old_logps,
-                                                    ref_logps, var, cfg, weights, backward, totals)
-                old_logps = logps if old_logps is None else old_logps
+                stats = {}
+                for i, (part, rows) in enumerate(zip(parts, micro, strict=True)):
+                    with step_precision(accelerator, half):
+                        logps, part_stats = mtp_rl_step_loss(model, trained, trained_module, rows, advantages[part],
+                                                             old_logps[i], ref_logps[i], var, cfg, weights, backward,
+                                                             totals)
+                    old_logps[i] = logps if old_logps[i] is None else old_logps[i]
+                    stats = {key: stats.get(key, 0.0) + value for key, value in part_stats.items()}
                 optimizer.step()
                 optimizer.zero_grad()
             model.eval()
