@@ -57,7 +57,9 @@ class TargetAwareLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None, position_embeddings=None,
-                **kwargs) -> torch.Tensor:
+                cache=None, **kwargs) -> torch.Tensor:
+        # transformers ≥ 5.24 hands decoder layers their KV cache as ``cache`` (``past_key_values`` before)
+        past_key_values = cache if cache is not None else past_key_values
         layer, attention = self.layer, self.layer.self_attn
         if self.detach_input:
             hidden_states = hidden_states.detach()
