@@ -31,6 +31,7 @@ catches every depth up over the skipped positions in one forward each.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -121,6 +122,9 @@ class MTPModule(nn.Module):
         else:
             self.layer = type(last)(base.config, layer_idx=0)
         self.layer.self_attn.layer_idx = 0  # its own caches hold one layer
+        # transformers ≥ 5.24 names a decoder layer's KV cache ``cache`` (``past_key_values`` before, deprecated)
+        self.cache_argument = ("cache" if "cache" in inspect.signature(self.layer.forward).parameters
+                               else "past_key_values")
         self.to(device=weight.device, dtype=weight.dtype)
         self.requires_grad_(True)
 
@@ -137,8 +141,8 @@ class MTPModule(nn.Module):
         mask = causal_additive_mask(positions, key_positions, inputs.dtype)
         position_ids = positions[None]  # (1, Q)
         rope = base.get_decoder().rotary_emb(inputs, position_ids)
-        return self.layer(inputs, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                          use_cache=cache is not None, position_embeddings=rope)
+        return self.layer(inputs, attention_mask=mask, position_ids=position_ids, use_cache=cache is not None,
+                          position_embeddings=rope, **{self.cache_argument: cache})
 
     def forward(self, base, input_ids: torch.Tensor, hidden: torch.Tensor) -> list[torch.Tensor]:
         """Teacher-forced states of every depth: K tensors (B, S, H); depth k at i predicts t_{i+k+1}.
