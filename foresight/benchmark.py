@@ -140,8 +140,6 @@ def batch_speed_curve(decoders: Sequence[str], prompts: Sequence[Any],
         outputs = {(r["decoder"], r["prompt_index"]): r for r in records}
         for decoder in decoders:
             mine = [outputs[decoder, i] for i in range(batches)]
-            identical = [float(row == ref) for i, record in enumerate(mine)
-                         for row, ref in zip(record["tokens"], outputs[reference, i]["tokens"], strict=True)]
             counted = [record["stats"] for record in mine if record["stats"] is not None]
             forwards = [sum(s.forwards for s in stats) for stats in counted]
             generated = [sum(s.generated_tokens for s in stats) for stats in counted]
@@ -151,13 +149,16 @@ def batch_speed_curve(decoders: Sequence[str], prompts: Sequence[Any],
                 rows.append({"batch": size, "decoder": decoder, "batches": batches,
                              "tokens_per_s": timer.tokens_per_s, "ms_per_token": timer.ms_per_token})
                 continue
+            identity = {}
+            if compare_outputs:
+                identical = [float(row == ref) for i, record in enumerate(mine)
+                             for row, ref in zip(record["tokens"], outputs[reference, i]["tokens"], strict=True)]
+                identity = statistics.interval_columns("identical_to_reference", statistics.mean_interval(identical))
             rows.append({"batch": size, "decoder": decoder, "batches": batches,
                          **speed_row(timers[decoder], timers[reference]),
                          **statistics.interval_columns("tokens_per_forward", statistics.ratio_of_sums(generated,
                                                                                                       forwards)),
-                         "plain_share": plain / sum(forwards) if sum(forwards) else float("nan"),
-                         **(statistics.interval_columns("identical_to_reference", statistics.mean_interval(identical))
-                            if compare_outputs else {})})
+                         "plain_share": plain / sum(forwards) if sum(forwards) else float("nan"), **identity})
     return rows
 
 

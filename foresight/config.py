@@ -402,6 +402,13 @@ class MedusaConfig(_Section):
     """Self-distillation data: ``greedy`` = the policy's own greedy responses to the training prompts, generated
     in this stage (the text the heads will draft for under greedy verification); ``samples`` = the
     generate stage's sampled responses."""
+    task_prompts: int = Field(384, ge=1)
+    """``data: greedy``: how many task prompts the heads learn from — all the training prompts, then (up to this
+    many in all) further prompts of the same source that are neither training nor held-out prompts
+    (:func:`foresight.prompts.further_prompts`: the arithmetic source makes them, a dataset or file source gives
+    its unused rows). Those further responses are for the heads alone: the MTP module, COrAL and RLMedusa learn
+    from the training prompts' responses. 384 raised the heads' held-out top-1 on task text from 0.66 / 0.53 /
+    0.45 / 0.41 (the 96 training prompts) to 0.73 / 0.59 / 0.52 / 0.44 (docs/medusa.md#more-task-prompts)."""
     general_prompts: int = Field(64, ge=0)
     """The first instructions of the project's general instruction set's training part (≤ 112;
     ``foresight.prompts.general_instructions``) whose greedy responses join the distillation data, so the heads
@@ -480,16 +487,17 @@ class MedusaBenchmarkConfig(_Section):
     """Tree speculative decoding and its benchmark (stage ``benchmark_medusa``)."""
 
     tree: list[list[int]] | Literal["auto"] = "auto"
-    """Candidate tree: ``auto`` = Medusa's sparse tree of ``tree_size`` nodes, the paths most likely to be
-    accepted according to the supervised heads' held-out accuracy per rank; or explicit paths of per-depth
-    ranks ([0, 1] = head 1's best token, then head 2's second best), depth ≤ medusa.num_heads."""
-    tree_size: int = Field(3, ge=1, le=256)
-    """Nodes of the ``auto`` tree besides the root (each tree forward scores tree_size + 1 tokens). 3 suits the
-    default bf16 policy on the 2-core CPU: a forward of 4 tokens costs what one of 1 token does (46 vs 47 ms),
-    8 tokens 1.3×, 16 tokens 1.6×, while the heads' held-out rank accuracies give 2.24 expected tokens per cycle
-    on task text at 3 nodes against 2.37 at 7 — about 2.3× against 1.8× greedy if forwards dominate. In fp32
-    (77 / 120 / 91 / 107 ms for 1 / 4 / 8 / 16 tokens: MKL's GEMM blocking) take 7; on a GPU, where a forward of
-    tens of tokens costs what one of 1 does, larger trees pay (docs/medusa.md#the-tree)."""
+    """Candidate tree: ``auto`` = the ``tree_size`` paths the supervised heads' drafts had accepted most often on
+    held-out responses (measured jointly along each path: docs/medusa.md#the-tree); or explicit paths of
+    per-depth ranks ([0, 1] = head 1's best token, then head 2's second best), depth ≤ medusa.num_heads."""
+    tree_size: int = Field(4, ge=1, le=64)
+    """Nodes of the ``auto`` tree besides the root (each tree forward scores tree_size + 1 tokens; at most the 64
+    paths ``train_medusa`` measured). 4 suits the default bf16 policy on the 2-core CPU: a forward of 4 tokens
+    costs what one of 1 token does (46 vs 47 ms), 8 tokens 1.3×, 16 tokens 1.6×, and with the default heads 4, 5,
+    6 and 8 nodes all ran at 2.2× greedy on the task prompts (the top-1 chain to depth 4 first, then second
+    choices) while smaller trees are cheaper in a batch. In fp32 (77 / 120 / 91 / 107 ms for 1 / 4 / 8 / 16
+    tokens: MKL's GEMM blocking) take 7; on a GPU, where a forward of tens of tokens costs what one of 1 does,
+    larger trees pay (docs/medusa.md#the-tree)."""
     acceptance: Literal["greedy", "typical"] = "greedy"
     """``greedy``: lossless exact-match verification; ``typical``: Medusa's typical acceptance (lossy)."""
     typical_threshold: float = Field(TypicalAcceptance.posterior_threshold, gt=0.0, lt=1.0)

@@ -220,3 +220,14 @@ def load_prompts(cfg: PromptsConfig, root: Path) -> tuple[pd.DataFrame, pd.DataF
     eval_df = df.iloc[: cfg.num_eval].reset_index(drop=True)
     train_df = df.iloc[cfg.num_eval : wanted].reset_index(drop=True)
     return train_df, eval_df
+
+
+def further_prompts(cfg: PromptsConfig, root: Path, count: int, taken: pd.DataFrame) -> pd.DataFrame:
+    """Up to ``count`` prompts of the configured source besides ``taken`` (the training and held-out prompts), for
+    a stage that learns from more of the task's prompts than the split holds without touching the held-out ones.
+    The arithmetic source makes new problems (the same on every machine); a dataset or file source gives rows the
+    split left unused, fewer than ``count`` where it has no more."""
+    wider = cfg.model_copy(update={"num_train": len(taken) + count})
+    train, held_out = load_prompts(wider, root)
+    pool = pd.concat([train, held_out], ignore_index=True)
+    return pool[~pool["prompt_id"].isin(set(taken["prompt_id"]))].head(count).reset_index(drop=True)

@@ -218,7 +218,7 @@ STAGES: tuple[Stage, ...] = (
                     "prompts (self-distillation).",
         task="tasks.medusa:train_medusa_task",
         # the distillation pass also collects RLMedusa's trajectory states and candidates (RLMedusaCandidates)
-        params=("policy", "medusa", "prompts.system_prompt", "rlmedusa.trajectory_tokens", "rlmedusa.top_candidates",
+        params=("policy", "medusa", "prompts", "rlmedusa.trajectory_tokens", "rlmedusa.top_candidates",
                 "rlmedusa.top_pool", "rlmedusa.random_candidates"),
         code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "foresight/prompts.py", "foresight/instructions",
               "models/engine", "models/medusa", "tasks/medusa.py"),

@@ -57,6 +57,8 @@ from tasks.data import (
 )
 
 SPLIT_FILE = "split.safetensors"  # in distilled/: the sample rows of the training and held-out prompts
+EVAL_RANKS = 10  # held-out accuracy per rank of each head's tokens, up to this rank
+TREE_PATHS = 64  # the most often accepted paths kept in evaluation.json (medusa_benchmark.tree_size ≤ this)
 
 
 def _medusa_dir(cfg: Config) -> Path:
@@ -64,12 +66,14 @@ def _medusa_dir(cfg: Config) -> Path:
 
 
 def _distillation_data(cfg: Config, policy) -> pd.DataFrame:
-    """The responses Medusa learns from (``medusa.data``): the policy's greedy responses to the training
-    prompts, or the first ``medusa.samples_per_prompt`` generated samples per prompt; then, either way, its
-    greedy responses to the first ``medusa.general_prompts`` training instructions of the general set (same chat
-    template, same ``max_new_tokens``), so that the heads also learn to draft open-ended text. Column
-    ``prompt_set`` says which (``task`` / ``general``)."""
-    from foresight.prompts import general_instructions
+    """The responses Medusa learns from (``medusa.data``): the policy's greedy responses to ``medusa.task_prompts``
+    task prompts (the training prompts, then further prompts of their source), or the first
+    ``medusa.samples_per_prompt`` generated samples per prompt; then, either way, its greedy responses to the first
+    ``medusa.general_prompts`` training instructions of the general set (same chat template, same
+    ``max_new_tokens``), so that the heads also learn to draft open-ended text. Column ``prompt_set`` says which
+    (``task`` / ``general``), column ``further_prompt`` marks the responses to further prompts (the heads' alone:
+    :func:`tasks.data.sft_responses` and RLMedusa leave them out)."""
+    from foresight.prompts import further_prompts, general_instructions
     from models.medusa.training import greedy_responses
 
     m = cfg.medusa
@@ -82,15 +86,22 @@ def _distillation_data(cfg: Config, policy) -> pd.DataFrame:
         prompts = read_prompts(cfg, "train")
         if prompts.empty:
             raise ValueError("no training prompts to distil from: set prompts.num_train > 0")
-        responses = greedy(pd.concat([prompts, general], ignore_index=True))
-        return responses.assign(prompt_set=["task"] * len(prompts) + ["general"] * len(general))
+        further = prompts.iloc[:0]
+        if m.task_prompts > len(prompts):
+            taken = pd.concat([prompts, read_prompts(cfg, "eval")], ignore_index=True)
+            further = further_prompts(cfg.prompts, cfg.root, m.task_prompts - len(prompts), taken)
+            stage_logger().info("%d training prompts and %d further prompts of the %s source", len(prompts),
+                                len(further), cfg.prompts.source)
+        responses = greedy(pd.concat([prompts, further, general], ignore_index=True))
+        return responses.assign(prompt_set=["task"] * (len(prompts) + len(further)) + ["general"] * len(general),
+                                further_prompt=[False] * len(prompts) + [True] * len(further) + [False] * len(general))
     samples = read_table(cfg.path(cfg.paths.samples), "generated samples")
     if samples.empty:
         raise ValueError(f"{cfg.path(cfg.paths.samples)} has no samples to distil from: run the generate stage")
-    samples = samples[samples["sample_index"] < m.samples_per_prompt].assign(prompt_set="task")
+    samples = samples[samples["sample_index"] < m.samples_per_prompt].assign(prompt_set="task", further_prompt=False)
     if general.empty:
         return samples.reset_index(drop=True)
-    return pd.concat([samples, greedy(general).assign(prompt_set="general")], ignore_index=True)
+    return pd.concat([samples, greedy(general).assign(prompt_set="general", further_prompt=False)], ignore_index=True)
 
 
 def _accuracy_metrics(prefix: str, accuracy: dict[str, list[float]]) -> dict[str, float]:
@@ -106,8 +117,9 @@ def train_medusa_task(cfg: Config) -> StageResult:
     and the train/held-out split) and ``supervised/`` (heads, ``evaluation.json``, ``history.json``,
     ``loss.png``).
     """
+    from models.engine.speculative import likeliest_paths
     from models.medusa.config import MedusaTraining
-    from models.medusa.training import evaluate_heads, train_medusa_heads
+    from models.medusa.training import accuracy_by_rank, target_ranks, train_medusa_heads
 
     logger = stage_logger()
     started = time.perf_counter()
@@ -134,19 +146,24 @@ def train_medusa_task(cfg: Config) -> StageResult:
     heads, history = train_medusa_heads(policy, train, training, accelerator, on_step)
     train_seconds = time.perf_counter() - train_started
     lm_head = policy.model.get_output_embeddings()
-    accuracy = evaluate_heads(heads, lm_head, held_out, m.eval_top_k)
+    ranks = max(EVAL_RANKS, m.eval_top_k)
+    found = target_ranks(heads, lm_head, held_out, ranks)  # (M, K)
+    accuracy = accuracy_by_rank(found, held_out.targets, m.eval_top_k, ranks)
     logger.info("held-out top-1 per head: %s, top-%d: %s", accuracy["top1"], m.eval_top_k, accuracy[f"top{m.eval_top_k}"])
     # the same accuracies on each prompt set's held-out responses alone: do the heads draft open-ended text too?
-    eval_sets = prompt_sets.iloc[eval_rows.numpy()].to_numpy()
-    by_set = {name: evaluate_heads(heads, lm_head, data.subset(eval_rows[torch.from_numpy(eval_sets == name)]),
-                                   m.eval_top_k) for name in sorted(set(eval_sets))}
+    position_sets = prompt_sets.to_numpy()[held_out.sample.numpy()]
+    by_set = {name: accuracy_by_rank(found[mask], held_out.targets[mask], m.eval_top_k, ranks)
+              for name in sorted(set(position_sets)) for mask in [torch.from_numpy(position_sets == name)]}
     logger.info("held-out top-1 per head and prompt set: %s", {name: a["top1"] for name, a in by_set.items()})
+    # what `medusa_benchmark.tree: auto` picks from: every path's held-out acceptance, measured jointly
+    paths = [{"path": list(path), "acceptance": frequency}
+             for path, frequency in likeliest_paths(found, ranks, TREE_PATHS)]
 
     out = _medusa_dir(cfg) / "supervised"
     if accelerator.is_main_process:
         with atomic_path(out) as tmp:
             heads.save(tmp)
-            write_json({"held_out": accuracy, "held_out_by_prompt_set": by_set,
+            write_json({"held_out": accuracy, "held_out_by_prompt_set": by_set, "path_acceptance": paths,
                         "num_train_positions": len(train.hidden), "num_eval_positions": len(held_out.hidden)},
                        tmp / "evaluation.json")
             (tmp / "history.json").write_text(json.dumps(history) + "\n")
@@ -216,6 +233,11 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
     r = cfg.rlmedusa
     training = component(RLMedusaTraining, r)
     data, train_rows, eval_rows = load_distilled(cfg)
+    # the responses to the training prompts and general instructions: those to further task prompts
+    # (medusa.task_prompts) are for the supervised heads alone (here they would nearly triple the stage's time)
+    further = torch.from_numpy(read_table(_medusa_dir(cfg) / "distilled" / "responses.parquet",
+                                          "distilled responses")["further_prompt"].to_numpy())
+    train_rows, eval_rows = train_rows[~further[train_rows]], eval_rows[~further[eval_rows]]
     train, held_out = data.subset(train_rows), data.subset(eval_rows)
     if len(train.rl_rows) == 0:
         raise ValueError("no RL trajectory states: every training response is shorter than 3 tokens")
@@ -272,7 +294,8 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
                                                              ("KL to start", "kl"))},
                       "RLMedusa: head 1 policy gradient", "step", "value", tmp / "rl.png")
     accelerator.wait_for_everyone()
-    metrics = {"reward_model_mse": reward_eval["mse"], "reward_model_top1_ranked_first": reward_eval["top1_ranked_first"],
+    metrics = {"num_trajectory_states": len(train.rl_rows), "reward_model_mse": reward_eval["mse"],
+               "reward_model_top1_ranked_first": reward_eval["top1_ranked_first"],
                **{f"rl_{init}_final_reward": histories[init]["reward"][-1] for init in r.inits},
                **{f"rl_{init}_final_kl": histories[init]["kl"][-1] for init in r.inits},
                **{f"{name}_t2_{metric}": value for name, d in t2.items() for metric, value in d.items()},
@@ -305,9 +328,10 @@ def _prompt_sets(cfg: Config) -> dict[str, list[str]]:
 
 
 def candidate_tree(cfg: Config):
-    """The configured tree, or (``auto``) Medusa's sparse tree from the supervised heads' held-out accuracy
-    per rank. Every Medusa decoder uses the same tree, so they differ only in their heads."""
-    from models.engine.speculative import build_tree, sparse_tree
+    """The configured tree, or (``auto``) the ``tree_size`` paths the supervised heads' held-out drafts had
+    accepted most often (:func:`models.engine.speculative.likeliest_paths`, measured by ``train_medusa``). Every
+    Medusa decoder uses the same tree, so they differ only in their heads."""
+    from models.engine.speculative import build_tree
 
     s = cfg.medusa_benchmark
     if s.tree != "auto":
@@ -315,8 +339,11 @@ def candidate_tree(cfg: Config):
     evaluation = _medusa_dir(cfg) / "supervised" / "evaluation.json"
     if not evaluation.is_file():
         raise FileNotFoundError(f"{evaluation} is missing: run the train_medusa stage (speculative.tree: auto reads it)")
-    rank_accuracy = json.loads(evaluation.read_text())["held_out"]["rank_accuracy"]
-    return build_tree(sparse_tree(rank_accuracy, s.tree_size))
+    paths = [entry["path"] for entry in json.loads(evaluation.read_text())["path_acceptance"][: s.tree_size]]
+    if not paths:  # no held-out draft was ever right: the smallest tree, and adaptive drafting will mostly skip it
+        stage_logger().warning("the heads' held-out drafts were never accepted: drafting one token per cycle")
+        paths = [[0]]
+    return build_tree(paths)
 
 
 @gpu_task("benchmark-medusa")
@@ -393,8 +420,9 @@ def _speed_curve(cfg: Config, policy, drafters: dict, prompts: list[list[int]], 
     def decode(decoder: str, batch: list[list[int]], max_new_tokens: int):
         if decoder == "greedy":
             return hf_decode(policy, batch, GREEDY, max_new_tokens, eos, batch_size=len(batch)), None
-        state = states.setdefault((decoder, len(batch)), AdaptiveDrafting(Adaptation()) if s.adaptive else None)
-        drafter = drafters[decoder]
+        if (decoder, len(batch)) not in states:
+            states[decoder, len(batch)] = AdaptiveDrafting(Adaptation()) if s.adaptive else None
+        state, drafter = states[decoder, len(batch)], drafters[decoder]
         return batched_speculative_generate(policy.model, HeadsDrafter(drafter.tree, drafter.draft_logits),
                                             BatchGreedy(), batch, max_new_tokens, eos, state)
 

@@ -369,11 +369,11 @@ def _mtp_curves(cfg: Config, policy, module, train_prompts: list[list[int]], eva
     """
     import torch
 
-    from models.engine.batched import BatchGreedy, BatchSampling, batched_speculative_generate
+    from models.engine.batched import BatchGreedy, batched_speculative_generate
     from models.engine.decoding import GREEDY, hf_decode
     from models.mtp.config import MTPRLTraining
     from models.mtp.module import MTPBatchDrafter, draft_parts
-    from models.mtp.rl import rollout_drafting, rollout_generator, sample_plainly
+    from models.mtp.rl import rollout_drafting, rollout_generator, sample_plainly, sample_speculatively
 
     r = cfg.mtp_rl
     training = component(MTPRLTraining, r)
@@ -381,15 +381,16 @@ def _mtp_curves(cfg: Config, policy, module, train_prompts: list[list[int]], eva
     draft_base, draft_module = draft_parts(policy.model, module.eval(), getattr(torch, r.draft_dtype))
     states, calls = {}, {"vanilla": 0, "mtp": 0}
 
-    def speculative(curve: str, batch: list[list[int]], max_new_tokens: int, verifier, generators=None):
-        drafter = MTPBatchDrafter(draft_base, draft_module, r.draft_temperature if generators else 0.0, generators)
-        return batched_speculative_generate(policy.model, drafter, verifier, batch, max_new_tokens, eos,
-                                            states.setdefault((curve, len(batch)), rollout_drafting(training)))
+    def drafting(curve: str, batch: list[list[int]]):
+        if (curve, len(batch)) not in states:
+            states[curve, len(batch)] = rollout_drafting(training)
+        return states[curve, len(batch)]
 
     def decode(decoder: str, batch: list[list[int]], max_new_tokens: int):
         if decoder == "greedy":
             return hf_decode(policy, batch, GREEDY, max_new_tokens, eos, batch_size=len(batch)), None
-        return speculative("decoding", batch, max_new_tokens, BatchGreedy())
+        return batched_speculative_generate(policy.model, MTPBatchDrafter(draft_base, draft_module, 0.0),
+                                            BatchGreedy(), batch, max_new_tokens, eos, drafting("decoding", batch))
 
     def sample(decoder: str, batch: list[list[int]], max_new_tokens: int):
         call, calls[decoder] = calls[decoder], calls[decoder] + 1  # both decoders' j-th call: the same batch
@@ -398,7 +399,8 @@ def _mtp_curves(cfg: Config, policy, module, train_prompts: list[list[int]], eva
                       for row in range(len(batch))]
         if decoder == "vanilla":
             return sample_plainly(policy.model, batch, max_new_tokens, eos, r.temperature, generators[0]), None
-        return speculative("rollout", batch, max_new_tokens, BatchSampling(r.temperature, generators), generators)
+        return sample_speculatively(policy.model, draft_base, draft_module, batch, max_new_tokens, eos, r.temperature,
+                                    r.draft_temperature, generators, drafting("rollout", batch))
 
     return {"decoding": batch_speed_curve(["greedy", "mtp"], eval_prompts, decode, "greedy", r.curve_batch_sizes,
                                           r.curve_batches, r.max_new_tokens, "MTP greedy decoding curve"),

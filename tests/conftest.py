@@ -93,7 +93,7 @@ def tiny_params(root: Path, model: Path, **sections) -> dict:
         "sla": {"depth": 2, "width": 2, "step": 3},
         "sla_benchmark": {"num_prompts": 2, "speed_prompts": 2, "max_new_tokens": 8, "overhead_repeats": 4},
         "medusa": {"num_heads": 2, "epochs": 1, "batch_size": 16, "distill_batch_size": 4, "mixed_precision": "no",
-                   "general_prompts": 2},
+                   "task_prompts": 8, "general_prompts": 2},
         "rlmedusa": {"trajectory_tokens": 4, "top_pool": 10, "reward_width": 16, "reward_epochs": 1,
                      "num_actions": 4, "batch_size": 8},
         "medusa_benchmark": {"tree": [[0], [1], [0, 0]], "num_prompts": 2, "speed_prompts": 2, "general_prompts": 2,

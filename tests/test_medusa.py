@@ -488,7 +488,14 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     """train_medusa on task + general prompts, then benchmark_medusa on a float32 policy: each prompt set reported
     separately, τ from the decoded outputs, greedy-verified (adaptive) Medusa identical to HF greedy everywhere."""
     from foresight.prompts import general_instructions
-    from tasks.medusa import benchmark_medusa_task, train_medusa_task
+    from tasks.data import sft_responses
+    from tasks.medusa import (
+        benchmark_medusa_task,
+        candidate_tree,
+        load_distilled,
+        train_medusa_task,
+        train_rlmedusa_task,
+    )
 
     prompts = tmp_path / "data/prompts"
     prompts.mkdir(parents=True)
@@ -500,7 +507,7 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     cfg = _policy_cfg(
         spiky_policy_dir, tmp_path,
         medusa={"num_heads": 2, "epochs": 1, "batch_size": 16, "distill_batch_size": 4, "mixed_precision": "no",
-                "general_prompts": 3, "max_new_tokens": 8, "eval_fraction": 0.4},
+                "task_prompts": 6, "general_prompts": 3, "max_new_tokens": 8, "eval_fraction": 0.4},
         rlmedusa={"trajectory_tokens": 4, "top_pool": 10},
         medusa_benchmark={"tree": [[0], [1], [0, 0]], "num_prompts": 3, "speed_prompts": 2, "general_prompts": 2,
                           "max_new_tokens": 8, "decoders": ["greedy", "prompt_lookup", "medusa_supervised"],
@@ -509,12 +516,33 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     trained = train_medusa_task.fn(cfg)
     responses = pd.read_parquet(tmp_path / "data/medusa/distilled/responses.parquet")
     general = general_instructions("train", 3)["question"].tolist()
-    assert responses["prompt_set"].tolist() == ["task"] * 4 + ["general"] * 3
-    assert all(q in p for q, p in zip(general, responses["prompt"][4:], strict=True))
-    assert responses["prompt"][4].startswith("<|im_start|>user\n") and responses["prompt"][4].endswith("assistant\n")
-    assert (trained.metrics["num_task_responses"], trained.metrics["num_general_responses"]) == (4, 3)
+    # the 4 training prompts, 2 further arithmetic problems (task_prompts 6), then the general instructions
+    assert responses["prompt_set"].tolist() == ["task"] * 6 + ["general"] * 3
+    assert responses["further_prompt"].tolist() == [False] * 4 + [True] * 2 + [False] * 3
+    assert all(q in p for q, p in zip(general, responses["prompt"][6:], strict=True))
+    assert all("The answer is N." in p for p in responses["prompt"][4:6])
+    assert responses["prompt"][6].startswith("<|im_start|>user\n") and responses["prompt"][6].endswith("assistant\n")
+    assert (trained.metrics["num_task_responses"], trained.metrics["num_general_responses"]) == (6, 3)
+    # the further prompts' responses are the heads' alone: COrAL and the MTP module fine-tune on the others
+    assert sft_responses(cfg, "distilled", "coral.data")["prompt_id"].tolist() == (
+        responses["prompt_id"][~responses["further_prompt"]].tolist())
     evaluation = json.loads((tmp_path / "data/medusa/supervised/evaluation.json").read_text())
     assert evaluation["held_out_by_prompt_set"] and set(evaluation["held_out_by_prompt_set"]) <= {"task", "general"}
+    # the auto tree: the paths held-out drafts were accepted on most often, measured jointly, most frequent first
+    paths = evaluation["path_acceptance"]
+    frequencies = [entry["acceptance"] for entry in paths]
+    assert paths and frequencies == sorted(frequencies, reverse=True) and 0 < frequencies[-1] <= frequencies[0] <= 1
+    # RLMedusa too learns from the training split's responses to training prompts and general instructions only
+    rl = train_rlmedusa_task.fn(cfg.model_copy(update={"rlmedusa": cfg.rlmedusa.model_copy(
+        update={"reward_epochs": 1, "epochs": 1, "inits": ["supervised"]})}))
+    data, train_rows, _ = load_distilled(cfg)
+    kept = torch.tensor([row for row in train_rows.tolist() if not responses["further_prompt"][row]])
+    assert 0 < len(kept) < len(train_rows)  # further prompts' responses are among the training split's, left out
+    assert rl.metrics["num_trajectory_states"] == int(torch.isin(data.sample[data.rl_rows], kept).sum()) > 0
+    auto = cfg.model_copy(update={"medusa_benchmark": cfg.medusa_benchmark.model_copy(update={"tree": "auto",
+                                                                                              "tree_size": 2})})
+    assert [list(choice) for choice in candidate_tree(auto).choices] == sorted(
+        (entry["path"] for entry in paths[:2]), key=lambda path: (len(path), path))
 
     result = benchmark_medusa_task.fn(cfg)
     out = tmp_path / "data/benchmarks/medusa"

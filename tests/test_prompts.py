@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from foresight.config import ArithmeticConfig, parse_config
-from foresight.prompts import PromptSourceError, arithmetic_prompts, load_prompts
+from foresight.prompts import PromptSourceError, arithmetic_prompts, further_prompts, load_prompts
 
 INSTRUCTION = "End your answer with 'The answer is N.'"
 
@@ -64,6 +64,27 @@ def test_splits_are_deterministic_and_disjoint(tmp_path):
     assert train["question"].str.endswith("End your answer with 'The answer is N.'").all()
     other, _ = load_prompts(_prompts_cfg(num_train=30, num_eval=10, seed=6), tmp_path)
     assert list(other["prompt_id"]) != list(train["prompt_id"])
+
+
+def test_further_prompts_are_new_the_same_each_time_and_come_from_the_source(tmp_path):
+    cfg = _prompts_cfg(num_train=30, num_eval=10, seed=5)
+    train, held_out = load_prompts(cfg, tmp_path)
+    taken = pd.concat([train, held_out])
+    further = further_prompts(cfg, tmp_path, 50, taken)
+    assert len(further) == 50 and further["prompt_id"].is_unique
+    assert not set(further["prompt_id"]) & set(taken["prompt_id"])
+    pd.testing.assert_frame_equal(further, further_prompts(cfg, tmp_path, 50, taken))
+    assert further["question"].str.endswith(INSTRUCTION).all()
+    for question, answer in zip(further["question"], further["answer"], strict=True):
+        assert _evaluate(question.removesuffix(f" {INSTRUCTION}")) == int(answer)
+
+    # a file gives the rows the split left unused, and no more than it has
+    path = tmp_path / "prompts.jsonl"
+    pd.DataFrame({"prompt": [f"Question {i}?" for i in range(12)]}).to_json(path, orient="records", lines=True)
+    cfg = _prompts_cfg(source="file", num_train=5, num_eval=3, file={"path": path.name})
+    train, held_out = load_prompts(cfg, tmp_path)
+    further = further_prompts(cfg, tmp_path, 10, pd.concat([train, held_out]))
+    assert sorted(pd.concat([train, held_out, further])["question"]) == sorted(f"Question {i}?" for i in range(12))
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "csv"])

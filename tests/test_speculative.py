@@ -27,6 +27,7 @@ from models.engine.speculative import (
     chain_tree,
     draw,
     keep_accepted,
+    likeliest_paths,
     root_tree,
     sparse_tree,
     speculative_cache,
@@ -93,6 +94,22 @@ def test_sparse_tree_takes_the_likeliest_paths_first():
     assert build_tree(everything).size == 13  # prefix-closed: nothing had to be added
     with pytest.raises(ValueError, match="at least one node"):
         sparse_tree(rank_accuracy, 0)
+
+
+def test_likeliest_paths_measures_acceptance_jointly_along_a_path():
+    # the right token's rank per position at depths +1 and +2; 9 = not among the top 3
+    target_ranks = torch.tensor([[0, 0], [0, 0], [1, 9], [9, 9]])
+    # jointly, (0, 0) is accepted wherever (0,) is: 2 of 4 positions; the product of per-depth accuracies
+    # (sparse_tree's estimate) says 0.5 × 0.5 = 0.25, a tie with (1,)
+    assert likeliest_paths(target_ranks, num_ranks=3, count=3) == [((0,), 0.5), ((0, 0), 0.5), ((1,), 0.25)]
+    assert sparse_tree([[0.5, 0.25, 0.0], [0.5, 0.0, 0.0]], 3) == [(0,), (0, 0), (1,)]
+    assert likeliest_paths(target_ranks, num_ranks=3, count=1) == [((0,), 0.5)]
+    # paths never accepted are left out: (1, r) and (2,) have no position
+    assert likeliest_paths(target_ranks, num_ranks=3, count=10) == [((0,), 0.5), ((0, 0), 0.5), ((1,), 0.25)]
+    # a rank at or past num_ranks is a miss, whatever its value
+    assert likeliest_paths(torch.tensor([[2, 0], [5, 0]]), num_ranks=2, count=5) == []
+    with pytest.raises(ValueError, match="at least one node"):
+        likeliest_paths(target_ranks, num_ranks=3, count=0)
 
 
 def test_position_ids_and_additive_mask():

@@ -156,6 +156,40 @@ def sparse_tree(rank_accuracy: Sequence[Sequence[float]], size: int) -> list[tup
     return chosen
 
 
+def likeliest_paths(target_ranks: torch.Tensor, num_ranks: int, count: int) -> list[tuple[tuple[int, ...], float]]:
+    """The ``count`` paths held-out data accepts most often, each with that frequency, most frequent first.
+
+    ``target_ranks[i, d]`` (N, D): at held-out position i, the drafter's rank of the right token for position
+    d + 1 (``num_ranks`` or more where it is not among the top ``num_ranks``, or where there is none). A path
+    is accepted at i when the right token holds its rank at every depth, so its frequency is measured jointly:
+    :func:`sparse_tree` multiplies per-depth accuracies as if the drafts erred independently, but a head that is
+    right at +1 is more often right at +2, which makes deep top-1 chains likelier than the product says. A
+    tree's expected tokens per cycle is 1 + the sum of its paths' frequencies (one path at most is accepted to
+    each depth). Expanding best-first keeps the choice prefix-closed (no path is accepted more often than its
+    prefix); paths never accepted are left out, so fewer than ``count`` may come back.
+    """
+    if count < 1:
+        raise ValueError(f"a tree needs at least one node besides the root, got size {count}")
+    positions, depth = target_ranks.shape
+
+    def frontier_of(path: tuple[int, ...], matches: torch.Tensor) -> list[tuple[float, tuple[int, ...]]]:
+        # the children of ``path`` accepted somewhere, from the ranks at its next depth where it is accepted
+        counts = torch.bincount(target_ranks[matches, len(path)].clamp(max=num_ranks), minlength=num_ranks + 1)
+        return [(-counts[r].item() / positions, (*path, r)) for r in range(num_ranks) if counts[r] > 0]
+
+    frontier = frontier_of((), torch.ones(positions, dtype=torch.bool))
+    heapq.heapify(frontier)
+    chosen: list[tuple[tuple[int, ...], float]] = []
+    while frontier and len(chosen) < count:
+        negative_frequency, path = heapq.heappop(frontier)
+        chosen.append((path, -negative_frequency))
+        if len(path) < depth:
+            matches = (target_ranks[:, : len(path)] == torch.tensor(path)).all(dim=1)
+            for item in frontier_of(path, matches):
+                heapq.heappush(frontier, item)
+    return chosen
+
+
 def chain_tree(depth: int) -> Tree:
     """A single path of top-1 drafts (what MTP and most draft models propose)."""
     return build_tree([(0,) * depth])

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
@@ -295,19 +296,33 @@ def train_medusa_heads(policy: Policy, data: DistilledStates, cfg: MedusaTrainin
 
 
 @torch.no_grad()
-def evaluate_heads(heads: MedusaHeads, lm_head, data: DistilledStates, top_k: int = 5, ranks: int = 10,
-                   batch_size: int = 256) -> dict[str, list]:
-    """Held-out accuracy per head: ``top1``, ``top{top_k}`` (K,), and ``rank_accuracy`` (K, ranks): how often
-    the head's rank-r token is the target (what :func:`models.engine.speculative.sparse_tree` builds a tree from)."""
-    ranks = max(ranks, top_k)
-    hits, counts = [], []
+def target_ranks(heads: MedusaHeads, lm_head, data: DistilledStates, ranks: int = 10, batch_size: int = 256
+                 ) -> torch.Tensor:
+    """(M, K): at each position of ``data``, the rank of head k's target among the head's top ``ranks`` tokens;
+    ``ranks`` where it is not among them or where there is no target (past the response's end)."""
+    found = []
     for start in range(0, len(data.hidden), batch_size):
         hidden = data.hidden[start : start + batch_size].to(lm_head.weight.device, lm_head.weight.dtype)
         targets = data.targets[start : start + batch_size].to(lm_head.weight.device)
         top = heads(hidden, lm_head).topk(ranks, dim=-1).indices  # (N, K, ranks)
-        valid = targets != IGNORE_INDEX  # (N, K)
-        hits.append(((top == targets[..., None]) & valid[..., None]).float().sum(dim=0))  # (K, ranks)
-        counts.append(valid.float().sum(dim=0))  # (K,)
-    rank_accuracy = torch.stack(hits).sum(0) / torch.stack(counts).sum(0).clamp(min=1)[:, None]  # (K, ranks)
+        hit = top == targets[..., None]  # (N, K, ranks): one hit at most (IGNORE_INDEX is no token)
+        found.append(torch.where(hit.any(dim=-1), hit.int().argmax(dim=-1), ranks).cpu())  # (N, K)
+    return torch.cat(found)
+
+
+def accuracy_by_rank(found: torch.Tensor, targets: torch.Tensor, top_k: int, ranks: int) -> dict[str, list]:
+    """Accuracy per head from :func:`target_ranks`' ``found`` (M, K) and the ``targets`` (M, K): ``top1``,
+    ``top{top_k}`` (K,), and ``rank_accuracy`` (K, ranks): how often the head's rank-r token is the target,
+    over the positions where it has one."""
+    valid = targets != IGNORE_INDEX  # (M, K)
+    hits = F.one_hot(found, ranks + 1)[..., :ranks].sum(dim=0).float()  # (K, ranks)
+    rank_accuracy = hits / valid.sum(dim=0).clamp(min=1)[:, None]  # (K, ranks)
     return {"top1": rank_accuracy[:, 0].tolist(), f"top{top_k}": rank_accuracy[:, :top_k].sum(1).tolist(),
             "rank_accuracy": rank_accuracy.tolist()}
+
+
+def evaluate_heads(heads: MedusaHeads, lm_head, data: DistilledStates, top_k: int = 5, ranks: int = 10,
+                   batch_size: int = 256) -> dict[str, list]:
+    """Held-out accuracy per head (:func:`accuracy_by_rank`) over the top ``max(ranks, top_k)`` ranks."""
+    ranks = max(ranks, top_k)
+    return accuracy_by_rank(target_ranks(heads, lm_head, data, ranks, batch_size), data.targets, top_k, ranks)

@@ -158,6 +158,22 @@ def sample_plainly(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     return completions
 
 
+def sample_speculatively(model, draft_base, draft_module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                         eos_token_ids: set[int], temperature: float, draft_temperature: float,
+                         generators: Sequence[torch.Generator], drafting: AdaptiveDrafting | None = None
+                         ) -> tuple[list[list[int]], list[SpeculativeStats]]:
+    """Each prompt's completion sampled at ``temperature`` by batched speculative sampling with the MTP module's
+    chained drafts (``draft_base`` / ``draft_module``: :func:`models.mtp.module.draft_parts`' copies), row i
+    drawing from ``generators[i]``: the distribution :func:`sample_plainly` samples from. ``drafting``: the adaptive
+    decision state (None: always draft). Returns the tokens and each row's counters."""
+    from models.engine.batched import BatchSampling, batched_speculative_generate
+    from models.mtp.module import MTPBatchDrafter
+
+    drafter = MTPBatchDrafter(draft_base, draft_module, draft_temperature, generators)
+    return batched_speculative_generate(model, drafter, BatchSampling(temperature, generators), prompts,
+                                        max_new_tokens, eos_token_ids, drafting)
+
+
 def rollout_rewards(reward_fn: RewardFunction, questions: Sequence[str], answers: Sequence[str | None],
                     responses: Sequence[str], group_size: int) -> torch.Tensor:
     """(N·G,): every rollout's reward from one call of ``reward_fn`` (a reward model scores in batches), each
@@ -192,9 +208,6 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
     index of ``prompts[0]`` among the step's prompts (a process's share starts there), which picks each rollout's
     sampling stream. ``drafting``: under ``cfg.adaptive``, the state that decides when a batch drafts, carried on
     from earlier steps (None: a fresh one for these rollouts)."""
-    from models.engine.batched import BatchSampling, batched_speculative_generate
-    from models.mtp.module import MTPBatchDrafter
-
     model.eval()
     device = model.get_output_embeddings().weight.device
     started = time.perf_counter()
@@ -216,10 +229,9 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
                                     generators[start])
             rows_stats = [SpeculativeStats(generated_tokens=len(t)) for t in tokens]
         else:
-            drafter = MTPBatchDrafter(draft_base, draft_module, cfg.draft_temperature, generators[rows])
-            tokens, rows_stats = batched_speculative_generate(
-                model, drafter, BatchSampling(cfg.temperature, generators[rows]), prompt_ids[rows],
-                cfg.max_new_tokens, eos_token_ids, drafting)
+            tokens, rows_stats = sample_speculatively(model, draft_base, draft_module, prompt_ids[rows],
+                                                      cfg.max_new_tokens, eos_token_ids, cfg.temperature,
+                                                      cfg.draft_temperature, generators[rows], drafting)
         # the tokens are lists: the batch's device work is done when the clock is read
         counts.append(RolloutCounts(time.perf_counter() - batch_started, sum(map(len, tokens)),
                                     *_draft_counters(rows_stats), rows=len(tokens)))
