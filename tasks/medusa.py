@@ -659,8 +659,8 @@ def _report(rows: list[dict], divergences: pd.DataFrame, curve: list[dict], tree
         "# Speculative decoding benchmark (Medusa, RLMedusa)",
         (f"\nPolicy in {dtype.removeprefix('torch.')}, max {s.max_new_tokens} new tokens, {s.acceptance} "
          f"verification, a {tree.size}-node tree (root included; "
-         f"{'sparse tree from held-out head accuracies' if s.tree == 'auto' else 'as configured'}, choices in "
-         "`tree.json`). Rows at `batch` 1 decode the first `speed_prompts` prompts one at a time, timed; "
+         f"{'the paths held-out drafts were accepted on most often' if s.tree == 'auto' else 'as configured'}, "
+         "choices in `tree.json`). Rows at `batch` 1 decode the first `speed_prompts` prompts one at a time, timed; "
          "`<decoder>_batched` rows decode every prompt of the set in batches of "
          f"{s.batch_size} with the batched tree engine (untimed; every step drafts). τ = generated tokens / model "
          "forwards (greedy = 1), and `identical_to_greedy` = share of prompts whose output equals HF greedy's token "
