@@ -581,6 +581,26 @@ def test_a_prompt_after_one_where_drafting_did_not_pay_opens_with_a_probe(tiny):
     assert stats.accepted_lengths == [4] * 9 + [3] and stats.plain_forwards == 0 and drafts.at[0] == 1
 
 
+def test_the_first_decision_comes_early_and_then_tau_averages_the_whole_window():
+    """c = 1.5 (configured, so no clock): four cycles gaining 1 token stop a fresh state (first_decision 4); in the
+    steady state four such cycles after four that gained 4 do not (τ over the window of 8 is 2.5), a fifth does not
+    either (2.125), and only when the window holds mostly poor cycles does it stop."""
+    drafting = AdaptiveDrafting(Adaptation(window=8, first_decision=4, cycle_cost=1.5))
+    for _ in range(4):
+        assert drafting.paying
+        drafting.record(True, 1, 0.0)
+    assert not drafting.paying and drafting.drafts() is False
+    drafting = AdaptiveDrafting(Adaptation(window=8, first_decision=4, cycle_cost=1.5))
+    for gain in (4, 4, 4, 4, 1, 1, 1, 1, 1):
+        drafting.record(True, gain, 0.0)
+        assert drafting.paying
+    for paying in (True, False):  # the window: 4, 4, 1 × 6 → 1.75; then 4, 1 × 7 → 1.375
+        drafting.record(True, 1, 0.0)
+        assert drafting.paying is paying
+    with pytest.raises(ValueError, match="first_decision"):
+        Adaptation(first_decision=0)
+
+
 def _ticks(stats: SpeculativeStats, drafts: Scripted):
     """A clock that ticks 1 per model forward and 3 per draft."""
     return lambda: stats.forwards + 3 * drafts.calls

@@ -540,8 +540,8 @@ class AdaptiveDrafting:
     """The decisions of :class:`models.engine.config.Adaptation` for a decoder: draft the next step, or not.
 
     τ = the mean gain of the last ``window`` cycles; c = the configured cycle cost, or the median wall time of the
-    window's cycles over the median of the last ``window`` plain steps. Drafting continues while the window is
-    not yet full or τ ≥ c; else plain steps, with a probing cycle after ``gap`` plain tokens (``probe_every``,
+    window's cycles over the median of the last ``window`` plain steps. Drafting continues while fewer than
+    ``first_decision`` cycles are measured or τ ≥ c; else plain steps, with a probing cycle after ``gap`` plain tokens (``probe_every``,
     doubled by each probe that does not pay, up to ``max_probe_every``; reset by one that pays).
 
     One object passed to several :func:`speculative_stream` calls carries all this from prompt to prompt (a
@@ -594,8 +594,8 @@ class AdaptiveDrafting:
         self.gains.append(tokens)
         self.cycle_seconds.append(seconds)
         self.plain_tokens = 0
-        full = len(self.gains) == self.adaptation.window
-        self.paying = not full or statistics.fmean(self.gains) >= self.cost()
+        decided = len(self.gains) >= min(self.adaptation.first_decision, self.adaptation.window)
+        self.paying = not decided or statistics.fmean(self.gains) >= self.cost()
         if self.paying:
             self.gap = self.adaptation.probe_every
         elif probe:
