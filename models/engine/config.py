@@ -92,11 +92,11 @@ class Adaptation:
 
     A draft–verify cycle costs ``c`` plain one-token steps and gains τ tokens; drafting pays while τ ≥ c. The
     engine keeps τ as the mean tokens gained per cycle over the last ``window`` cycles; once ``first_decision``
-    cycles are measured and τ < c, it decodes plainly (the root alone, no drafter forward), and after ``probe_every`` plain
-    tokens it drafts one cycle again, which re-measures τ; each probe that still does not pay doubles the gap to
-    the next (up to ``max_probe_every``), one that pays resets it; a decision state carried to the next prompt
-    opens it with a probe. Lossless either way: greedy verification and a
-    plain greedy step both emit greedy's token, and a plain sampling step samples the model itself.
+    cycles are measured and τ < c, it decodes plainly (the root alone, no drafter forward), and after
+    ``probe_every`` plain tokens it drafts one cycle again, which re-measures τ; each probe that still does not pay
+    doubles the gap to the next (up to ``max_probe_every``), one that pays resets it; a decision state carried to
+    the next prompt opens it with a probe. Lossless either way: greedy verification and a plain greedy step both
+    emit greedy's token, and a plain sampling step samples the model itself.
     """
 
     window: int = 8

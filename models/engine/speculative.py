@@ -541,8 +541,9 @@ class AdaptiveDrafting:
 
     τ = the mean gain of the last ``window`` cycles; c = the configured cycle cost, or the median wall time of the
     window's cycles over the median of the last ``window`` plain steps. Drafting continues while fewer than
-    ``first_decision`` cycles are measured or τ ≥ c; else plain steps, with a probing cycle after ``gap`` plain tokens (``probe_every``,
-    doubled by each probe that does not pay, up to ``max_probe_every``; reset by one that pays).
+    ``first_decision`` cycles are measured or τ ≥ c; else plain steps, with a probing cycle after ``gap`` plain
+    tokens (``probe_every``, doubled by each probe that does not pay, up to ``max_probe_every``; reset by one that
+    pays).
 
     One object passed to several :func:`speculative_stream` calls carries all this from prompt to prompt (a
     server keeps it per model and drafter): each rollout or prompt then starts from what the last ones measured,
