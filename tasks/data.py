@@ -171,18 +171,24 @@ def stage_accelerator(device, mixed_precision: str = "no"):
                        kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)])
 
 
+def shared_distilled_responses(cfg: Config, key: str) -> pd.DataFrame:
+    """The responses ``train_medusa`` distilled from that the other stages learn from too — those to the training
+    prompts and general instructions; those to further task prompts (``medusa.task_prompts``) are for the Medusa
+    heads alone — indexed by their row in ``distilled/responses.parquet``. ``key`` names the setting that reads
+    them."""
+    path = cfg.path(cfg.paths.medusa_dir) / "distilled" / "responses.parquet"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run the train_medusa stage ({key} reads it)")
+    responses = read_table(path, "distilled responses")
+    return responses[~responses["further_prompt"]]
+
+
 def sft_responses(cfg: Config, source: str, key: str) -> pd.DataFrame:
     """Responses a stage fine-tunes on: ``distilled`` = the policy's own (greedy) responses to the training prompts
-    and general instructions that ``train_medusa`` distilled from; ``correct`` = the generated samples the labeler
-    marked correct. ``key`` names the setting."""
+    and general instructions that ``train_medusa`` distilled from (:func:`shared_distilled_responses`);
+    ``correct`` = the generated samples the labeler marked correct. ``key`` names the setting."""
     if source == "distilled":
-        path = cfg.path(cfg.paths.medusa_dir) / "distilled" / "responses.parquet"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: run the train_medusa stage ({key}: distilled reads it)")
-        responses = read_table(path, "distilled responses")
-        # the responses to the training prompts and general instructions: those to further task prompts
-        # (medusa.task_prompts) are for the Medusa heads alone
-        responses = responses[~responses["further_prompt"]].reset_index(drop=True)
+        responses = shared_distilled_responses(cfg, f"{key}: distilled").reset_index(drop=True)
     else:
         scores = read_table(cfg.path(cfg.paths.scores), "scored samples")
         responses = scores[scores["correct"].fillna(False).astype(bool)].reset_index(drop=True)

@@ -50,6 +50,7 @@ from tasks.data import (
     load_stage_policy,
     markdown_artifact,
     read_prompts,
+    shared_distilled_responses,
     split_responses,
     stage_accelerator,
     stage_logger,
@@ -72,7 +73,7 @@ def _distillation_data(cfg: Config, policy) -> pd.DataFrame:
     ``medusa.general_prompts`` training instructions of the general set (same chat template, same
     ``max_new_tokens``), so that the heads also learn to draft open-ended text. Column ``prompt_set`` says which
     (``task`` / ``general``), column ``further_prompt`` marks the responses to further prompts (the heads' alone:
-    :func:`tasks.data.sft_responses` and RLMedusa leave them out)."""
+    :func:`tasks.data.shared_distilled_responses`)."""
     from foresight.prompts import further_prompts, general_instructions
     from models.medusa.training import greedy_responses
 
@@ -233,11 +234,10 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
     r = cfg.rlmedusa
     training = component(RLMedusaTraining, r)
     data, train_rows, eval_rows = load_distilled(cfg)
-    # the responses to the training prompts and general instructions: those to further task prompts
-    # (medusa.task_prompts) are for the supervised heads alone (here they would nearly triple the stage's time)
-    further = torch.from_numpy(read_table(_medusa_dir(cfg) / "distilled" / "responses.parquet",
-                                          "distilled responses")["further_prompt"].to_numpy())
-    train_rows, eval_rows = train_rows[~further[train_rows]], eval_rows[~further[eval_rows]]
+    # the responses to further task prompts are for the supervised heads alone (here they would nearly triple the
+    # stage's time)
+    shared = torch.from_numpy(shared_distilled_responses(cfg, "train_rlmedusa").index.to_numpy())
+    train_rows, eval_rows = train_rows[torch.isin(train_rows, shared)], eval_rows[torch.isin(eval_rows, shared)]
     train, held_out = data.subset(train_rows), data.subset(eval_rows)
     if len(train.rl_rows) == 0:
         raise ValueError("no RL trajectory states: every training response is shorter than 3 tokens")

@@ -177,14 +177,14 @@ def likeliest_paths(target_ranks: torch.Tensor, num_ranks: int, count: int) -> l
         counts = torch.bincount(target_ranks[matches, len(path)].clamp(max=num_ranks), minlength=num_ranks + 1)
         return [(-counts[r].item() / positions, (*path, r)) for r in range(num_ranks) if counts[r] > 0]
 
-    frontier = frontier_of((), torch.ones(positions, dtype=torch.bool))
+    frontier = frontier_of((), torch.ones(positions, dtype=torch.bool, device=target_ranks.device))
     heapq.heapify(frontier)
     chosen: list[tuple[tuple[int, ...], float]] = []
     while frontier and len(chosen) < count:
         negative_frequency, path = heapq.heappop(frontier)
         chosen.append((path, -negative_frequency))
         if len(path) < depth:
-            matches = (target_ranks[:, : len(path)] == torch.tensor(path)).all(dim=1)
+            matches = (target_ranks[:, : len(path)] == torch.tensor(path, device=target_ranks.device)).all(dim=1)
             for item in frontier_of(path, matches):
                 heapq.heappush(frontier, item)
     return chosen
