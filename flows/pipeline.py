@@ -3,7 +3,8 @@
 DVC decides what is stale (params, code and data hashes in ``dvc.lock``) and runs each stale
 stage's flow (``flows.stages``) in its own process; this flow opens the parent MLflow run that those
 stage runs nest under, streams their output into the Prefect log, collects every stage's metrics into
-a table artifact and a markdown summary, and pushes the versioned data to the DVC remote.
+a table artifact and a markdown summary, judges each paper's central claims on them (``foresight/claims.py``:
+``data/reports/claims.md``, an MLflow artifact and a Prefect artifact), and pushes the versioned data to the DVC remote.
 
 Independent branches of the DAG at once, on several workers (docs/gpu.md, "Prefect on GPUs"): DVC releases its
 lock while a stage's command runs, but two runs in one workspace whose targets share a stale ancestor would both
@@ -30,6 +31,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.stages import metrics_path, run_streaming
+from foresight.claims import claims_markdown, claims_table, write_claims
 from foresight.config import Config, load_config
 from foresight.stages import STAGES
 from foresight.tracking import PARENT_RUN_ENV, headline_metrics, pipeline_run
@@ -128,16 +130,24 @@ def pipeline_flow(params_path: str = "params.yaml", targets: list[str] | None = 
         ran = reproduce_task(root, run_id, targets or [], force, isolated)
         every = stage_metrics(cfg)
         rows = stage_table(every, ran)
+        claims = claims_table(every)
+        claims_path = write_claims(claims, cfg.path(cfg.paths.reports_dir))
         import mlflow
 
         mlflow.log_dict({"stages": rows}, "pipeline_stages.json")
+        mlflow.log_artifact(str(claims_path))  # claims.md: the paper's figure, ours, the verdict, the reason
+        mlflow.log_dict({"claims": claims}, "claims.json")
         mlflow.log_metrics({f"{r['stage']}.seconds": r["seconds"] for r in rows if r["status"] == "ran"})
         # every stage's headline figures (with their intervals) on the parent run: one row per pipeline run
         mlflow.log_metrics(headline_metrics(every, {stage.name: stage.headline for stage in STAGES}))
     create_table_artifact(key="pipeline-stages", table=rows, description="Stages of this pipeline run")
     create_markdown_artifact(key="pipeline-summary", markdown=_markdown(rows, run_id, cfg),
                              description="Pipeline run summary")
+    create_markdown_artifact(key="pipeline-claims", markdown=claims_path.read_text(),
+                             description="Each paper's central claims at this scale: holds / does not hold, and why")
     if push:
         push_task(root)
-    get_run_logger().info("pipeline done: %s ran", ", ".join(ran) or "nothing (all stages up to date)")
-    return {"mlflow_run_id": run_id, "ran": ran, "stages": rows}
+    logger = get_run_logger()
+    logger.info("claims (%s):\n%s", claims_path, claims_markdown(claims))
+    logger.info("pipeline done: %s ran", ", ".join(ran) or "nothing (all stages up to date)")
+    return {"mlflow_run_id": run_id, "ran": ran, "stages": rows, "claims": claims}

@@ -41,6 +41,9 @@ def _pipeline(args) -> int:
     for row in result["stages"]:
         extra = ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("stage", "status", "seconds"))
         print(f"  {row['stage']:<16} {row['status']:<11} {row['seconds']:>7} s  {extra}")
+    verdicts = [row["verdict"] for row in result["claims"]]
+    print(f"\nClaims: {verdicts.count('holds')} of {len(verdicts)} hold at this scale "
+          f"(foresight claims, or {cfg.path(cfg.paths.reports_dir) / 'claims.md'})")
     print("\nWhere things are:")
     print(f"  data (DVC-tracked):   {cfg.path(cfg.paths.pairs).parent.parent}   (dvc status / dvc metrics show)")
     print(f"  preference pairs:     {cfg.path(cfg.paths.pairs)}")
@@ -48,6 +51,15 @@ def _pipeline(args) -> int:
     print(f"  MLflow runs:          {cfg.mlflow_uri()}  (parent run {result['mlflow_run_id']})")
     print(f"      view with:        mlflow ui --backend-store-uri {cfg.mlflow_uri()}")
     print("  Prefect runs:         prefect server start, then open http://127.0.0.1:4200")
+    return 0
+
+
+def _claims(args) -> int:
+    """Print the claims table judged on the stage metrics now on disk (the last run of each stage)."""
+    from flows.pipeline import stage_metrics
+    from foresight.claims import claims_markdown, claims_table
+
+    print(claims_markdown(claims_table(stage_metrics(load_config(args.params)))), end="")
     return 0
 
 
@@ -196,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ui.add_argument("--mlflow-port", type=int, default=5000, help="MLflow UI port (default: 5000)")
     ui.add_argument("--prefect-port", type=int, default=4200, help="Prefect UI port (default: 4200)")
     ui.add_argument("--timeout", type=float, default=120, help="seconds to wait for both to answer (default: 120)")
+    command("claims", "judge each paper's central claims on the stage metrics on disk (a markdown table)", _claims)
     command("check", "validate params.yaml and print it resolved", _check)
     command("dvc-yaml", "print dvc.yaml from the stage table (foresight dvc-yaml > dvc.yaml)", _dvc_yaml)
     planner = command("plan", "estimate each stage's peak GPU memory and the knobs that make it fit", _plan)

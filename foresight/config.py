@@ -33,7 +33,7 @@ from models.engine.config import (
 from models.labeling.config import LabelerName, LabelerSpec
 from models.medusa.config import MedusaTraining, RLMedusaCandidates, RLMedusaTraining, Targets
 from models.mtp.config import MTPInit, MTPRLTraining, MTPTraining, VariantName
-from models.sla.config import DPOTraining, RewardTraining, SLASearch
+from models.sla.config import DPOTraining, LeafScore, RewardTraining, SLASearch
 
 MixedPrecision = Annotated[_MixedPrecision, BeforeValidator(lambda value: "no" if value is False else value)]
 """``no`` | ``bf16``. YAML 1.1 reads a bare ``no`` as false, and ``dvc exp run -S`` rewrites params.yaml without
@@ -342,6 +342,9 @@ class SLAConfig(_Section):
     """Search width k: children per expanded node."""
     step: int = Field(SLASearch.step, ge=1)
     """Step size n: tokens decoded greedily per node."""
+    leaf_score: LeafScore = SLASearch.leaf_score
+    """A leaf's score: ``mean`` R' over its response so far (the authors' code; what eq. 17 trains) or ``last``, R' at
+    its last token (Algorithm 2's text). The benchmark reports the tuned setting with the other one as an ablation."""
 
 
 class SLABenchmarkConfig(_Section):
@@ -386,6 +389,30 @@ class SLABenchmarkConfig(_Section):
     """Optional SLA sweep: widths to try."""
     sweep_step: list[int] = Field(default_factory=list)
     """Optional SLA sweep: step sizes to try."""
+    tuning_prompts: int = Field(16, ge=0)
+    """Training prompts (the first ones that neither the reward channel nor DPO trained on, none a held-out question)
+    on which every ``tuning_grid`` setting is decoded to choose ``sla_tuned``, our SLA setting; 0 = no tuning."""
+    tuning_grid: list[tuple[Annotated[int, Field(ge=0, le=6)], Annotated[int, Field(ge=1, le=16)],
+                            Annotated[int, Field(ge=1)]]] = Field(
+        default_factory=lambda: [(2, 2, 10), (1, 4, 16), (2, 2, 16)], min_length=1)
+    """SLA settings (depth d, width k, step n) tried on the tuning prompts, leaf score as in ``sla``; the one with the
+    best win rate against greedy there (then accuracy; ties to the first listed) among those with n ≤
+    ``tuning_max_step`` becomes ``sla_tuned``. List them cheapest first: each decodes the tuning prompts with k^d
+    rows per prompt (the defaults hold 4 each; (3, 2, 10) took 3.4× (2, 2, 10)'s time, docs/sla.md)."""
+    tuning_max_step: int = Field(16, ge=1)
+    """Largest step n a chosen setting may have: SLA streams a committed segment every n tokens, so a step as long as
+    the answer (n = max_new_tokens) is reranking whole responses, not streaming. Grid settings above it are still
+    decoded and reported."""
+    leaf_score_ablation: bool = True
+    """Also decode the held-out prompts with ``sla_tuned`` under the other leaf score (``sla.leaf_score``'s
+    alternative): the leaf-scoring ablation, untimed."""
+
+    @model_validator(mode="after")
+    def _a_streaming_setting_to_choose(self) -> SLABenchmarkConfig:
+        if self.tuning_prompts > 0 and all(step > self.tuning_max_step for _, _, step in self.tuning_grid):
+            raise ValueError(f"tuning_grid has no setting with step ≤ tuning_max_step ({self.tuning_max_step}) to "
+                             "choose")
+        return self
 
 
 class MedusaConfig(_Section):
@@ -424,7 +451,9 @@ class MedusaConfig(_Section):
     samples_per_prompt: int = Field(5, ge=1)
     """``data: samples``: how many of each prompt's samples to learn from (one frozen forward per sample)."""
     eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)
-    """Share of prompts whose samples are held out for head accuracies."""
+    """Share of prompts whose responses are held out for head accuracies, among the training prompts and general
+    instructions (responses to further task prompts all train). COrAL and the MTP module learning from these
+    responses take the same split: every drafter is measured on the same held-out sequences."""
     learning_rate: float = Field(MedusaTraining.learning_rate, gt=0.0)
     """AdamW learning rate (Medusa-1's 1e-3)."""
     epochs: int = Field(MedusaTraining.epochs, ge=1)
@@ -472,9 +501,11 @@ class RLMedusaConfig(_Section):
     num_actions: int = Field(RLMedusaTraining.num_actions, ge=2)
     """Tokens sampled per state (the group whose mean reward is the baseline)."""
     beta: float = Field(RLMedusaTraining.beta, ge=0.0)
-    """KL coefficient (kept small, as the paper advises)."""
+    """KL coefficient to the starting head. The paper advises a small one; here the learned r(e, h) ranks the true
+    t + 2 token first only ~28 % of the time, and at 0.02 (lr 3e-4) the head exploited r: sampled reward 0.27 →
+    0.69 while its t + 2 top-1 fell 0.434 → 0.19. At 0.5 (lr 1e-4) it kept 0.443 (docs/medusa.md, "RL budgets")."""
     learning_rate: float = Field(RLMedusaTraining.learning_rate, gt=0.0)
-    """AdamW learning rate of head 1."""
+    """AdamW learning rate of head 1 (3e-4 with β 0.02 let it drift onto r's errors)."""
     epochs: int = Field(RLMedusaTraining.epochs, ge=1)
     """Passes over the training trajectory states."""
     batch_size: int = Field(RLMedusaTraining.batch_size, ge=1)
@@ -574,14 +605,23 @@ class CoralConfig(_Section):
     """A corrupted patch is replaced by a same-length span from elsewhere in the response with this
     probability; otherwise its first token is repeated over it."""
     stage1_learning_rate: float = Field(CoralTraining.stage1_learning_rate, gt=0.0)
-    """Stage 1 (the last decoder layer only). The paper's 5e-6 suits 3 epochs of ~100k examples, not ~100."""
+    """Stage 1 (the last decoder layer only). The paper's 5e-6 suits 3 epochs of ~100k examples, not ~100; at 2e-4
+    for one epoch (16 steps) offsets +2 … +4 stayed at chance (docs/coral.md, "Two-stage training")."""
     stage1_epochs: int = Field(CoralTraining.stage1_epochs, ge=0)
-    """Stage 1 epochs (0 skips the stage)."""
+    """The most stage-1 epochs: training stops earlier once the validation loss has not improved for
+    ``stage1_patience`` epochs, and keeps its best epoch (0 skips the stage)."""
+    stage1_patience: int = Field(CoralTraining.stage1_patience, ge=1)
+    """Stage-1 epochs without a new best validation loss (the objective on the validation responses) before it
+    stops."""
+    stage1_corruption_draws: int = Field(CoralTraining.stage1_corruption_draws, ge=1)
+    """Stage 1 trains on the frozen trunk's outputs, computed once: of each clean sequence and of this many
+    corruptions of it (each a trunk forward over the data); epoch e trains on draw e mod this."""
     stage2_learning_rate: float = Field(CoralTraining.stage2_learning_rate, gt=0.0)
     """Stage 2 (every parameter except the last decoder layer): the paper's 1e-6. Measured here: 1e-5 pulls the
     trunk towards the far offsets and wrecks next-token accuracy (held-out greedy accuracy 44 % → 6 %)."""
     stage2_epochs: int = Field(CoralTraining.stage2_epochs, ge=0)
-    """Stage 2 epochs (0 skips the stage)."""
+    """Stage 2 epochs; 0 (the default) skips the stage: at 1e-6 an epoch of ~16 steps can change at most 2 % of a
+    bf16 trunk's weights, each by one rounding step (docs/coral.md, "Two-stage training"); 1 = the paper's recipe."""
     batch_size: int = Field(CoralTraining.batch_size, ge=1)
     """Sequences per step."""
     warmup_ratio: float = Field(CoralTraining.warmup_ratio, ge=0.0, lt=1.0)
@@ -589,7 +629,11 @@ class CoralConfig(_Section):
     max_length: int = Field(256, ge=8)
     """Prompt + response tokens kept per sequence."""
     eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)
-    """Share of prompts held out for the per-offset accuracy."""
+    """Share of prompts held out for the per-offset accuracy with ``data: correct``; ``distilled`` responses take
+    ``train_medusa``'s split, so that every drafter is measured on the same held-out sequences."""
+    validation_fraction: float = Field(0.15, gt=0.0, lt=1.0)
+    """Share of the training prompts whose responses decide when stage 1 stops (early stopping), never trained on;
+    the held-out responses the stage reports on never choose the epoch."""
     mixed_precision: MixedPrecision = "bf16"
     """accelerate's autocast for the training forward passes."""
     lora_rank: int = Field(CoralTraining.lora_rank, ge=0)
@@ -619,6 +663,12 @@ class CoralBenchmarkConfig(_Section):
     """Appendix C's confidence scaling of the 2nd, 3rd, 4th new token in the candidate tree."""
     tree_size: int = Field(CoralDecoding.tree_size, ge=1)
     """Candidate-tree nodes besides the top-1 chain (full COrAL)."""
+    confidence_over: Literal["window", "available"] = CoralDecoding.confidence_over
+    """Eq. 8's denominator: ``window`` = k_b + 2 dependencies (the paper's); ``available`` = those the kept path
+    supplies for the token (a token near the end of a short block has few, so under ``window`` it can hardly pass)."""
+    accept_next_token: bool = CoralDecoding.accept_next_token
+    """Accept each token with the larger of eq. 8's score and its next-token probability (COrAL's public code: a
+    token is rejected only when the draw beats both); false = eq. 8 alone (the paper's Algorithm 1)."""
     num_prompts: int = Field(40, ge=1)
     """Held-out prompts decoded by next-token greedy and full COrAL (accuracy, with intervals over them)."""
     speed_prompts: int = Field(8, ge=1)
@@ -652,9 +702,13 @@ class MTPConfig(_Section):
     the policy's last layer with both output projections zeroed, its projection passing the hidden half through
     (docs/mtp.md#mtp-module); ``scratch`` = random (the paper's choice, for ~100k training responses, not ~100)."""
     learning_rate: float = Field(MTPTraining.learning_rate, gt=0.0)
-    """AdamW (β 0.9 / 0.95) peak learning rate (the paper: 5e-5 over 5 epochs of ~113k responses)."""
+    """AdamW (β 0.9 / 0.95) peak learning rate (the paper: 5e-5 over 5 epochs of ~113k responses: ~70k steps; the
+    default data make ~16 steps an epoch, where 5e-4 over 2 epochs left the loss falling steeply, docs/mtp.md)."""
     epochs: int = Field(MTPTraining.epochs, ge=1)
-    """Passes over the training responses."""
+    """The most passes over the training responses: training stops earlier once the held-out loss has not fallen
+    for ``patience`` epochs, and keeps the best epoch's module."""
+    patience: int = Field(MTPTraining.patience, ge=1)
+    """Epochs without a new best held-out loss (eq. 1 on the held-out responses) before training stops."""
     batch_size: int = Field(MTPTraining.batch_size, ge=1)
     """Sequences per step."""
     warmup_ratio: float = Field(MTPTraining.warmup_ratio, ge=0.0, lt=1.0)
@@ -662,7 +716,12 @@ class MTPConfig(_Section):
     max_length: int = Field(256, ge=8)
     """Prompt + response tokens kept per sequence."""
     eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)
-    """Share of prompts held out for the per-depth accuracy and the expected acceptance length."""
+    """Share of prompts held out for early stopping, the per-depth accuracy and the expected acceptance length, with
+    ``data: correct``; ``distilled`` responses take ``train_medusa``'s split, so that every drafter is measured on
+    the same held-out sequences."""
+    validation_fraction: float = Field(0.15, gt=0.0, lt=1.0)
+    """Share of the training prompts whose responses decide when training stops (early stopping), never trained on;
+    the held-out responses the stage reports on never choose the epoch."""
     ablation_depths: list[Annotated[int, Field(ge=1, le=8)]] = Field(default_factory=list)
     """Further K trained the same way for Table 2's ablation (expected initial τ per K), e.g. [1, 2, 4] (the study
     profile: ~90 s more on a 2-core CPU); [] skips it."""
@@ -682,12 +741,22 @@ class MTPRLConfig(_Section):
     trained), ``ce_only`` (module trained by eq. 1's CE alone), ``no_backprop`` (eq. 4's loss, but it never
     reaches the policy). Rollout speedups are measured against ``vanilla``. The default runs the three the
     targets compare (the 30-minute CPU budget); add ``ce_only`` and ``no_backprop`` for Table 1's rows."""
+    prompt_filter: Literal["spread", "all"] = "spread"
+    """Which training prompts GRPO draws its steps' prompts from. ``spread``: those whose label-stage samples
+    (``generate``'s samples of the prompt, scored by the same labeler: ``paths.scores``) did not all score alike —
+    for the verifiable labeler a pass rate strictly between 0 and 1, for a reward model a nonzero spread of scores —
+    since a group whose rollouts all score alike has zero advantages and gives GRPO no gradient. An error when no
+    prompt qualifies; the counts kept and dropped are metrics (``rl_prompts_kept`` / ``rl_prompts_dropped``).
+    Measured on the default prompts: 46 of 96 kept (50 scored 0 of 4, none 4 of 4); the probability that a group
+    has mixed rewards rises from 0.28 (groups of 3, all prompts) to 0.91 (groups of 8, spread prompts). ``all``:
+    every prompt the labeler can reward."""
     steps: int = Field(MTPRLTraining.steps, ge=1)
     """RL steps per variant (one rollout phase and one update each)."""
     prompts_per_step: int = Field(MTPRLTraining.prompts_per_step, ge=1)
     """Training prompts per step; each gets ``group_size`` rollouts."""
     group_size: int = Field(MTPRLTraining.group_size, ge=2)
-    """G: rollouts per prompt; advantages are normalised within each group."""
+    """G: rollouts per prompt; advantages are normalised within each group. 8: with ``prompt_filter: spread``,
+    ~90 % of groups carry a gradient (the paper: 32)."""
     temperature: float = Field(MTPRLTraining.temperature, gt=0.0)
     """Rollout sampling temperature (no top-k / top-p: speculative sampling preserves exactly this)."""
     max_new_tokens: int = Field(MTPRLTraining.max_new_tokens, ge=1)
@@ -701,8 +770,14 @@ class MTPRLConfig(_Section):
     normalised by the step's global counts, so the update is the whole batch's); null: all of a step's at once.
     What makes the paper's 8 prompts × 32 rollouts fit a GPU (``foresight plan`` proposes it)."""
     learning_rate: float = Field(MTPRLTraining.learning_rate, gt=0.0)
-    """AdamW learning rate of the policy. Measured: at 1e-5, four steps of L_Adv back-propagated from a weak
-    MTP module (CE ≈ 5) cut held-out accuracy from 0.44 to 0.13 (MTP-RL) and 0.31 (CE only)."""
+    """AdamW learning rate of the policy. The rollouts sample from the bf16 policy, rounded afresh from float32
+    master weights before each step: an early AdamW step moves a weight by about the learning rate, and a bf16
+    weight of magnitude ~0.015 has a spacing of 6e-5, so smaller rates mostly round away. Measured on the
+    pipeline's policy (vanilla GRPO, 3 steps of 8 rollouts of prompts with a reward spread; docs/mtp.md): bf16
+    weights changed 0.74 % / 2.8 % / 9.0 %, KL(π₀ ‖ π) per token 0.0019 / 0.0020 / 0.0073 at 2e-6 / 1e-5 / 3e-5.
+    Earlier, at 1e-5, four steps of L_Adv back-propagated from a weak MTP module (CE ≈ 5) cut held-out accuracy from
+    0.44 to 0.13 (MTP-RL) and 0.31 (CE only) — when 72 % of groups had equal rewards, so most updates were L_Adv
+    alone; MTP-RL's held-out accuracy at this rate is to be read from the stage's ``mtp_rl.accuracy_change``."""
     mtp_learning_rate: float = Field(MTPRLTraining.mtp_learning_rate, gt=0.0)
     """AdamW learning rate of the MTP module (variants that train it)."""
     epsilon_low: float = Field(MTPRLTraining.epsilon_low, gt=0.0, lt=1.0)
@@ -734,6 +809,10 @@ class MTPRLConfig(_Section):
     """``adaptive``'s cost of a draft cycle in plain sampling steps; null: measured as the rollouts run (then which
     steps draft depends on timing, and so do the exact tokens sampled, though never their distribution); a
     number (~2 for K = 3 on the 2-core CPU) makes the rollouts repeat exactly under the seed."""
+    tau_window: int = Field(5, ge=1)
+    """Steps pooled at each end of a variant's run for ``tau_start`` / ``tau_end`` (τ over those steps' draft
+    cycles, with an interval over their rollout batches), at most half the steps: does a module's acceptance hold
+    under RL (the paper: a frozen module's τ collapses, MTP-RL's holds)?"""
     curve_batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 4, 16])
     """The batch sizes of MTP drafting's speed curves, before RL, with the starting policy and the equipped module
     (adaptive as ``adaptive``, one decision state per batch size), every decoder on the same batch in turn: greedy

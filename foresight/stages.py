@@ -173,7 +173,8 @@ STAGES: tuple[Stage, ...] = (
         outputs=("${paths.reward_dir}/base",),
         distributed=True,
         curves=True,
-        headline=("pair_accuracy_channel", "autrc_channel", "autrc_adapter1", "autrc_adapter4"),
+        headline=("pair_accuracy_channel", "pair_accuracy_logprob", "autrc_channel", "autrc_adapter1",
+                  "autrc_adapter4"),
     ),
     Stage(
         name="dpo",
@@ -209,8 +210,8 @@ STAGES: tuple[Stage, ...] = (
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.reward_dir}/base", "${paths.reward_dir}/dpo",
                 "${paths.dpo_dir}"),
         outputs=("${paths.benchmarks_dir}/sla",),
-        headline=("base_sla.win_rate", "dpo_sla_vs_dpo_greedy.win_rate", "base_sla.latency_vs_greedy",
-                  "base.reward_channel_overhead"),
+        headline=("base_sla.win_rate", "base_sla_tuned.win_rate", "dpo_sla_vs_dpo_greedy.win_rate",
+                  "dpo_sla_tuned_vs_dpo_greedy.win_rate", "base_sla.latency_vs_greedy", "base.reward_channel_overhead"),
     ),
     Stage(
         name="train_medusa",
@@ -301,12 +302,12 @@ STAGES: tuple[Stage, ...] = (
         params=("policy", "mtp_rl", "mtp.ce_weights", "mtp.num_depths", "prompts.system_prompt", "label"),
         code=(*TASK_CODE, *BENCHMARK_CODE, "models/common",
               "models/engine", "models/labeling", "models/mtp", "tasks/mtp.py"),
-        inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.mtp_dir}"),
+        inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.mtp_dir}", "${paths.scores}"),
         outputs=("${paths.mtp_rl_dir}",),
         distributed=True,
         curves=True,
-        headline=("mtp_rl.rollout_speedup", "mtp_rl.tau_first", "mtp_rl.tau_last", "frozen_mtp.tau_last",
-                  "reward_before", "mtp_rl.reward_after"),
+        headline=("mtp_rl.rollout_speedup", "mtp_rl.tokens_per_forward", "mtp_rl.tau_start", "mtp_rl.tau_end",
+                  "frozen_mtp.tau_end", "mtp_rl.nonzero_advantage_share", "reward_before", "mtp_rl.reward_after"),
     ),
 )
 

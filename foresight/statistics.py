@@ -10,6 +10,7 @@ are resampled together for the decoder and its reference, so what the prompts sh
 - :func:`speedup`: (Σ tokens / Σ seconds) over the reference's, prompts resampled in pairs; against 1.
 - :func:`ratio_of_means`: mean(x) / mean(y) of paired repeats (a forward with and without the reward channel).
 - :func:`ratio_of_sums`: Σ x / Σ y over units (a per-token rate whose unit is the sequence, prompt or rollout).
+- :func:`paired_ratio_difference`: Σ x / Σ t − Σ y / Σ t over units (two heads' accuracy on the same targets).
 - :func:`clustered_mean_interval`: a mean over units that come in dependent clusters (the pairs of one prompt),
   resampling whole clusters.
 
@@ -134,6 +135,17 @@ def ratio_of_sums(values: Sequence[float], totals: Sequence[float], seed: int = 
     if not np.sum(np.asarray(totals, dtype=float)) > 0:
         return Interval(math.nan, math.nan, math.nan, 0)
     return ratio_of_means(values, totals, seed)  # over the same units, mean / mean = sum / sum
+
+
+def _ratio_difference(x, y, totals, axis):
+    return (np.sum(x, axis) - np.sum(y, axis)) / np.sum(totals, axis)
+
+
+def paired_ratio_difference(values: Sequence[float], reference: Sequence[float], totals: Sequence[float],
+                            seed: int = 0) -> Interval:
+    """Σ values / Σ totals − Σ reference / Σ totals over units resampled together (hits of two heads on the same
+    held-out targets, per sequence): significant when the interval excludes 0."""
+    return bootstrap([values, reference, totals], _ratio_difference, seed)
 
 
 def clustered_mean_interval(values: Sequence[float], clusters: Sequence, seed: int = 0) -> Interval:

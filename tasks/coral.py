@@ -3,8 +3,10 @@
 Thin wrappers around :mod:`models.coral.training` and :mod:`models.coral.decoding`:
 
 * ``train_coral`` — SFT data from the pipeline (the responses ``train_medusa`` distilled from, or the samples
-  labeled correct), split by prompt; stage 1 (last layer) then stage 2 (the rest); held-out top-1 accuracy per
-  forward offset before and after (intervals over held-out sequences); the trained model as a Hugging Face
+  labeled correct), split by prompt (distilled: ``train_medusa``'s held-out split), a validation share of the
+  training prompts for stage 1's early stopping; stage 1 (last layer) then stage 2 (the rest, off by default);
+  held-out top-1 accuracy per offset (forward, confirm, reconstruct; all held-out text and task text) before and
+  after (intervals over held-out sequences); the trained model as a Hugging Face
   folder, with per-offset curves. Under ``accelerate launch`` every process trains; the main process alone
   writes the folder.
 * ``benchmark_coral`` — on that model: next-token greedy (HF, KV cache) and full COrAL on every held-out prompt
@@ -30,16 +32,17 @@ from foresight.plots import bar_plot, interval_bar, line_plot
 from foresight.storage import atomic_path, write_json, write_table
 from tasks.data import (
     StageResult,
+    drafter_split,
     gpu_task,
     load_stage_policy,
     load_trained_policy,
     markdown_artifact,
     read_prompts,
     sft_responses,
-    split_responses,
     stage_accelerator,
     stage_logger,
     table_artifact,
+    validation_split,
 )
 
 
@@ -48,18 +51,23 @@ def train_coral_task(cfg: Config) -> StageResult:
     """Two-stage COrAL training of the base policy; writes the model folder with its curves and evaluation."""
     from models.common.sequences import sft_sequences
     from models.coral.config import CoralTraining
-    from models.coral.training import offset_hits, train_coral
+    from models.coral.training import train_coral
 
     logger = stage_logger()
     started = time.perf_counter()
     c = cfg.coral
+    training = component(CoralTraining, c)
     policy = load_stage_policy(cfg, "base", training=True)
     responses = sft_responses(cfg, cfg.coral.data, "coral.data")
-    train_rows, eval_rows = split_responses(responses, c.eval_fraction, c.seed)
+    train_rows, eval_rows = drafter_split(cfg, responses, c.eval_fraction, c.seed)
+    fit_rows, validation_rows = validation_split(responses, train_rows, c.validation_fraction, c.seed)
     sequences = sft_sequences(policy.tokenizer, responses, c.max_length)
-    train, held_out = [sequences[i] for i in train_rows], [sequences[i] for i in eval_rows]
-    logger.info("COrAL SFT data (%s): %d training / %d held-out sequences", c.data, len(train), len(held_out))
-    before = _offset_accuracy(*offset_hits(policy, held_out, c.forward_window))
+    train, validation, held_out = ([sequences[i] for i in rows] for rows in (fit_rows, validation_rows, eval_rows))
+    prompt_sets = responses["prompt_set"] if "prompt_set" in responses else pd.Series("task", index=responses.index)
+    task = [i for i, row in enumerate(eval_rows.tolist()) if prompt_sets.iloc[row] == "task"]
+    logger.info("COrAL SFT data (%s): %d training / %d validation (stage 1's early stopping) / %d held-out sequences "
+                "(%d of task prompts)", c.data, len(train), len(validation), len(held_out), len(task))
+    before = _held_out_accuracy(policy, held_out, task, training, "before")
     logger.info("held-out top-1 per offset before training: %s", json.dumps(before))
 
     def on_step(stage: str, step: int, num_steps: int, stats: dict[str, float]) -> None:
@@ -69,31 +77,48 @@ def train_coral_task(cfg: Config) -> StageResult:
 
     accelerator = stage_accelerator(policy.device, c.mixed_precision)
     train_started = time.perf_counter()
-    history = train_coral(policy, train, component(CoralTraining, c), accelerator, on_step)
+    history = train_coral(policy, train, training, accelerator, on_step, validation=validation)
     train_seconds = time.perf_counter() - train_started
-    after = _offset_accuracy(*offset_hits(policy, held_out, c.forward_window))
+    after = _held_out_accuracy(policy, held_out, task, training, "after")
     logger.info("held-out top-1 per offset after training: %s", json.dumps(after))
 
     out = cfg.path(cfg.paths.coral_dir)
     if accelerator.is_main_process:  # every process holds the same model; one writes it
-        _write_coral_model(policy, out, history, {"before": before, "after": after, "num_train_sequences": len(train),
-                                                  "num_eval_sequences": len(held_out), "data": c.data})
+        _write_coral_model(policy, out, history, {**before, **after, "num_train_sequences": len(train),
+                                                  "num_eval_sequences": len(held_out),
+                                                  "num_eval_task_sequences": len(task), "data": c.data})
     accelerator.wait_for_everyone()
-    metrics = {"num_train_sequences": len(train), "num_eval_sequences": len(held_out), "train_seconds": train_seconds,
+    metrics = {"num_train_sequences": len(train), "num_validation_sequences": len(validation),
+               "num_eval_sequences": len(held_out), "train_seconds": train_seconds,
                "final_loss": history["loss"][-1] if history["loss"] else float("nan"),
-               **{f"before_{k}": v for k, v in before.items()}, **{f"after_{k}": v for k, v in after.items()},
+               **{key: history[key][-1] for key in ("stage1_held_out_loss", "stage1_best_epoch") if key in history},
+               "stage1_epochs_run": len(history.get("stage1_held_out_loss", [])),
+               "stage1_steps": history["stage"].count(1),
+               **{f"{when}_{key}": value for when, accuracy in (*before.items(), *after.items())
+                  for key, value in accuracy.items()},
                "wall_seconds": time.perf_counter() - started}
     curves = {key: values for key, values in history.items() if key != "stage"}
     return StageResult(metrics=metrics, curves=curves, artifacts={"coral": out})
 
 
-def _offset_accuracy(hits, counts) -> dict[str, float]:
-    """Held-out top-1 accuracy per forward offset, Σ hits / Σ targets of the per-sequence counts (S, k_f), with its
-    interval over sequences (``top1_forward_{o}``, ``_low``, ``_high``); NaN where an offset has no target."""
+def _held_out_accuracy(policy, held_out: list, task: list[int], training, when: str) -> dict[str, dict[str, float]]:
+    """Held-out top-1 per offset (:func:`models.coral.training.offset_hits`) over every held-out sequence (key
+    ``when``) and over those of task prompts alone, the benchmark's kind of text (``{when}_task``)."""
+    from models.coral.training import evaluated_offsets, offset_hits
+
+    hits, counts = offset_hits(policy, held_out, training)
+    offsets = evaluated_offsets(training)
+    return {when: _offset_accuracy(hits, counts, offsets),
+            f"{when}_task": _offset_accuracy(hits[task], counts[task], offsets)}
+
+
+def _offset_accuracy(hits, counts, columns) -> dict[str, float]:
+    """Held-out top-1 accuracy per (kind, offset) column, Σ hits / Σ targets of the per-sequence counts (S, C), with
+    its interval over sequences (``top1_{kind}_{|o|}``, ``_low``, ``_high``); NaN where a column has no target."""
     accuracy = {}
-    for o in range(counts.shape[1]):
-        accuracy |= statistics.interval_columns(f"top1_forward_{o + 1}",
-                                                statistics.ratio_of_sums(hits[:, o].tolist(), counts[:, o].tolist()))
+    for column, (kind, offset) in enumerate(columns):
+        accuracy |= statistics.interval_columns(
+            f"top1_{kind}_{abs(offset)}", statistics.ratio_of_sums(hits[:, column].tolist(), counts[:, column].tolist()))
     return accuracy
 
 
@@ -242,8 +267,12 @@ def _coral_report(cfg: Config, outputs: pd.DataFrame, rows: list[dict], speed_pr
         _ablation_plots(rows, cfg.coral_benchmark, tmp)
         (tmp / "report.md").write_text(_report(rows, cfg, speed_prompts))
     metrics = {f"{r['decoder']}.{key}{end}": r[key + end] for r in rows
-               for key in ("accuracy", "tokens_per_s", "speedup_vs_reference", "tokens_per_forward")
+               for key in ("accuracy", "accuracy_vs_next_token", "tokens_per_s", "speedup_vs_reference",
+                           "tokens_per_forward", "forced_tokens")
                for end in ("", "_low", "_high") if key + end in r}
+    # what explains the decoders' accuracy: the trained offsets' held-out top-1 on task text (train_coral)
+    evaluation = _offset_evaluation(cfg)
+    metrics |= {f"offsets.{key}": value for key, value in (evaluation or {}).get("after_task", {}).items()}
     metrics["wall_seconds"] = seconds
     table_artifact(key="coral-benchmark", table=display_rows(rows, TABLE_COLUMNS),
                    description="COrAL decoders against next-token greedy (95 % intervals; * = differs significantly)")
@@ -267,7 +296,6 @@ def _ablation_plots(rows: list[dict], b, folder) -> None:
 
 def _report(rows: list[dict], cfg: Config, speed_prompts: int) -> str:
     b = cfg.coral_benchmark
-    evaluation = cfg.path(cfg.paths.coral_dir) / "evaluation.json"
     lines = [
         "# COrAL benchmark (Table 1 shape)",
         f"\nOn the COrAL-trained model, max {b.max_new_tokens} new tokens. Accuracy: next-token and full COrAL on "
@@ -286,10 +314,21 @@ def _report(rows: list[dict], cfg: Config, speed_prompts: int) -> str:
          "excludes 1.\n"),
         markdown_table(rows, TABLE_COLUMNS),
     ]
-    if evaluation.is_file():
-        e = json.loads(evaluation.read_text())
-        offsets = [key for key in e["before"] if f"{key}_low" in e["before"]]  # the figures with intervals
-        lines += ["\n## Held-out top-1 accuracy per forward offset (train_coral)\n",
-                  f"Intervals over the {e['num_eval_sequences']} held-out sequences (Σ hits / Σ targets).\n",
-                  markdown_table([{"when": when, **e[when]} for when in ("before", "after")], ["when", *offsets])]
+    e = _offset_evaluation(cfg)
+    if e is not None:
+        offsets = [key for key in e["after"] if f"{key}_low" in e["after"]]  # the figures with intervals
+        lines += ["\n## Held-out top-1 accuracy per offset (train_coral): what the decoders' accuracy rests on\n",
+                  f"Over the {e['num_eval_sequences']} held-out sequences, and the {e['num_eval_task_sequences']} of "
+                  "task prompts (`_task`), with intervals over sequences (Σ hits / Σ targets). Forward +k: the token k "
+                  "ahead on clean text (+1 = next-token); confirm k: the token k back on clean text (what verifying "
+                  "a right block asks); reconstruct k: the clean token k back from a corrupted context (one fixed "
+                  "corruption per sequence; its corrupted tokens only).\n",
+                  markdown_table([{"when": when, **e[when]} for when in ("before", "after", "before_task", "after_task")],
+                                 ["when", *offsets])]
     return "\n".join(lines) + "\n"
+
+
+def _offset_evaluation(cfg: Config) -> dict | None:
+    """``evaluation.json`` of the trained COrAL model (held-out top-1 per offset), or None if it has none."""
+    path = cfg.path(cfg.paths.coral_dir) / "evaluation.json"
+    return json.loads(path.read_text()) if path.is_file() else None

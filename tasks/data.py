@@ -171,12 +171,35 @@ def stage_accelerator(device, mixed_precision: str = "no"):
                        kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)])
 
 
+DISTILLED_SPLIT_FILE = "split.safetensors"
+"""In ``train_medusa``'s ``distilled/``: the rows of ``responses.parquet`` held out (``eval_samples``) and trained on
+(``train_samples``); every drafter that learns from these responses uses this one split."""
+
+
+def distilled_dir(cfg: Config) -> Path:
+    """``train_medusa``'s folder of distilled responses, their frozen pass and their split."""
+    return cfg.path(cfg.paths.medusa_dir) / "distilled"
+
+
+def split_distilled(responses: pd.DataFrame, eval_fraction: float, seed: int):
+    """Training and held-out rows of the distilled responses, split by prompt among the responses that every drafter
+    learns from (not ``further_prompt``); the responses to further task prompts, the Medusa heads' alone, all train.
+    So the held-out sequences are the same for Medusa, COrAL and the MTP module (:func:`drafter_split`)."""
+    import torch
+
+    shared = responses.index[~responses["further_prompt"].to_numpy(bool)]
+    train_shared, eval_rows = split_responses(responses.loc[shared], eval_fraction, seed)
+    further = torch.from_numpy(responses.index[responses["further_prompt"].to_numpy(bool)].to_numpy())
+    train_rows = torch.cat([torch.from_numpy(shared.to_numpy())[train_shared], further]).sort().values
+    return train_rows, torch.from_numpy(shared.to_numpy())[eval_rows]
+
+
 def shared_distilled_responses(cfg: Config, key: str) -> pd.DataFrame:
     """The responses ``train_medusa`` distilled from that the other stages learn from too — those to the training
     prompts and general instructions; those to further task prompts (``medusa.task_prompts``) are for the Medusa
     heads alone — indexed by their row in ``distilled/responses.parquet``. ``key`` names the setting that reads
     them."""
-    path = cfg.path(cfg.paths.medusa_dir) / "distilled" / "responses.parquet"
+    path = distilled_dir(cfg) / "responses.parquet"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: run the train_medusa stage ({key} reads it)")
     responses = read_table(path, "distilled responses")
@@ -185,10 +208,12 @@ def shared_distilled_responses(cfg: Config, key: str) -> pd.DataFrame:
 
 def sft_responses(cfg: Config, source: str, key: str) -> pd.DataFrame:
     """Responses a stage fine-tunes on: ``distilled`` = the policy's own (greedy) responses to the training prompts
-    and general instructions that ``train_medusa`` distilled from (:func:`shared_distilled_responses`);
-    ``correct`` = the generated samples the labeler marked correct. ``key`` names the setting."""
+    and general instructions that ``train_medusa`` distilled from (:func:`shared_distilled_responses`; column
+    ``distilled_row`` keeps their row there); ``correct`` = the generated samples the labeler marked correct.
+    ``key`` names the setting."""
     if source == "distilled":
-        responses = shared_distilled_responses(cfg, f"{key}: distilled").reset_index(drop=True)
+        responses = (shared_distilled_responses(cfg, f"{key}: distilled").rename_axis("distilled_row")
+                     .reset_index())
     else:
         scores = read_table(cfg.path(cfg.paths.scores), "scored samples")
         responses = scores[scores["correct"].fillna(False).astype(bool)].reset_index(drop=True)
@@ -198,6 +223,31 @@ def sft_responses(cfg: Config, source: str, key: str) -> pd.DataFrame:
     if responses.empty:
         raise ValueError(f"no responses to train on ({key}: {source})")
     return responses
+
+
+def drafter_split(cfg: Config, responses: pd.DataFrame, eval_fraction: float, seed: int):
+    """Row indices of training and held-out ``responses`` (from :func:`sft_responses`). Distilled responses take
+    ``train_medusa``'s split (:data:`DISTILLED_SPLIT_FILE`), so that every drafter's accuracy and acceptance are
+    measured on the same held-out sequences; ``eval_fraction`` and ``seed`` split other responses by prompt."""
+    if "distilled_row" not in responses:
+        return split_responses(responses, eval_fraction, seed)
+    import torch
+    from safetensors.torch import load_file
+
+    path = distilled_dir(cfg) / DISTILLED_SPLIT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run the train_medusa stage first")
+    is_eval = torch.from_numpy(responses["distilled_row"].isin(load_file(path)["eval_samples"].numpy()).to_numpy())
+    rows = torch.arange(len(responses))
+    return rows[~is_eval], rows[is_eval]
+
+
+def validation_split(responses: pd.DataFrame, train_rows, fraction: float, seed: int):
+    """``train_rows`` split by prompt into rows to fit on and validation rows that decide when training stops
+    (:class:`models.common.training.EarlyStopping`): the held-out rows that a stage reports its accuracy on never
+    choose the epoch they are measured at."""
+    fit, validation = split_responses(responses.iloc[train_rows.tolist()], fraction, seed)
+    return train_rows[fit], train_rows[validation]
 
 
 def split_responses(responses: pd.DataFrame, eval_fraction: float, seed: int):

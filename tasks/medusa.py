@@ -45,19 +45,20 @@ from foresight.config import Config, component
 from foresight.plots import bar_plot, interval_bar, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
 from tasks.data import (
+    DISTILLED_SPLIT_FILE,
     StageResult,
+    distilled_dir,
     gpu_task,
     load_stage_policy,
     markdown_artifact,
     read_prompts,
     shared_distilled_responses,
-    split_responses,
+    split_distilled,
     stage_accelerator,
     stage_logger,
     table_artifact,
 )
 
-SPLIT_FILE = "split.safetensors"  # in distilled/: the sample rows of the training and held-out prompts
 EVAL_RANKS = 10  # held-out accuracy per rank of each head's tokens, up to this rank
 TREE_PATHS = 64  # the most often accepted paths kept in evaluation.json (medusa_benchmark.tree_size ≤ this)
 
@@ -130,14 +131,14 @@ def train_medusa_task(cfg: Config) -> StageResult:
     accelerator = stage_accelerator(policy.device, m.mixed_precision)
     distill_started = time.perf_counter()
     if accelerator.is_main_process:  # one pass, one cache on disk: every process then reads it from there
-        _distil(cfg, policy, training, _medusa_dir(cfg) / "distilled")
+        _distil(cfg, policy, training, distilled_dir(cfg))
     accelerator.wait_for_everyone()
     data, train_rows, eval_rows = load_distilled(cfg)
     distill_seconds = time.perf_counter() - distill_started
     train, held_out = data.subset(train_rows), data.subset(eval_rows)
     logger.info("%d training / %d held-out positions; training %d heads", len(train.hidden), len(held_out.hidden),
                 m.num_heads)
-    prompt_sets = read_table(_medusa_dir(cfg) / "distilled" / "responses.parquet", "distilled responses")["prompt_set"]
+    prompt_sets = read_table(distilled_dir(cfg) / "responses.parquet", "distilled responses")["prompt_set"]
 
     def on_step(step: int, num_steps: int, losses: dict[str, float]) -> None:
         if step % max(1, num_steps // 10) == 0 or step == num_steps:
@@ -195,12 +196,12 @@ def _distil(cfg: Config, policy, training, folder: Path) -> None:
                 "greedy responses to the training prompts" if m.data == "greedy" else "the generated samples",
                 m.general_prompts)
     responses = _distillation_data(cfg, policy)
-    train_rows, eval_rows = split_responses(responses, m.eval_fraction, m.seed)
+    train_rows, eval_rows = split_distilled(responses, m.eval_fraction, m.seed)
     logger.info("self-distillation pass over %d responses (%d prompts held out)", len(responses),
                 responses.iloc[eval_rows.tolist()]["prompt_id"].nunique())
     with atomic_path(folder) as tmp:
         self_distill(policy, responses, training, component(RLMedusaCandidates, cfg.rlmedusa), tmp)
-        save_file({"train_samples": train_rows, "eval_samples": eval_rows}, tmp / SPLIT_FILE)
+        save_file({"train_samples": train_rows, "eval_samples": eval_rows}, tmp / DISTILLED_SPLIT_FILE)
         write_table(responses, tmp / "responses.parquet")
 
 
@@ -209,10 +210,10 @@ def load_distilled(cfg: Config):
     sample split."""
     from models.medusa.training import load_distilled as load_cache
 
-    folder = _medusa_dir(cfg) / "distilled"
-    if not (folder / SPLIT_FILE).is_file():
-        raise FileNotFoundError(f"{folder / SPLIT_FILE} is missing: run the train_medusa stage first")
-    split = load_file(folder / SPLIT_FILE)
+    folder = distilled_dir(cfg)
+    if not (folder / DISTILLED_SPLIT_FILE).is_file():
+        raise FileNotFoundError(f"{folder / DISTILLED_SPLIT_FILE} is missing: run the train_medusa stage first")
+    split = load_file(folder / DISTILLED_SPLIT_FILE)
     return load_cache(folder), split["train_samples"], split["eval_samples"]
 
 
@@ -276,6 +277,14 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
     # head 1 predicts t + 2: its accuracies are the first entry of each list
     t2 = {name: {metric: values[0] for metric, values in a.items() if metric != "rank_accuracy"}
           for name, a in accuracy.items()}
+    # intervals over held-out responses: each head's t + 2 top-1, and each RL head's gain over the supervised head
+    heads_by_name = {"supervised": supervised, **{f"rl_{init}": heads for init, heads in rl_heads.items()}}
+    hits = {name: _t2_hits_by_response(heads, lm_head, held_out) for name, heads in heads_by_name.items()}
+    targets = _t2_targets_by_response(held_out)
+    t2_intervals = {name: statistics.interval_columns(f"{name}_t2_top1", statistics.ratio_of_sums(h, targets))
+                    for name, h in hits.items()}
+    gains = {init: statistics.interval_columns(f"rl_{init}_t2_top1_gain", statistics.paired_ratio_difference(
+        hits[f"rl_{init}"], hits["supervised"], targets), reference=0.0) for init in rl_heads}
     winner = max((name for name in t2 if not name.startswith("start_")), key=lambda name: t2[name]["top1"])
     logger.info("held-out accuracy at t+2: %s; best top-1: %s", json.dumps(t2), winner)
     out = _medusa_dir(cfg) / "rl"
@@ -299,8 +308,31 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
                **{f"rl_{init}_final_reward": histories[init]["reward"][-1] for init in r.inits},
                **{f"rl_{init}_final_kl": histories[init]["kl"][-1] for init in r.inits},
                **{f"{name}_t2_{metric}": value for name, d in t2.items() for metric, value in d.items()},
+               **{key: value for columns in (*t2_intervals.values(), *gains.values()) for key, value in columns.items()},
                "rl_beats_supervised_top1": float(winner != "supervised"), "wall_seconds": time.perf_counter() - started}
     return StageResult(metrics=metrics, artifacts={"medusa_rl": out})
+
+
+def _t2_hits_by_response(heads, lm_head, held_out) -> list[float]:
+    """Per held-out response: the positions where head 1's top-1 token is the t + 2 target."""
+    from models.medusa.training import target_ranks
+
+    found = target_ranks(heads, lm_head, held_out, ranks=1)[:, 0]  # (M,): 0 where the top-1 token is the target
+    return _by_response(held_out, (found == 0).float())
+
+
+def _t2_targets_by_response(held_out) -> list[float]:
+    """Per held-out response: the positions with a t + 2 target."""
+    from models.medusa.heads import IGNORE_INDEX
+
+    return _by_response(held_out, (held_out.targets[:, 0] != IGNORE_INDEX).float())
+
+
+def _by_response(held_out, values: torch.Tensor) -> list[float]:
+    """Per-position ``values`` (M,) summed per response (the unit intervals resample: a response's tokens are not
+    independent)."""
+    _, response = torch.unique(held_out.sample, return_inverse=True)
+    return torch.bincount(response, weights=values).tolist()
 
 
 SPEED_COLUMNS = ["prompt_set", "decoder", "batch", "tau", "speedup_vs_reference", "tokens_per_s", "identical_to_greedy",

@@ -7,12 +7,14 @@ Thin wrappers around :mod:`models.mtp.training` and :mod:`models.mtp.rl`:
   weighted CE; held-out per-depth accuracy and expected acceptance length, with 95 % intervals over held-out
   responses; the same for every K of the depth ablation (Table 2).
 * ``train_mtp_rl`` — each configured variant (vanilla GRPO, MTP-RL, frozen MTP, CE only, no backprop) from
-  the same policy and module, on the same prompts and sampling seeds, rewarded by the configured labeler
-  (``label``: the verifiable answer check on prompts with answers, or a reward model such as ArmoRM on any
-  prompts): per step τ, acceptance rate, rollout time and mean reward; the labeler's mean score of the held-out
-  greedy responses before and after (and their accuracy where every held-out prompt has an answer), with
-  intervals over prompts and the change's significance; τ, α and the rollout speedup over vanilla with
-  intervals over rollouts (:mod:`foresight.statistics`).
+  the same policy and module, on the same prompts and sampling seeds — by default the training prompts whose
+  label-stage samples did not all score alike — rewarded by the configured labeler (``label``: the verifiable
+  answer check on prompts with answers, or a reward model such as ArmoRM on any prompts): per step τ, acceptance
+  rate, tokens per target forward, rollout time, mean reward and the share of groups with mixed rewards; the
+  labeler's mean score of the held-out greedy responses before and after (and their accuracy where every held-out
+  prompt has an answer), with intervals over prompts and the change's significance; τ (over the whole run and
+  its first and last steps), α, tokens per target forward and the rollout speedup over vanilla with intervals
+  over rollout batches (:mod:`foresight.statistics`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from foresight.plots import bar_plot, interval_bar, line_plot
 from foresight.storage import atomic_path, write_json, write_table
 from tasks.data import (
     StageResult,
+    drafter_split,
     gpu_task,
     load_stage_policy,
     markdown_artifact,
@@ -43,10 +46,10 @@ from tasks.data import (
     read_prompts,
     reference_answers,
     sft_responses,
-    split_responses,
     stage_accelerator,
     stage_logger,
     table_artifact,
+    validation_split,
 )
 
 
@@ -70,6 +73,8 @@ def _shared_scratch(accelerator, prefix: str) -> Iterator[Path]:
 def train_mtp_task(cfg: Config) -> StageResult:
     """Equip the frozen base policy with a K-depth shared MTP module; run the depth ablation. Runs in every
     process of ``accelerate launch`` (batches split between them); the main process writes the outputs."""
+    import torch
+
     from models.common.sequences import sft_sequences
     from models.mtp.config import MTPTraining
     from models.mtp.training import chain_acceptance, frozen_states, train_mtp_module
@@ -82,17 +87,19 @@ def train_mtp_task(cfg: Config) -> StageResult:
     policy.model.requires_grad_(False).eval()
     accelerator = stage_accelerator(policy.device, m.mixed_precision)
     responses = sft_responses(cfg, m.data, "mtp.data")
-    train_rows, eval_rows = split_responses(responses, m.eval_fraction, m.seed)
+    train_rows, eval_rows = drafter_split(cfg, responses, m.eval_fraction, m.seed)
+    fit_rows, validation_rows = validation_split(responses, train_rows, m.validation_fraction, m.seed)
     sequences = sft_sequences(policy.tokenizer, responses, m.max_length)
     depths = [m.num_depths, *sorted(set(m.ablation_depths) - {m.num_depths})]
-    modules, histories, evaluations, seconds = {}, {}, {}, {}
+    modules, histories, evaluations, acceptance, seconds = {}, {}, {}, {}, {}
     # the frozen policy's states, on disk in its dtype: at 8B they would not fit in RAM
     with _shared_scratch(accelerator, "mtp-states-") as scratch:
         hidden = frozen_states(policy, sequences, scratch, accelerator=accelerator)
-        train = ([sequences[i] for i in train_rows], hidden.select(train_rows))
+        train = ([sequences[i] for i in fit_rows], hidden.select(fit_rows))
+        validation = ([sequences[i] for i in validation_rows], hidden.select(validation_rows))
         held_out = ([sequences[i] for i in eval_rows], hidden.select(eval_rows))
-        logger.info("MTP self-distilled data (%s): %d training / %d held-out sequences", m.data, len(train[0]),
-                    len(held_out[0]))
+        logger.info("MTP self-distilled data (%s): %d training / %d validation (early stopping) / %d held-out "
+                    "sequences", m.data, len(train[0]), len(validation[0]), len(held_out[0]))
         for num_depths in depths:
             def on_step(step: int, num_steps: int, stats: dict[str, float], k: int = num_depths) -> None:
                 if step % max(1, num_steps // 4) == 0 or step == num_steps:
@@ -100,9 +107,10 @@ def train_mtp_task(cfg: Config) -> StageResult:
 
             depth_started = time.perf_counter()
             modules[num_depths], histories[num_depths] = train_mtp_module(policy, *train, num_depths, training,
-                                                                          accelerator, on_step)
+                                                                          accelerator, on_step, validation)
             seconds[num_depths] = time.perf_counter() - depth_started
-            evaluations[num_depths] = _chain_evaluation(chain_acceptance(policy, modules[num_depths], *held_out))
+            acceptance[num_depths] = chain_acceptance(policy, modules[num_depths], *held_out)
+            evaluations[num_depths] = _chain_evaluation(acceptance[num_depths])
             accelerator.free_memory()
             logger.info("K = %d: held-out %s", num_depths, json.dumps(evaluations[num_depths]))
 
@@ -118,15 +126,32 @@ def train_mtp_task(cfg: Config) -> StageResult:
                        description="Expected initial acceptance length per number of shared MTP depths (95 % "
                                    "intervals over held-out responses)")
     accelerator.wait_for_everyone()  # no process returns before the folder is whole
-    metrics = {"num_train_sequences": len(train[0]), "num_eval_sequences": len(held_out[0]),
-               "final_loss": histories[m.num_depths]["loss"][-1],
+    # per prompt set (task text, general instructions): the same held-out sequences Medusa's heads are scored on
+    sets = responses["prompt_set"].to_numpy()[eval_rows.numpy()] if "prompt_set" in responses else None
+    by_set = ({name: _chain_evaluation(_responses_of(acceptance[m.num_depths], torch.from_numpy(sets == name)))
+               for name in sorted(set(sets))} if sets is not None else {})
+    history = histories[m.num_depths]
+    metrics = {"num_train_sequences": len(train[0]), "num_validation_sequences": len(validation[0]),
+               "num_eval_sequences": len(held_out[0]), "final_loss": history["loss"][-1],
+               "optimizer_steps": len(history["loss"]), "best_epoch": history["best_epoch"][0],
+               "epochs_run": len(history["held_out_loss"]), "best_validation_loss": min(history["held_out_loss"]),
                **{f"held_out_{key}": value for key, value in evaluations[m.num_depths].items()},
+               **{f"held_out_{name}_{key}": value for name, evaluation in by_set.items()
+                  for key, value in evaluation.items()},
                **{f"ablation_k{k}_expected_tau{end}": evaluations[k][f"expected_tau{end}"] for k in depths
                   for end in ("", "_low", "_high")},
                "wall_seconds": time.perf_counter() - started}
-    curves = dict(histories[m.num_depths])
+    curves = {key: values for key, values in history.items() if key not in ("held_out_loss", "best_epoch")}
     return StageResult(metrics=metrics, curves=curves, tables={"mtp_ablation": out / "ablation.csv"},
                        artifacts={"mtp": out}, models={"mtp-module": out / "module"})
+
+
+def _responses_of(acceptance, mask: torch.Tensor):
+    """The counts of the held-out responses ``mask`` selects (:class:`models.mtp.training.ChainAcceptance`)."""
+    from models.mtp.training import ChainAcceptance
+
+    return ChainAcceptance(acceptance.hits[mask], acceptance.targets[mask], acceptance.accepted[mask],
+                           acceptance.positions[mask])
 
 
 def _chain_evaluation(acceptance) -> dict:
@@ -167,9 +192,10 @@ def _write_mtp(out: Path, module, evaluations: dict, histories: dict, ablation: 
                  reference_line=1.0)
 
 
-ROLLOUT_COLUMNS = ["variant", "steps", "tau_first", "tau_last", "tau_pooled", "acceptance_rate_pooled",
-                   "total_rollout_seconds", "rollout_speedup", "rollout_tokens_per_s", "ms_per_cycle", "break_even_tau",
-                   "reward_mean"]
+ROLLOUT_COLUMNS = ["variant", "steps", "nonzero_advantage_share", "tau_window", "tau_start", "tau_end",
+                   "tau_end_over_start", "tau_end_vs_frozen_mtp", "tau_pooled", "acceptance_rate_pooled",
+                   "tokens_per_forward", "total_rollout_seconds", "rollout_speedup", "rollout_tokens_per_s",
+                   "ms_per_cycle", "break_even_tau", "reward_mean"]
 JUDGED = ("reward", "accuracy")  # what the held-out greedy responses are judged by
 HELD_OUT_COLUMNS = [f"{key}_{when}" for key in JUDGED for when in ("before", "after", "change")]
 SUMMARY_COLUMNS = ROLLOUT_COLUMNS + HELD_OUT_COLUMNS
@@ -218,6 +244,36 @@ def _rl_prompts(cfg: Config, split: str) -> pd.DataFrame:
     return table
 
 
+def _spread_prompts(prompts: pd.DataFrame, scores: pd.DataFrame) -> pd.DataFrame:
+    """The ``prompts`` whose label-stage samples (``scores``: one row per sample, ``prompt_id`` and ``score``) did not
+    all score alike — for the verifiable labeler (score = correct) a pass rate strictly between 0 and 1 — so that a
+    group of their rollouts can carry a gradient. A prompt without scored samples is left out."""
+    ranges = scores.groupby("prompt_id")["score"].agg(["min", "max"])  # (prompts scored, 2)
+    spread = ranges.index[ranges["max"] > ranges["min"]]
+    return prompts[prompts["prompt_id"].isin(spread)].reset_index(drop=True)
+
+
+def _training_prompts(cfg: Config) -> tuple[pd.DataFrame, int, int]:
+    """The prompts of GRPO's steps: the rewardable training prompts that ``mtp_rl.prompt_filter`` keeps, shuffled by
+    the seed and cut to the steps' need; and how many it kept and dropped. Too few kept: an error naming the
+    filter."""
+    from foresight.storage import read_table
+
+    r = cfg.mtp_rl
+    rewardable = _rl_prompts(cfg, "train")
+    kept = (_spread_prompts(rewardable, read_table(cfg.path(cfg.paths.scores), "label-stage scores"))
+            if r.prompt_filter == "spread" else rewardable)
+    needed = r.steps * r.prompts_per_step
+    if len(kept) < needed:
+        raise ValueError(f"mtp_rl.prompt_filter {r.prompt_filter}: {len(kept)} of {len(rewardable)} training prompts "
+                         f"qualify, {r.steps} steps × {r.prompts_per_step} prompts need {needed}" +
+                         (" (spread: prompts whose label-stage samples did not all score alike; raise "
+                          "prompts.num_train or generate.num_samples, or set mtp_rl.prompt_filter: all)"
+                          if r.prompt_filter == "spread" else ""))
+    shuffled = kept.sample(frac=1.0, random_state=r.seed).reset_index(drop=True)
+    return shuffled.head(needed), len(kept), len(rewardable) - len(kept)
+
+
 def _scorer(label) -> str:
     """Which labeler scored, in words."""
     return "the verifiable answer check" if label.labeler == "verifiable" else f"{label.labeler} `{label.model}`"
@@ -245,8 +301,9 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     module_dir = cfg.path(cfg.paths.mtp_dir) / "module"
     # K is the saved module's (the one source of truth); reading it fails early, naming the missing stage
     num_depths = MTPModuleConfig.read(module_dir).num_depths
-    train_prompts = _rl_prompts(cfg, "train").sample(frac=1.0, random_state=r.seed).reset_index(drop=True)
-    train_prompts = train_prompts.head(r.steps * r.prompts_per_step)
+    train_prompts, kept, dropped = _training_prompts(cfg)
+    logger.info("mtp_rl.prompt_filter %s: %d training prompts kept, %d dropped; the steps use %d", r.prompt_filter,
+                kept, dropped, len(train_prompts))
     eval_prompts = _rl_prompts(cfg, "eval").head(r.eval_prompts)
     # The policy in its decoding dtype (bf16 on a CPU with bf16 units, as on a GPU), not float32 as the other
     # training stages load it on a CPU: most of GRPO's time is sampling, which runs in that dtype as an inference
@@ -293,8 +350,9 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
         module = MTPModule.load(module_dir, policy.model) if var.drafts else None
 
         def on_step(step: int, record: dict, name: str = name) -> None:
-            logger.info("%s step %d/%d: rollouts %.1f s, τ %.2f, α %.2f, reward %.2f", name, step, r.steps,
-                        record["rollout_seconds"], record["tau"], record["acceptance_rate"], record["reward"])
+            logger.info("%s step %d/%d: rollouts %.1f s, τ %.2f, α %.2f, reward %.2f, groups with mixed rewards "
+                        "%.2f", name, step, r.steps, record["rollout_seconds"], record["tau"],
+                        record["acceptance_rate"], record["reward"], record["nonzero_advantage_share"])
 
         histories[name] = train_variant(policy, module, var, rl_ids, train_prompts["question"].tolist(),
                                         reference_answers(train_prompts), labeler.score, training, weights, eos,
@@ -311,10 +369,10 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
         torch.cuda.empty_cache()
 
     rows = _summary(histories, {name: variant(name, training).drafts for name in histories}, before, after,
-                    r.adaptive)
+                    r.adaptive, r.tau_window)
     logger.info("\n%s", markdown_table(rows, SUMMARY_COLUMNS))
     out = cfg.path(cfg.paths.mtp_rl_dir)
-    report = _report(rows, curves_by_batch, cfg, len(eval_ids), num_depths)
+    report = _report(rows, curves_by_batch, cfg, len(eval_ids), num_depths, kept, dropped)
     if main:  # every process holds the same histories (gathered per step); one writes them
         with atomic_path(out) as tmp:
             tmp.mkdir(parents=True)
@@ -349,9 +407,10 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     metrics |= {f"{curve_name}_curve.{row['decoder']}.batch{row['batch']}.{column}": row[column]
                 for curve_name, curve_rows in curves_by_batch.items() for row in curve_rows
                 for key in CURVE_METRICS for column in (key, f"{key}_low", f"{key}_high") if column in row}
-    metrics["wall_seconds"] = time.perf_counter() - started
+    metrics |= {"rl_prompts_kept": kept, "rl_prompts_dropped": dropped, "wall_seconds": time.perf_counter() - started}
     curves = {f"{name}.{key}": [record[key] for record in history] for name, history in histories.items()
-              for key in ("tau", "acceptance_rate", "rollout_seconds", "reward_seconds", "reward")}
+              for key in ("tau", "acceptance_rate", "tokens_per_forward", "rollout_seconds", "reward_seconds",
+                          "reward", "nonzero_advantage_share")}
     return StageResult(metrics=metrics, curves=curves, tables={"mtp_rl_table": out / "table.csv"},
                        artifacts={"mtp_rl": out})
 
@@ -410,40 +469,67 @@ def _mtp_curves(cfg: Config, policy, module, train_prompts: list[list[int]], eva
 
 
 def _summary(histories: dict[str, list[dict]], drafting: dict[str, bool], before: dict[str, list[float]],
-             after: dict[str, dict[str, list[float]]], adaptive: bool) -> list[dict]:
-    """One row per variant, with 95 % intervals over its rollout batches (each step's ``rollouts``): τ and α pooled
-    over its draft cycles (``tau_first`` / ``tau_last``: the first and last step's τ; 1 and 0 for a variant that does
-    not draft); ``rollout_speedup``, its tokens/s over vanilla's, the batches paired by their place in the run (the
-    same prompts and sampling streams: the different samples of different policies, but of the same prompts), NaN
-    without vanilla; then the held-out columns (:func:`_held_out_columns`). ``adaptive``: the drafting variants
-    also took plain steps, which their rollout time includes and their cycle count does not, so a cycle's time (and
-    the break-even τ) cannot be told from the totals: NaN."""
-    units = {name: [rollout for record in history for rollout in record["rollouts"]]
-             for name, history in histories.items()}
+             after: dict[str, dict[str, list[float]]], adaptive: bool, tau_window: int) -> list[dict]:
+    """One row per variant, with 95 % intervals over its rollout batches (each step's ``rollouts``):
+    ``nonzero_advantage_share``, the mean over steps of the share of groups with mixed rewards (an interval over
+    steps); τ and α pooled over its draft cycles, and τ over the first and last ``tau_window`` steps (at most half
+    of them: ``tau_start`` / ``tau_end``), ``tau_end_over_start`` their ratio (the windows' batches paired by
+    place: independent draws, so this only keeps the resamples' sizes equal) and ``tau_end_vs_frozen_mtp`` the
+    ratio of ``tau_end`` to the frozen module's, the batches paired by their place in the run (NaN without
+    ``frozen_mtp``); 1 and 0 for a variant that does not draft; ``tokens_per_forward``: rollout tokens per policy
+    forward of a row (1 for plain sampling; above 1 only through accepted drafts); ``rollout_speedup``, its
+    tokens/s over vanilla's, the batches paired by their place in the run (the same prompts and sampling streams:
+    the different samples of different policies, but of the same prompts), NaN without vanilla; then the held-out
+    columns (:func:`_held_out_columns`). ``adaptive``: the drafting variants also took plain steps, which their
+    rollout time includes and their cycle count does not, so a cycle's time (and the break-even τ) cannot be told
+    from the totals: NaN."""
+    def units(history: list[dict]) -> list[dict]:
+        return [rollout for record in history for rollout in record["rollouts"]]
 
-    def column(name: str, key: str) -> list[float]:
-        return [rollout[key] for rollout in units[name]]
+    def column(rollouts: list[dict], key: str) -> list[float]:
+        return [rollout[key] for rollout in rollouts]
 
+    def tau(rollouts: list[dict]) -> statistics.Interval:
+        return statistics.ratio_of_sums(column(rollouts, "cycle_tokens"), column(rollouts, "cycles"))
+
+    def tau_ratio(rollouts: list[dict], reference: list[dict]) -> statistics.Interval:
+        return statistics.speedup(column(rollouts, "cycle_tokens"), column(rollouts, "cycles"),
+                                  column(reference, "cycle_tokens"), column(reference, "cycles"))
+
+    nan = statistics.Interval(math.nan, math.nan, math.nan, 0)
     vanilla = "vanilla" in histories
     vanilla_ms_per_token = (1000 * sum(h["rollout_seconds"] for h in histories["vanilla"])
                             / sum(h["rollout_tokens"] for h in histories["vanilla"]) if vanilla else math.nan)
     rows = []
     for name, history in histories.items():
+        window = max(1, min(tau_window, len(history) // 2))
+        every, start, end = units(history), units(history[:window]), units(history[-window:])
         seconds = sum(h["rollout_seconds"] for h in history)
         tokens = sum(h["rollout_tokens"] for h in history)
         ms_per_cycle = (math.nan if adaptive and drafting[name]
                         else 1000 * seconds / sum(h["cycles"] for h in history))
         if drafting[name]:
-            tau = statistics.ratio_of_sums(column(name, "cycle_tokens"), column(name, "cycles"))
-            alpha = statistics.ratio_of_sums(column(name, "accepted"), column(name, "drafted"))
+            taus = {"tau_pooled": tau(every), "tau_start": tau(start), "tau_end": tau(end),
+                    "tau_end_over_start": tau_ratio(end, start),
+                    "tau_end_vs_frozen_mtp": (tau_ratio(end, units(histories["frozen_mtp"][-window:]))
+                                              if "frozen_mtp" in histories else nan)}
+            alpha = statistics.ratio_of_sums(column(every, "accepted"), column(every, "drafted"))
         else:  # every token its own step
-            tau, alpha = (statistics.Interval(x, x, x, len(units[name])) for x in (1.0, 0.0))
-        speedup = (statistics.speedup(column(name, "tokens"), column(name, "seconds"), column("vanilla", "tokens"),
-                                      column("vanilla", "seconds")) if vanilla
-                   else statistics.Interval(math.nan, math.nan, math.nan, 0))
-        rows.append({"variant": name, "steps": len(history), "tau_first": history[0]["tau"],
-                     "tau_last": history[-1]["tau"], **statistics.interval_columns("tau_pooled", tau),
-                     **statistics.interval_columns("acceptance_rate_pooled", alpha), "total_rollout_seconds": seconds,
+            one = statistics.Interval(1.0, 1.0, 1.0, len(every))
+            taus = {"tau_pooled": one, "tau_start": one, "tau_end": one, "tau_end_over_start": one,
+                    "tau_end_vs_frozen_mtp": nan}
+            alpha = statistics.Interval(0.0, 0.0, 0.0, len(every))
+        speedup = (statistics.speedup(column(every, "tokens"), column(every, "seconds"),
+                                      column(units(histories["vanilla"]), "tokens"),
+                                      column(units(histories["vanilla"]), "seconds")) if vanilla else nan)
+        rows.append({"variant": name, "steps": len(history), "tau_window": window,
+                     **statistics.interval_columns("nonzero_advantage_share", statistics.mean_interval(
+                         [h["nonzero_advantage_share"] for h in history])),
+                     **_tau_columns(taus),
+                     **statistics.interval_columns("acceptance_rate_pooled", alpha),
+                     **statistics.interval_columns("tokens_per_forward", statistics.ratio_of_sums(
+                         column(every, "tokens"), column(every, "forwards"))),
+                     "total_rollout_seconds": seconds,
                      **statistics.interval_columns("rollout_speedup", speedup, reference=1.0),
                      "rollout_tokens_per_s": tokens / seconds, "ms_per_cycle": ms_per_cycle,
                      # the τ at which this variant's cycles would match vanilla's speed per token
@@ -451,6 +537,14 @@ def _summary(histories: dict[str, list[dict]], drafting: dict[str, bool], before
                      "reward_mean": sum(h["reward"] for h in history) / len(history),
                      **_held_out_columns(before, after[name])})
     return rows
+
+
+def _tau_columns(taus: dict[str, statistics.Interval]) -> dict:
+    """The τ figures' columns with their intervals; the ratios (``tau_end_*``) marked significant against 1."""
+    columns = {}
+    for key, interval in taus.items():
+        columns |= statistics.interval_columns(key, interval, reference=1.0 if key.startswith("tau_end_") else None)
+    return columns
 
 
 def _held_out_columns(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict:
@@ -471,16 +565,21 @@ def _held_out_columns(before: dict[str, list[float]], after: dict[str, list[floa
 
 
 def _plots(histories: dict[str, list[dict]], rows: list[dict], folder, scorer: str) -> None:
-    """Per-step curves of every variant, and the run's rollout speedup and τ per variant with their intervals."""
+    """Per-step curves of every variant, and per variant with their intervals: the rollout speedup beside the
+    tokens per target forward (does a speedup come from drafting?), τ over the first and last steps."""
     bar_plot({"rollout speedup vs vanilla": {row["variant"]: interval_bar(row, "rollout_speedup") for row in rows},
-              "τ": {row["variant"]: interval_bar(row, "tau_pooled") for row in rows}},
-             "GRPO variants: rollout tokens/s over vanilla's and τ (1 = no drafts)", "value", folder / "speedup.png",
-             reference_line=1.0)
+              "tokens per target forward": {row["variant"]: interval_bar(row, "tokens_per_forward") for row in rows},
+              "τ, first steps": {row["variant"]: interval_bar(row, "tau_start") for row in rows},
+              "τ, last steps": {row["variant"]: interval_bar(row, "tau_end") for row in rows}},
+             "GRPO variants: rollout tokens/s over vanilla's, tokens per forward, τ (1 = no drafts)", "value",
+             folder / "speedup.png", reference_line=1.0)
     drafting = {name: h for name, h in histories.items() if name != "vanilla"}
     for key, title, ylabel, which in (
             ("tau", "τ per RL step (tokens per draft–verify cycle, bonus included)", "τ", drafting),
             ("rollout_seconds", "Rollout wall time per RL step", "seconds", histories),
-            ("reward", f"Mean rollout reward per RL step ({scorer})", "reward", histories)):
+            ("reward", f"Mean rollout reward per RL step ({scorer})", "reward", histories),
+            ("nonzero_advantage_share", "Groups with mixed rewards (nonzero advantages) per RL step", "share",
+             histories)):
         if which:
             line_plot({name: ([h["step"] for h in history], [h[key] for h in history])
                        for name, history in which.items()}, title, "RL step", ylabel, folder / f"{key}.png")
@@ -495,20 +594,38 @@ def _reward_text(label) -> str:
             "(question, response), on prompts with or without a known answer.")
 
 
+def _prompts_text(prompt_filter: str, kept: int, dropped: int) -> str:
+    """Which training prompts the steps drew from, for the report."""
+    if prompt_filter == "all":
+        return f"Prompts: drawn from all {kept} rewardable training prompts (`mtp_rl.prompt_filter: all`). "
+    return (f"Prompts: drawn from the {kept} training prompts whose label-stage samples did not all score alike (a "
+            f"pass rate strictly between 0 and 1 for the verifiable check; `mtp_rl.prompt_filter: spread`), {dropped} "
+            "dropped: a group whose rollouts all score alike has zero advantages and gives no gradient. ")
+
+
 def _report(rows: list[dict], curves_by_batch: dict[str, list[dict]], cfg: Config, num_eval: int,
-            num_depths: int) -> str:
+            num_depths: int, kept: int, dropped: int) -> str:
     r = cfg.mtp_rl
     batch = r.rollout_batch_size or r.prompts_per_step * r.group_size
     lines = [
         "# GRPO with MTP-drafted rollouts (MTP-RL) and its baselines",
-        f"\n{r.steps} RL steps per variant; each step {r.prompts_per_step} prompt(s) × G = {r.group_size} rollouts at "
-        f"temperature {r.temperature}, max {r.max_new_tokens} new tokens, sampled in batches of {batch}. Rollouts of "
+        f"\n{r.steps} RL steps per variant at policy learning rate {r.learning_rate:g}; each step "
+        f"{r.prompts_per_step} prompt(s) × G = {r.group_size} rollouts at "
+        f"temperature {r.temperature}, max {r.max_new_tokens} new tokens, sampled in batches of {batch}. "
+        f"{_prompts_text(r.prompt_filter, kept, dropped)}"
+        "`nonzero_advantage_share` = the share of groups with mixed rewards (the others carry no gradient), mean "
+        "over steps. Rollouts of "
         f"the drafting variants use K = {num_depths} chained MTP drafts and batched speculative sampling (the same "
         "distribution as plain sampling, each rollout with its own seeded stream); vanilla samples with HF batched "
         f"`generate`. {_reward_text(cfg.label)} Rollout time is the sampling's, "
         "the scoring's apart (`reward_seconds` in `history.json`). "
-        "τ = tokens per draft–verify cycle, the bonus token included, over all of a variant's cycles (`tau_first` / "
-        "`tau_last`: its first and last step's); α = accepted share of draft tokens; speedup = the variant's rollout "
+        "τ = tokens per draft–verify cycle, the bonus token included, over all of a variant's cycles (`tau_pooled`), "
+        "over its first and last `tau_window` steps (`tau_start`, `tau_end`); `tau_end_over_start` = their ratio "
+        "(below 1: τ fell during RL); `tau_end_vs_frozen_mtp` = `tau_end` over the frozen module's, batch by batch "
+        "(above 1: training the module kept it closer to the policy). `tokens_per_forward` = rollout tokens per "
+        "policy forward of a row, plain steps included: 1 for plain sampling, so a speedup with "
+        "`tokens_per_forward` ≈ 1 does not come from drafting. α = accepted share of draft tokens; speedup = the "
+        "variant's rollout "
         "tokens/s over vanilla's (the paper divides rollout times; the variants' policies drift apart and sample "
         "responses of other lengths, so the rate is the fair comparison). `ms_per_cycle` = rollout time per "
         "draft–verify cycle (per token for vanilla); `break_even_tau` = the τ at which a variant's cycles would "
@@ -544,8 +661,8 @@ def _report(rows: list[dict], curves_by_batch: dict[str, list[dict]], cfg: Confi
              "streams (samples differ by design).\n"),
             markdown_table(curves_by_batch["rollout"], CURVE_COLUMNS),
         ]
-    lines.append("\nPlots: `speedup.png` (speedup and τ with intervals), `tau.png`, `rollout_seconds.png`, "
-                 "`reward.png`" + (", `speed_curve.png`" if curves_by_batch else "") + "; per-step and per-batch "
+    lines.append("\nPlots: `speedup.png` (speedup, tokens per forward, τ of the first and last steps with intervals), "
+                 "`tau.png`, `rollout_seconds.png`, `reward.png`, `nonzero_advantage_share.png`" + (", `speed_curve.png`" if curves_by_batch else "") + "; per-step and per-batch "
                  "numbers in "
                  "`history.json`.")
     return "\n".join(lines) + "\n"

@@ -14,9 +14,11 @@ docs/sla.md): the Reward Transformer's reward channel and its adapter baselines,
   policy greedy, temperature, top-p, top-k, beam search and SLA, for the DPO policy greedy and SLA
   (``sla_benchmark.dpo_decoders``), each policy with its own trained reward channel. Quality is judged by the
   configured labeler (win/tie/loss against base greedy, win rate = win + tie/2, mean reward, accuracy where
-  answers are known), plus the paper's extra row "DPO + SLA vs DPO + greedy". Speed is measured in the same
-  run at batch 1, every decoder in turn prompt by prompt: tokens/s and per-token latency relative to greedy,
-  and the reward channel's forward overhead. Every figure carries a 95 % interval (:mod:`foresight.statistics`)
+  answers are known), plus the paper's extra rows "DPO + SLA vs DPO + greedy". SLA runs at the paper's setting
+  (``sla``) and at ours (``sla_tuned``: the streaming setting of ``sla_benchmark.tuning_grid`` with the best win
+  rate on training prompts nothing trained on, never on the held-out ones), plus ours with the other leaf score
+  (the ablation). Speed is measured in the same run at batch 1, every decoder in turn prompt by prompt: tokens/s
+  and per-token latency relative to greedy, and the reward channel's forward overhead. Every figure carries a 95 % interval (:mod:`foresight.statistics`)
   and ``*`` where it differs significantly from its reference.
 """
 
@@ -102,6 +104,10 @@ def _metric_key(head_name: str) -> str:
     return head_name.replace("-", "")
 
 
+SPLIT_FILE = "split.json"
+"""In a reward folder: the prompt ids of the pairs the heads trained on (DPO trains on the same split) and held out."""
+
+
 @gpu_task("train-reward")
 def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageResult:
     """Train the reward channel and the adapter baselines on ``policy_source`` (``base`` or ``dpo``), jointly
@@ -109,13 +115,20 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
 
     Writes into ``out_dir``, all or nothing: one head folder per model (``channel/``, ``adapter-1/``, …,
     loadable with ``RewardTransformer.from_head``), ``curves.json`` (held-out metrics and the
-    token-level reward curve of each head), ``history.json`` (training losses), ``autrc.png``, ``loss.png``.
+    token-level reward curve of each head), ``history.json`` (training losses), ``split.json`` (the prompts
+    trained on and held out), ``autrc.png``, ``loss.png``. Beside the heads, the policy's own mean token log-prob
+    ranks the same held-out pairs (``pair_accuracy_logprob``): the baseline a reward head has to beat.
 
     Under ``accelerate launch`` every process runs this task: batches are split between them, each evaluates
     the (identical) trained heads, and only the main process writes.
     """
     from models.sla.config import RewardTraining
-    from models.sla.reward_training import evaluate_reward_heads, train_reward_heads
+    from models.sla.reward_training import (
+        evaluate_reward_heads,
+        pair_wins,
+        score_pairs_by_logprob,
+        train_reward_heads,
+    )
     from models.sla.reward_transformer import RewardHeadConfig
 
     logger = stage_logger()
@@ -173,8 +186,16 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
                     "* = differs from chance); %d params", name, cell(evaluation, "pair_accuracy"),
                     cell(evaluation, "autrc"), evaluation["num_pairs"], evaluation["num_prompts"],
                     metrics[f"{key}_params"])
+    # the ranker every head has to beat: the policy's own mean token log-prob, on the same held-out (on-policy) pairs
+    logprob_wins = pair_wins(score_pairs_by_logprob(policy.model, policy.tokenizer, held_out, training.max_length,
+                                                    training.batch_size))
+    logprob = with_intervals({"pair_accuracy": float(logprob_wins.mean()), "pair_correct": logprob_wins.tolist()},
+                             prompt_ids, {"pair_accuracy": "pair_correct"})
+    metrics |= _interval_metrics(logprob, "pair_accuracy", "pair_accuracy_logprob")
+    logger.info("the policy's mean token log-prob as the ranker: held-out pair accuracy %s",
+                cell(logprob, "pair_accuracy"))
     if accelerator.is_main_process:
-        _write_reward_heads(Path(out_dir), models, curves, histories)
+        _write_reward_heads(Path(out_dir), models, curves, histories, _prompt_split(train_pairs, held_out))
     accelerator.wait_for_everyone()  # no process returns before the folder is whole
     metrics["wall_seconds"] = time.perf_counter() - started
     # per head: the training loss by step, and the held-out token-level reward curve by point (AuTRC is its area)
@@ -186,13 +207,22 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
                        models={channel: Path(out_dir) / "channel"})
 
 
+def _prompt_split(train_pairs: pd.DataFrame, held_out: pd.DataFrame) -> dict[str, list[str]]:
+    """The prompts the heads trained on and those held out (``split.json``: the SLA benchmark never tunes on the
+    former)."""
+    return {"train_prompt_ids": sorted(set(train_pairs["prompt_id"])),
+            "held_out_prompt_ids": sorted(set(held_out["prompt_id"]))}
+
+
 def _write_reward_heads(out_dir: Path, models: dict, curves: dict[str, dict],
-                        histories: dict[str, dict[str, list[float]]]) -> None:
-    """One head folder per model, the curves, the histories and their plots into ``out_dir``, whole or not at all."""
+                        histories: dict[str, dict[str, list[float]]], split: dict[str, list[str]]) -> None:
+    """One head folder per model, the curves, the histories, the prompt split and the plots into ``out_dir``, whole
+    or not at all."""
     with atomic_path(out_dir) as tmp:
         tmp.mkdir(parents=True)
         for name, model in models.items():
             model.save_head(tmp / name)
+        (tmp / SPLIT_FILE).write_text(json.dumps(split, indent=2) + "\n")
         (tmp / "curves.json").write_text(json.dumps(curves, indent=2) + "\n")
         (tmp / "history.json").write_text(json.dumps(histories, indent=2) + "\n")
         plot_reward_curves(curves, tmp / "autrc.png")
@@ -250,7 +280,9 @@ def dpo_task(cfg: Config) -> StageResult:
 
 
 TABLE_COLUMNS = ["policy", "decoder", "versus", "win", "tie", "loss", "win_rate", "mean_reward", "accuracy",
-                 "tokens_per_s", "ms_per_token", "latency_vs_reference"]
+                 "truncated", "tokens_per_s", "ms_per_token", "latency_vs_reference"]
+TUNING_COLUMNS = ["decoder", "depth", "width", "step", "streaming", "chosen", "win", "tie", "loss", "win_rate",
+                  "accuracy", "truncated"]
 OVERHEAD_COLUMNS = ["policy", "forward", "repeats", "policy_ms", "reward_transformer_ms", "overhead"]
 
 
@@ -310,91 +342,185 @@ def forward_overhead(reward_model, input_ids: torch.Tensor, repeats: int, warm_u
 
 
 def _decode_all(cfg: Config, which: str, questions: list[str], decoders: list[str],
-                sla_settings: dict[str, SLASearch]) -> tuple[list[dict], dict]:
+                sla_settings: dict[str, SLASearch], untimed: frozenset[str] = frozenset()) -> tuple[list[dict], dict]:
     """Every decoder on every question for one policy (chat template of its own tokenizer); returns output
     records and speed stats: a timer per decoder and the reward channel's overhead.
 
     Each (decoder, prompt) is decoded once. The first ``sla_benchmark.speed_prompts`` prompts are decoded at
     batch 1 by greedy and the other ``sla_benchmark.timed_decoders`` in turn, prompt by prompt
     (:func:`interleaved_decoding`), and timed: speed ratios pair a decoder's call with greedy's on the same
-    prompt. The rest goes untimed: the classical decoders ``sla_benchmark.batch_size`` prompts at a time (all
-    at once would not fit at 8B: beam search holds ``num_beams`` rows per prompt), SLA as many prompts at a time,
-    their trees searched in lockstep (:func:`models.sla.search.sla_generate_batch`: k^d rows per prompt).
-    ``decoders``: the classical ones by name (greedy first), ``sla`` for ``sla_settings``.
+    prompt. The rest goes untimed, in batches (:func:`_decode_batched`). ``decoders``: the classical ones by name
+    (greedy first), ``sla`` for ``sla_settings``; the SLA settings named in ``untimed`` (an ablation) are not timed.
     """
-    from models.common.sequences import padding_id
-    from models.engine.config import ClassicalDecoding
-    from models.engine.decoding import generate_kwargs, hf_decode
-    from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
-    from models.sla.search import sla_generate, sla_generate_batch
+    from models.engine.generation import end_token_ids
+    from models.sla.search import sla_generate
 
     b = cfg.sla_benchmark
-    classical = component(ClassicalDecoding, b)
     policy, reward_model = _load(cfg, which)
     eos = end_token_ids(policy)
-    prompt_ids = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt)]
-    plain = [ids[0].tolist() for ids in prompt_ids]
-    hf_decoders = [d for d in decoders if d != "sla"]
+    prompt_ids = _prompt_ids(cfg, policy, questions)
     names = [name for d in decoders for name in (sla_settings if d == "sla" else [d])]
-    timed_names = [name for name in names if name == "greedy"
-                   or ("sla" if name in sla_settings else name) in b.timed_decoders]
+    timed_names = [name for name in names if name == "greedy" or (
+        name not in untimed and ("sla" if name in sla_settings else name) in b.timed_decoders)]
     speed_prompts = min(b.speed_prompts, len(prompt_ids))
 
     def decode(decoder: str, i: int, max_new_tokens: int) -> tuple[list[int], None]:
         if decoder in sla_settings:
             return sla_generate(reward_model, prompt_ids[i], sla_settings[decoder], max_new_tokens, eos)[0], None
-        (tokens,) = hf_decode(policy, [plain[i]], generate_kwargs(decoder, classical), max_new_tokens, eos,
-                              batch_size=1, seed=b.seed + i)
+        (tokens,) = _decode_batched(cfg, policy, reward_model, prompt_ids[i:i + 1], decoder, None, b.seed + i,
+                                    max_new_tokens, batch_size=1)
         return tokens, None
 
     timers, timed = interleaved_decoding(timed_names, range(speed_prompts), decode, b.max_new_tokens,
                                          f"{which} timed")
     outputs = {(r["decoder"], r["prompt_index"]): r["tokens"] for r in timed}
-    untimed_from = {name: speed_prompts if name in timed_names else 0 for name in names}  # first untimed prompt
-    for decoder in hf_decoders:
-        start = untimed_from[decoder]
-        batched = hf_decode(policy, plain[start:], generate_kwargs(decoder, classical), b.max_new_tokens, eos,
-                            batch_size=b.batch_size, seed=b.seed + start) if start < len(plain) else []
-        outputs |= {(decoder, start + i): tokens for i, tokens in enumerate(batched)}
-    for name, setting in sla_settings.items():
-        untimed = list(range(untimed_from[name], len(prompt_ids)))
-        with tqdm(total=len(untimed), desc=f"{which} {name}", unit="prompt") as progress:
-            for start in range(0, len(untimed), b.batch_size):
-                batch = untimed[start:start + b.batch_size]
-                responses = sla_generate_batch(reward_model, [prompt_ids[i] for i in batch], setting, b.max_new_tokens,
-                                               eos, padding_id(policy.tokenizer))
-                outputs |= {(name, i): tokens for i, tokens in zip(batch, responses, strict=True)}
-                progress.update(len(batch))
+    decoded: dict[tuple[SLASearch, int], str] = {}  # (SLA setting, first prompt) → the name it was decoded under
+    for name in names:
+        start = speed_prompts if name in timed_names else 0  # the first prompt not decoded yet
+        setting = sla_settings.get(name)
+        if (setting, start) in decoded:  # the tuned setting may be the paper's: the search is deterministic
+            outputs |= {(name, i): outputs[(decoded[(setting, start)], i)] for i in range(start, len(prompt_ids))}
+            continue
+        batched = _decode_batched(cfg, policy, reward_model, prompt_ids[start:], name, setting, b.seed + start,
+                                  b.max_new_tokens, desc=f"{which} {name}")
+        outputs |= {(name, start + i): tokens for i, tokens in enumerate(batched)}
+        if setting is not None:
+            decoded[(setting, start)] = name
     records = [{"policy": which, "decoder": name, "prompt_index": i,
                 "timed": name in timed_names and i < speed_prompts,
-                "new_tokens": len(outputs[(name, i)]),
-                "response": policy.tokenizer.decode(outputs[(name, i)], skip_special_tokens=True).strip()}
+                **_output_columns(policy.tokenizer, outputs[(name, i)], eos, b.max_new_tokens)}
                for name in names for i in range(len(prompt_ids))]
     # the prefill's overhead on the base policy only: both share the architecture, and it costs 4× the decode step's
     overhead = forward_overhead(reward_model, prompt_ids[0], b.overhead_repeats, prefill=which == "base")
     return records, {"timers": timers, "overhead": overhead}
 
 
+def _prompt_ids(cfg: Config, policy, questions: list[str]) -> list[torch.Tensor]:
+    """The questions in the policy's chat template, (1, T_p) token ids each."""
+    from models.engine.generation import chat_prompts, encode_prompt
+
+    return [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt)]
+
+
+def _output_columns(tokenizer, tokens: list[int], eos: set[int], max_new_tokens: int) -> dict:
+    """An output record's ``new_tokens``, ``truncated`` (cut at ``max_new_tokens`` before an end token) and the decoded
+    ``response``."""
+    return {"new_tokens": len(tokens), "truncated": len(tokens) >= max_new_tokens and tokens[-1] not in eos,
+            "response": tokenizer.decode(tokens, skip_special_tokens=True).strip()}
+
+
+def _decode_batched(cfg: Config, policy, reward_model, prompt_ids: list[torch.Tensor], name: str,
+                    setting: SLASearch | None, seed: int, max_new_tokens: int, batch_size: int | None = None,
+                    desc: str | None = None) -> list[list[int]]:
+    """The prompts decoded ``batch_size`` (default ``sla_benchmark.batch_size``) at a time: by the classical decoder
+    ``name`` (beam search holds ``num_beams`` rows per prompt; a sampling decoder seeds batch j with ``seed + j``),
+    or by SLA with ``setting``, the batch's trees searched in lockstep (:func:`models.sla.search.sla_generate_batch`:
+    k^d rows per prompt). ``desc``: show a progress bar of SLA's batches."""
+    from models.common.sequences import padding_id
+    from models.engine.config import ClassicalDecoding
+    from models.engine.decoding import generate_kwargs, hf_decode
+    from models.engine.generation import end_token_ids
+    from models.sla.search import sla_generate_batch
+
+    b = cfg.sla_benchmark
+    batch_size = batch_size or b.batch_size
+    eos = end_token_ids(policy)
+    if not prompt_ids:
+        return []
+    if setting is None:
+        return hf_decode(policy, [ids[0].tolist() for ids in prompt_ids],
+                         generate_kwargs(name, component(ClassicalDecoding, b)), max_new_tokens, eos,
+                         batch_size=batch_size, seed=seed)
+    responses: list[list[int]] = []
+    with tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=desc is None) as progress:
+        for start in range(0, len(prompt_ids), batch_size):
+            batch = prompt_ids[start:start + batch_size]
+            responses += sla_generate_batch(reward_model, batch, setting, max_new_tokens, eos,
+                                            padding_id(policy.tokenizer))
+            progress.update(len(batch))
+    return responses
+
+
+def setting_name(setting: SLASearch) -> str:
+    """``sla_d2_k2_n10``: an SLA setting's decoder name in sweeps and the tuning table."""
+    return f"sla_d{setting.depth}_k{setting.width}_n{setting.step}"
+
+
 def _sla_settings(cfg: Config) -> dict[str, SLASearch]:
-    """The main SLA setting plus the optional sweep (Figure 3: vary one of d, k, n at a time)."""
+    """The paper's setting (``sla``) plus the optional sweep (Figure 3: vary one of d, k, n at a time)."""
     main = component(SLASearch, cfg.sla)
     settings = {"sla": main} if "sla" in cfg.sla_benchmark.decoders else {}
     for field, values in (("depth", cfg.sla_benchmark.sweep_depth), ("width", cfg.sla_benchmark.sweep_width),
                           ("step", cfg.sla_benchmark.sweep_step)):
         for value in values:
             variant = replace(main, **{field: value})
-            settings[f"sla_d{variant.depth}_k{variant.width}_n{variant.step}"] = variant
+            settings[setting_name(variant)] = variant
     return settings
+
+
+def tuning_split(train: pd.DataFrame, held_out: pd.DataFrame, trained_on: set[str], count: int) -> pd.DataFrame:
+    """The SLA tuning prompts: the first ``count`` training prompts that nothing trained on (not in ``trained_on``, the
+    prompts of the reward heads' and DPO's training pairs) and that share no question with the ``held_out`` prompts."""
+    unseen = ~train["prompt_id"].isin(trained_on) & ~train["question"].isin(set(held_out["question"]))
+    return train[unseen].head(count).reset_index(drop=True)
+
+
+def choose_setting(rows: list[dict], settings: dict[str, SLASearch], max_step: int) -> str:
+    """The name of the best streaming setting on the tuning split: of the ``settings`` with step n ≤ ``max_step``, the
+    highest win rate against greedy (``rows``: one per decoder, as :func:`_table` gives them), then the highest
+    accuracy (unknown answers count as equal); ties go to the first in grid order."""
+    eligible = [r for r in rows if r["decoder"] in settings and settings[r["decoder"]].step <= max_step]
+    if not eligible:
+        raise ValueError(f"no SLA setting with step ≤ {max_step} to choose from")
+    return max(eligible, key=lambda r: (r["win_rate"], np.nan_to_num(r.get("accuracy", np.nan), nan=0.0)))["decoder"]
+
+
+def _tune(cfg: Config, held_out: pd.DataFrame) -> tuple[SLASearch, list[dict], pd.DataFrame]:
+    """Decode the tuning split (:func:`tuning_split`) with base greedy and every ``sla_benchmark.tuning_grid`` setting
+    (untimed, batched); return the chosen setting (:func:`choose_setting`), the tuning table (one row per decoder
+    with its win rate against greedy and accuracy, 95 % intervals over the tuning prompts, d, k, n, whether it
+    could be chosen, ``streaming``, and whether it was, ``chosen``) and the scored tuning outputs."""
+    from models.engine.generation import end_token_ids
+
+    b = cfg.sla_benchmark
+    split_path = cfg.path(cfg.paths.reward_dir) / "base" / SPLIT_FILE
+    if not split_path.is_file():
+        raise FileNotFoundError(f"{split_path} is missing (written before SLA tuning existed): re-run train_reward, "
+                                "or set sla_benchmark.tuning_prompts: 0")
+    split = json.loads(split_path.read_text())
+    prompts = tuning_split(read_prompts(cfg, "train"), held_out, set(split["train_prompt_ids"]), b.tuning_prompts)
+    if prompts.empty:
+        raise ValueError("no tuning prompts: every training prompt was trained on; raise prompts.num_train")
+    grid = {setting_name(s): s for s in (replace(component(SLASearch, cfg.sla), depth=d, width=k, step=n)
+                                         for d, k, n in b.tuning_grid)}
+    policy, reward_model = _load(cfg, "base")
+    eos = end_token_ids(policy)
+    prompt_ids = _prompt_ids(cfg, policy, prompts["question"].tolist())
+    records = [{"policy": "base", "decoder": name, "prompt_index": i,
+                **_output_columns(policy.tokenizer, tokens, eos, b.max_new_tokens)}
+               for name, setting in {"greedy": None, **grid}.items()
+               for i, tokens in enumerate(_decode_batched(cfg, policy, reward_model, prompt_ids, name, setting, b.seed,
+                                                          b.max_new_tokens, desc=f"tuning {name}"))]
+    outputs = _scored(pd.DataFrame(records), prompts, cfg)
+    rows = _table(outputs, {"base": {"timers": {}}})
+    chosen = choose_setting(rows, grid, b.tuning_max_step)
+    for row in rows:
+        setting = grid.get(row["decoder"])
+        row |= {"num_prompts": len(prompts), "depth": setting and setting.depth, "width": setting and setting.width,
+                "step": setting and setting.step, "streaming": bool(setting) and setting.step <= b.tuning_max_step,
+                "chosen": row["decoder"] == chosen}
+    return grid[chosen], rows, outputs
 
 
 def _quality(group: pd.DataFrame, versus: pd.DataFrame) -> dict:
     """Win/tie/loss and win rate against ``versus`` (the same prompts, in the same order), mean reward and
     accuracy, each with its 95 % interval over the prompts; ``*_significant`` where the paired difference from
-    ``versus`` excludes 0 (the win rate's: where it excludes 0.5)."""
+    ``versus`` excludes 0 (the win rate's: where it excludes 0.5); the share of outputs cut at the token limit."""
     scores, reference = group["score"].to_numpy(float), versus["score"].to_numpy(float)
     row = {**win_tie_loss(scores, reference), **statistics.interval_columns("mean_reward",
                                                                              statistics.mean_interval(scores)),
-           "mean_reward_significant": statistics.paired_difference(scores, reference).excludes(0.0)}
+           "mean_reward_significant": statistics.paired_difference(scores, reference).excludes(0.0),
+           "truncated": float(group["truncated"].mean())}
     if not (group["correct"].notna().all() and versus["correct"].notna().all()):
         return row | {"accuracy": float("nan")}  # answers unknown (a reward-model labeler on open prompts)
     correct, reference_correct = group["correct"].to_numpy(float), versus["correct"].to_numpy(float)
@@ -403,13 +529,13 @@ def _quality(group: pd.DataFrame, versus: pd.DataFrame) -> dict:
 
 
 def _table(outputs: pd.DataFrame, speed: dict) -> list[dict]:
-    """Table 1: each (policy, decoder) against base greedy, plus DPO+SLA against DPO+greedy. Speed ratios are
-    to greedy on the same policy."""
+    """Table 1: each (policy, decoder) against base greedy, plus each DPO + SLA decoder against DPO + greedy. Speed
+    ratios are to greedy on the same policy."""
     by = {key: group.sort_values("prompt_index") for key, group in outputs.groupby(["policy", "decoder"], sort=False)}
     rows = []
     comparisons = [(p, d, ("base", "greedy")) for (p, d) in by]
-    if ("dpo", "sla") in by and ("dpo", "greedy") in by:
-        comparisons.append(("dpo", "sla", ("dpo", "greedy")))
+    if ("dpo", "greedy") in by:
+        comparisons += [("dpo", d, ("dpo", "greedy")) for (p, d) in by if p == "dpo" and d.startswith("sla")]
     for policy, decoder, versus in comparisons:
         row = {"policy": policy, "decoder": decoder, "versus": "+".join(versus), **_quality(by[(policy, decoder)],
                                                                                              by[versus])}
@@ -420,10 +546,25 @@ def _table(outputs: pd.DataFrame, speed: dict) -> list[dict]:
     return rows
 
 
+TUNED = "sla_tuned"
+"""Decoder name of SLA at the setting chosen on the tuning split (ours); ``sla`` is the paper's setting."""
+
+
+def _tuned_settings(tuned: SLASearch, ablation: bool) -> dict[str, SLASearch]:
+    """``sla_tuned`` and, with ``ablation``, the same setting with the other leaf scoring (``sla_tuned_last`` when
+    the leaf score is the mean, else ``sla_tuned_mean``)."""
+    settings = {TUNED: tuned}
+    if ablation:
+        other = "last" if tuned.leaf_score == "mean" else "mean"
+        settings[f"{TUNED}_{other}"] = replace(tuned, leaf_score=other)
+    return settings
+
+
 @gpu_task("benchmark-sla")
 def benchmark_sla_task(cfg: Config) -> StageResult:
-    """Decode the held-out prompts with every decoder for the base policy and with ``sla_benchmark.dpo_decoders``
-    for the DPO policy; score; compare, with 95 % intervals."""
+    """Tune SLA's setting on training prompts nothing trained on, then decode the held-out prompts with every decoder
+    for the base policy and with ``sla_benchmark.dpo_decoders`` for the DPO policy (SLA at the paper's setting and
+    at the tuned one); score; compare, with 95 % intervals."""
     logger = stage_logger()
     started = time.perf_counter()
     b = cfg.sla_benchmark
@@ -432,18 +573,32 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
         raise ValueError("no held-out prompts: set prompts.num_eval > 0")
     questions = held_out["question"].tolist()
     settings = _sla_settings(cfg)
+    sweep = [name for name in settings if name != "sla"]
+    tuning_rows, tuning_outputs, tuned = [], None, {}
+    if "sla" in b.decoders and b.tuning_prompts > 0:
+        tuning_started = time.perf_counter()
+        chosen, tuning_rows, tuning_outputs = _tune(cfg, held_out)
+        tuned = _tuned_settings(chosen, b.leaf_score_ablation)
+        logger.info("SLA tuning on %d training prompts (%.0f s), chosen %s:\n%s", tuning_rows[0]["num_prompts"],
+                    time.perf_counter() - tuning_started, setting_name(chosen),
+                    markdown_table(tuning_rows, TUNING_COLUMNS))
     records, speed = [], {}
     for which in ("base", "dpo"):
         decoders = ["greedy", *(d for d in b.decoders if d != "greedy" and (which == "base" or d in b.dpo_decoders))]
         logger.info("decoding %d held-out prompts with the %s policy: %s", len(questions), which, ", ".join(decoders))
-        policy_records, speed[which] = _decode_all(cfg, which, questions, decoders, settings if which == "base" else
-                                                   {k: v for k, v in settings.items() if k == "sla"})
+        policy_settings = settings | tuned if which == "base" else {
+            k: v for k, v in (settings | tuned).items() if k in ("sla", TUNED)}
+        policy_records, speed[which] = _decode_all(cfg, which, questions, decoders, policy_settings,
+                                                   untimed=frozenset(tuned) - {TUNED})
         records += policy_records
     outputs = _scored(pd.DataFrame(records), held_out, cfg)
-    rows = _table(outputs[~outputs["decoder"].str.startswith("sla_")], speed)
-    sweep_rows = _table(outputs[outputs["policy"] == "base"], speed) if len(settings) > 1 else []
-    out_dir = _write_benchmark(cfg, outputs, rows, sweep_rows, speed)
-    metrics = _metrics(rows, speed)
+    ranking = _onpolicy_ranking(cfg, outputs, questions)
+    logger.info("on-policy ranking of the base decoders' (correct, incorrect) outputs: %s", json.dumps(ranking))
+    rows = _table(outputs[~outputs["decoder"].isin(sweep)], speed)
+    sweep_rows = _table(outputs[(outputs["policy"] == "base") & ~outputs["decoder"].isin(list(tuned))], speed) \
+        if sweep else []
+    out_dir = _write_benchmark(cfg, outputs, rows, sweep_rows, tuning_rows, tuning_outputs, speed)
+    metrics = _metrics(rows, speed) | _tuning_metrics(tuning_rows, tuned.get(TUNED)) | ranking
     metrics["benchmark_seconds"] = time.perf_counter() - started
     logger.info("\n%s", markdown_table(rows, TABLE_COLUMNS))
     logger.info("reward channel overhead:\n%s", markdown_table(_overhead_rows(speed), OVERHEAD_COLUMNS))
@@ -454,13 +609,51 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
     return StageResult(metrics=metrics, tables={"sla_table": out_dir / "table.csv"}, artifacts={"benchmark": out_dir})
 
 
+def onpolicy_pairs(outputs: pd.DataFrame, prompts: list[str]) -> pd.DataFrame:
+    """Every (correct, incorrect) pair of distinct responses the base policy's decoders gave one held-out prompt:
+    the candidates a search has to choose between (``prompts``: the templated prompt of each prompt index)."""
+    base = outputs[(outputs["policy"] == "base") & outputs["correct"].notna()].drop_duplicates(["prompt_index",
+                                                                                               "response"])
+    rows = [{"prompt_id": right["prompt_id"], "prompt": prompts[right["prompt_index"]], "chosen": right["response"],
+             "rejected": wrong["response"]}
+            for _, group in base.groupby("prompt_index")
+            for _, right in group[group["correct"].astype(bool)].iterrows()
+            for _, wrong in group[~group["correct"].astype(bool)].iterrows()]
+    return pd.DataFrame(rows, columns=["prompt_id", "prompt", "chosen", "rejected"])
+
+
+def _onpolicy_ranking(cfg: Config, outputs: pd.DataFrame, questions: list[str]) -> dict:
+    """How often the reward channel ranks the correct one of the base decoders' (correct, incorrect) outputs first
+    (by eq. 17's mean token reward), against the policy's own mean token log-prob as the ranker: the choice SLA's
+    search faces, measured on the benchmark's outputs (a diagnostic: it chooses nothing). Intervals resample
+    prompts. ``onpolicy_*``; none without known answers."""
+    from models.engine.generation import chat_prompts
+    from models.sla.reward_training import pair_wins, score_pairs, score_pairs_by_logprob
+
+    policy, reward_model = _load(cfg, "base")
+    pairs = onpolicy_pairs(outputs, chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt))
+    if pairs.empty:
+        return {"onpolicy_pairs": 0}
+    # nothing cut: the longest prompt, the longest output (+ 16: decoded text may re-tokenize a little longer) and
+    # the end token the pair tokenizer appends
+    max_length = (max(len(policy.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in pairs["prompt"])
+                  + cfg.sla_benchmark.max_new_tokens + 16 + 1)
+    metrics = {"onpolicy_pairs": len(pairs), "onpolicy_prompts": pairs["prompt_id"].nunique()}
+    for ranker, scored in (("channel", score_pairs(reward_model, policy.tokenizer, pairs, max_length)),
+                           ("logprob", score_pairs_by_logprob(policy.model, policy.tokenizer, pairs, max_length))):
+        interval = statistics.clustered_mean_interval(pair_wins(scored), pairs["prompt_id"])
+        metrics |= statistics.interval_columns(f"onpolicy_accuracy_{ranker}", interval, reference=0.5)
+    return metrics
+
+
 def _scored(outputs: pd.DataFrame, held_out: pd.DataFrame, cfg: Config) -> pd.DataFrame:
-    """The decoded outputs with their question, known answer, the labeler's score and correctness."""
+    """The decoded outputs with their prompt id, question, known answer, the labeler's score and correctness."""
     from models.labeling.answers import is_correct
     from models.labeling.config import LabelerSpec
     from models.labeling.labelers import build_labeler
 
     answers = reference_answers(held_out)
+    outputs["prompt_id"] = [held_out["prompt_id"].iloc[i] for i in outputs["prompt_index"]]
     outputs["question"] = [held_out["question"].iloc[i] for i in outputs["prompt_index"]]
     outputs["answer"] = [answers[i] for i in outputs["prompt_index"]]
     labeler = build_labeler(component(LabelerSpec, cfg.label))
@@ -472,14 +665,17 @@ def _scored(outputs: pd.DataFrame, held_out: pd.DataFrame, cfg: Config) -> pd.Da
 
 
 def _write_benchmark(cfg: Config, outputs: pd.DataFrame, rows: list[dict], sweep_rows: list[dict],
-                     speed: dict) -> Path:
-    """Outputs, table, plots and report into ``benchmarks_dir/sla``, whole or not at all; returns the folder."""
+                     tuning_rows: list[dict], tuning_outputs: pd.DataFrame | None, speed: dict) -> Path:
+    """Outputs, tables, plots and report into ``benchmarks_dir/sla``, whole or not at all; returns the folder."""
     out_dir = cfg.path(cfg.paths.benchmarks_dir) / "sla"
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         write_table(outputs, tmp / "outputs.parquet")
         write_table(pd.DataFrame(rows), tmp / "table.csv")
         write_table(pd.DataFrame(_overhead_rows(speed)), tmp / "overhead.csv")
+        if tuning_outputs is not None:
+            write_table(pd.DataFrame(tuning_rows), tmp / "tuning.csv")
+            write_table(tuning_outputs, tmp / "tuning_outputs.parquet")
         bar_plot({p: {r["decoder"]: interval_bar(r, "win_rate") for r in rows
                       if r["policy"] == p and r["versus"] == "base+greedy"} for p in ("base", "dpo")},
                  "Win rate against base greedy (win + tie/2)", "win rate", tmp / "win_rate.png", reference_line=0.5)
@@ -491,7 +687,8 @@ def _write_benchmark(cfg: Config, outputs: pd.DataFrame, rows: list[dict], sweep
             bar_plot({"base": {r["decoder"]: interval_bar(r, "win_rate") for r in sweep_rows
                                if r["decoder"].startswith("sla")}},
                      "SLA settings (Figure 3): win rate against greedy", "win rate", tmp / "sweep.png", 0.5)
-        (tmp / "report.md").write_text(_report(rows, sweep_rows, speed, outputs["prompt_index"].nunique(), cfg))
+        (tmp / "report.md").write_text(_report(rows, sweep_rows, tuning_rows, speed,
+                                               outputs["prompt_index"].nunique(), cfg))
     return out_dir
 
 
@@ -507,6 +704,7 @@ def _metrics(rows: list[dict], speed: dict) -> dict:
         key = f"{r['policy']}_{r['decoder']}" + ("_vs_dpo_greedy" if r["versus"] == "dpo+greedy" else "")
         for column in ("win_rate", "mean_reward", "accuracy"):
             metrics |= _interval_metrics(r, column, f"{key}.{column}")
+        metrics[f"{key}.truncated"] = r["truncated"]
         if "latency_vs_reference" in r:
             metrics |= _interval_metrics(r, "latency_vs_reference", f"{key}.latency_vs_greedy")
     for which, s in speed.items():
@@ -517,14 +715,34 @@ def _metrics(rows: list[dict], speed: dict) -> dict:
     return metrics
 
 
-def _report(rows: list[dict], sweep_rows: list[dict], speed: dict, num_prompts: int, cfg: Config) -> str:
-    """report.md: the table, the overhead, the sweep, and what the intervals and ``*`` mean."""
+def _tuning_metrics(tuning_rows: list[dict], tuned: SLASearch | None) -> dict:
+    """The tuning table as flat metrics (``tuning_<decoder>.win_rate`` / ``.accuracy`` with their intervals) and the
+    chosen setting (``sla_tuned.depth`` / ``.width`` / ``.step``); nothing without tuning."""
+    if tuned is None:
+        return {}
+    metrics = {"tuning.num_prompts": tuning_rows[0]["num_prompts"], "sla_tuned.depth": tuned.depth,
+               "sla_tuned.width": tuned.width, "sla_tuned.step": tuned.step}
+    for r in tuning_rows:
+        for column in ("win_rate", "accuracy"):
+            metrics |= _interval_metrics(r, column, f"tuning_{r['decoder']}.{column}")
+    return metrics
+
+
+def _report(rows: list[dict], sweep_rows: list[dict], tuning_rows: list[dict], speed: dict, num_prompts: int,
+            cfg: Config) -> str:
+    """report.md: the table, the tuning table, the overhead, the sweep, and what the intervals and ``*`` mean."""
     s, b = cfg.sla, cfg.sla_benchmark
     overhead = speed["base"]["overhead"][0]
+    chosen = next((r for r in tuning_rows if r["chosen"]), None)
     lines = [
         "# SLA benchmark (the shape of the SLA paper's Table 1)",
-        (f"\nLabeler `{cfg.label.labeler}`, SLA(d={s.depth}, k={s.width}, n={s.step}), at most {b.max_new_tokens} "
-         "new tokens. Win rate = win + tie/2 against the row's reference (`versus`).\n"),
+        (f"\nLabeler `{cfg.label.labeler}`, at most {b.max_new_tokens} new tokens. `sla`: the paper's setting "
+         f"SLA(d={s.depth}, k={s.width}, n={s.step}), leaf score `{s.leaf_score}`"
+         + (f"; `{TUNED}` (ours): SLA(d={chosen['depth']}, k={chosen['width']}, n={chosen['step']}), chosen on "
+            f"{chosen['num_prompts']} training prompts nothing trained on (below); `{TUNED}_<leaf score>`: the same "
+            "setting with the other leaf score (the ablation)" if chosen else "")
+         + ". Win rate = win + tie/2 against the row's reference (`versus`); `truncated`: the share of outputs cut "
+         "at the token limit.\n"),
         ("Figures come with their 95 % confidence intervals, `value [low, high]` (percentile bootstrap, scipy). "
          f"Quality (win/tie/loss, win rate, mean reward, accuracy) rests on {num_prompts} held-out prompts; speed "
          f"(tokens/s, ms/token, latency relative to greedy on the same policy) on the first "
@@ -542,6 +760,13 @@ def _report(rows: list[dict], sweep_rows: list[dict], speed: dict, num_prompts: 
          "forward (prefill); mean times; overhead = mean(joint) / mean(policy) − 1.\n"),
         markdown_table(_overhead_rows(speed), OVERHEAD_COLUMNS),
     ]
+    if tuning_rows:
+        lines += ["\n## SLA tuning (base policy, against base greedy, on the tuning prompts)\n",
+                  (f"{chosen['num_prompts']} training prompts that neither the reward channel nor DPO trained on and "
+                   "that no held-out prompt shares; `sla_tuned` is the `streaming` setting "
+                   f"(n ≤ {b.tuning_max_step}) with the highest win rate here (then accuracy; ties to the first in the "
+                   "grid). The held-out prompts play no part in the choice.\n"),
+                  markdown_table(tuning_rows, TUNING_COLUMNS)]
     if sweep_rows:
         lines += ["\n## SLA sweep (base policy, against base greedy)\n",
                   markdown_table([r for r in sweep_rows if r["decoder"].startswith("sla")], TABLE_COLUMNS)]

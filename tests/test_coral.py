@@ -44,10 +44,14 @@ from models.coral.target_aware import (
     weighted_offset_loss,
 )
 from models.coral.training import (
+    HELD_OUT_KEY,
+    coral_step_loss,
     corrupt_batch,
+    evaluated_offsets,
     offset_hits,
     stage_parameters,
     train_coral,
+    trunk_cache,
 )
 from models.engine.config import PolicySpec
 from models.engine.policy import load_pretrained
@@ -274,7 +278,8 @@ def test_verification_scores_are_eq6_eq7_eq8_by_hand():
         (2, 0): [0.1, 0.1, 0.8],  # p(y2 | ≤ 2)          backward δ = 0 for node 2
     }
     forward = _synthetic_forward(tree, tokens, offsets, table)
-    score, confidences = _path_scores(forward, [0, 1, 2], settings)
+    score, confidences, next_token = _path_scores(forward, [0, 1, 2], settings)
+    assert next_token == pytest.approx([0.8, 0.7])
     lam = {1: 1.0, 0: 0.5, -1: 0.25, 2: 0.5}
     v1 = (lam[1] * math.log(0.8) + lam[0] * math.log(0.6) + lam[-1] * math.log(0.5)) / (1 + 0.5 + 0.25)
     v2 = (lam[1] * math.log(0.7) + lam[0] * math.log(0.8)) / 1.5
@@ -289,6 +294,28 @@ def test_verification_scores_are_eq6_eq7_eq8_by_hand():
     c1 = sum(passes(table[k], 1) for k in ((0, 1), (1, 0), (2, -1))) / 3  # k_b + 2 = 3 dependencies
     c2 = sum(passes(table[k], 2) for k in ((1, 1), (2, 0))) / 3
     assert confidences == pytest.approx([c1, c2])
+    # over the dependencies the path supplies: node 2, the block's last, has 2 (next-token, itself), not k_b + 2
+    _, available, _ = _path_scores(forward, [0, 1, 2], replace(settings, confidence_over="available"))
+    assert available == pytest.approx([c1, c2 * 3 / 2])
+
+
+def test_next_token_probability_accepts_what_eq8_alone_rejects():
+    """Every backward prediction against the block (eq. 8 scores 1/3 of the votes at most) while the next-token
+    predictions are sure: eq. 8 alone (the paper's Algorithm 1) accepts the first token in about a third of the
+    draws and both in about a ninth; with ``accept_next_token`` (COrAL's code) both are always accepted."""
+    from models.coral.decoding import BlockDraft, CoralVerifier
+
+    tree = build_tree([(0, 0)])
+    tokens = torch.tensor([0, 1, 2])
+    table = {(0, 1): [0.0001, 0.9998, 0.0001], (1, 1): [0.0001, 0.0001, 0.9998], (0, 2): [0.4, 0.3, 0.3],
+             (1, 0): [0.9, 0.05, 0.05], (2, -1): [0.9, 0.05, 0.05], (2, 0): [0.9, 0.05, 0.05]}
+    settings = CoralDecoding(forward_window=2, backward_window=1, seed=0)
+    forward = _synthetic_forward(tree, tokens, settings.offsets(), table)
+    draft = BlockDraft(tree, tokens)
+    for accept_next_token, expected in ((False, (0.33, 0.11)), (True, (1.0, 1.0))):
+        verifier = CoralVerifier(replace(settings, accept_next_token=accept_next_token))
+        accepted = [len(verifier(draft, forward).tokens) for _ in range(600)]
+        assert [sum(a >= k for a in accepted) / 600 for k in (1, 2)] == pytest.approx(expected, abs=0.08)
 
 
 def test_candidate_tree_contains_the_top1_chain_and_follows_confidence():
@@ -433,7 +460,8 @@ def test_bf16_policy_trains_float32_master_weights_and_decodes(tiny_llama, tmp_p
     last, trunk = model.model.layers[-1].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight
     seen = []
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    cfg = CoralTraining(batch_size=2, stage1_learning_rate=1e-3, stage2_learning_rate=1e-3)
+    cfg = CoralTraining(batch_size=2, stage1_epochs=1, stage2_epochs=1, stage1_learning_rate=1e-3,
+                        stage2_learning_rate=1e-3)
     history = train_coral(policy, _distinct_sequences(4), cfg,
                           on_step=lambda stage, *_: seen.append((stage, last.dtype, trunk.dtype)))
     assert seen == [("stage 1", torch.float32, torch.bfloat16)] * 2 + [("stage 2", torch.bfloat16, torch.float32)] * 2
@@ -443,8 +471,8 @@ def test_bf16_policy_trains_float32_master_weights_and_decodes(tiny_llama, tmp_p
     assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
     policy.model.save_pretrained(tmp_path)
     assert {t.dtype for t in load_file(tmp_path / "model.safetensors").values()} == {torch.bfloat16}
-    hits, counts = offset_hits(policy, _distinct_sequences(2, seed=1), forward_window=4)
-    assert (hits <= counts).all() and counts.tolist() == [[10] * 4] * 2
+    hits, counts = offset_hits(policy, _distinct_sequences(2, seed=1), cfg)
+    assert (hits <= counts).all() and counts[:, :4].tolist() == [[10] * 4] * 2
     _decode_with_every_decoder(policy.model, torch.tensor([_distinct_sequences(1, seed=2)[0][0][:6]]), 8)
 
 
@@ -458,7 +486,7 @@ def test_lora_stage_two_trains_adapters_outside_the_last_layer_and_merges(tiny_l
     trained, mlp_calls = [], []
     # a pre-hook: the recomputation stops once it has every saved tensor, before the MLP returns
     model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))
-    cfg = CoralTraining(stage1_epochs=0, batch_size=2, stage2_learning_rate=1e-2, lora_rank=2,
+    cfg = CoralTraining(stage1_epochs=0, stage2_epochs=1, batch_size=2, stage2_learning_rate=1e-2, lora_rank=2,
                         gradient_checkpointing=True)
     train_coral(policy, _distinct_sequences(4), cfg,
                 on_step=lambda *_: trained.append({n for n, p in model.named_parameters() if p.requires_grad}))
@@ -521,16 +549,27 @@ def test_offset_hits_per_sequence_by_hand(tiny_llama):
     short = _distinct_sequences(1, seed=5)[0]
     short = (short[0][3:9], [0] + [1] * 5)  # 1 prompt + 5 response tokens
     sequences = [long, short, long]
-    hits, counts = offset_hits(policy, sequences, forward_window=4, batch_size=2)
-    assert counts.tolist() == [[10] * 4, [5, 4, 3, 2], [10] * 4]
-    offsets = (1, 2, 3, 4)
+    cfg = CoralTraining(batch_size=2, backward_window=2, corruption_ratio=1.0)
+    columns = evaluated_offsets(cfg)
+    assert columns == (("forward", 1), ("forward", 2), ("forward", 3), ("forward", 4), ("confirm", -2), ("confirm", -1),
+                       ("confirm", 0), ("reconstruct", -2), ("reconstruct", -1), ("reconstruct", 0))
+    hits, counts = offset_hits(policy, sequences, cfg)
+    assert counts[:, :4].tolist() == [[10] * 4, [5, 4, 3, 2], [10] * 4]
     for row, (ids, mask) in enumerate(sequences):
         ids = torch.tensor([ids])
-        with torch.no_grad():
-            predicted = target_aware_logits(policy.model, ids, offsets).argmax(-1)  # (1, O, T)
-        targets, valid = offset_targets(ids, torch.tensor([mask]), offsets)
-        assert hits[row].tolist() == ((predicted == targets) & valid).sum(dim=-1)[0].float().tolist()
-    assert hits[0, 0] == 10 and hits[0].tolist() == hits[2].tolist()
+        corrupted, changed = corrupt_batch({**right_pad([sequences[row]], 0), "index": torch.tensor([row])}, cfg,
+                                           HELD_OUT_KEY)  # the sequence's own held-out corruption, wherever it sits
+        for kind, inputs, target_mask in (("forward", ids, torch.tensor([mask])), ("confirm", ids, torch.tensor([mask])),
+                                          ("reconstruct", corrupted, changed)):
+            which = [i for i, (k, _) in enumerate(columns) if k == kind]
+            offsets = [columns[i][1] for i in which]
+            with torch.no_grad():
+                predicted = target_aware_logits(policy.model, inputs, offsets).argmax(-1)  # (1, O, T)
+            targets, valid = offset_targets(ids, target_mask, offsets)
+            assert hits[row, which].tolist() == ((predicted == targets) & valid).sum(dim=-1)[0].float().tolist()
+            assert counts[row, which].tolist() == valid.sum(dim=-1)[0].float().tolist()
+    assert counts[:, -3:].sum() > 0  # corrupted tokens were reconstructed
+    assert hits[0, 0] == 10 and hits[0].tolist()[:7] == hits[2].tolist()[:7]
 
 
 def test_held_out_offset_accuracy_has_an_interval_over_sequences():
@@ -538,7 +577,8 @@ def test_held_out_offset_accuracy_has_an_interval_over_sequences():
     give ½, ¾ or 1, each at least ¼ likely, so the 95 % interval is [½, 1]; an offset without targets is NaN."""
     from tasks.coral import _offset_accuracy
 
-    accuracy = _offset_accuracy(torch.tensor([[1.0, 0.0], [2.0, 0.0]]), torch.tensor([[2.0, 0.0], [2.0, 0.0]]))
+    accuracy = _offset_accuracy(torch.tensor([[1.0, 0.0], [2.0, 0.0]]), torch.tensor([[2.0, 0.0], [2.0, 0.0]]),
+                                (("forward", 1), ("forward", 2)))
     assert (accuracy["top1_forward_1"], accuracy["top1_forward_1_low"], accuracy["top1_forward_1_high"]) == (
         0.75, 0.5, 1.0)
     assert all(math.isnan(accuracy[f"top1_forward_2{end}"]) for end in ("", "_low", "_high"))
@@ -641,13 +681,87 @@ def test_cuda_bf16_one_step_of_each_stage_and_every_decoder(tiny_llama):
     for lora_rank in (0, 2):
         policy = load_pretrained(tiny_llama, PolicySpec(device="cuda", dtype="bfloat16"))
         before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
-        cfg = CoralTraining(batch_size=2, stage1_learning_rate=1e-2, stage2_learning_rate=1e-2, lora_rank=lora_rank,
+        cfg = CoralTraining(batch_size=2, stage1_epochs=1, stage2_epochs=1, stage1_learning_rate=1e-2,
+                            stage2_learning_rate=1e-2,
+                            lora_rank=lora_rank,
                             gradient_checkpointing=lora_rank > 0)
         history = train_coral(policy, _distinct_sequences(2), cfg)
         assert history["stage"] == [1, 2] and all(math.isfinite(loss) for loss in history["loss"])
         assert {(p.device.type, p.dtype) for p in policy.model.parameters()} == {("cuda", torch.bfloat16)}
         changed = {n for n, p in policy.model.named_parameters() if not torch.equal(p, before[n])}
         assert "model.layers.1.self_attn.q_proj.weight" in changed and "model.layers.0.mlp.up_proj.weight" in changed
-        hits, counts = offset_hits(policy, _distinct_sequences(2, seed=1), forward_window=4)
-        assert (hits <= counts).all() and counts.tolist() == [[10] * 4] * 2
+        hits, counts = offset_hits(policy, _distinct_sequences(2, seed=1), cfg)
+        assert (hits <= counts).all() and counts[:, :4].tolist() == [[10] * 4] * 2
     _decode_with_every_decoder(policy.model, torch.tensor([_distinct_sequences(1, seed=2)[0][0][:6]]), 8)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stage 1 on the trunk's cached outputs, early stopping
+
+
+def _padded_batch(sequences, indices) -> dict[str, torch.Tensor]:
+    return {**right_pad([sequences[i] for i in indices], 0), "index": torch.tensor(indices)}
+
+
+def test_cached_trunk_outputs_give_the_uncached_stage1_loss_and_gradients(tiny_llama):
+    """fp32: the step's loss, every offset's cross-entropy and the last layer's gradients are those of the full
+    forward, on a right-padded batch of unequal lengths, for each epoch's corruption draw (draw e = key e while
+    e < stage1_corruption_draws, as without the cache); the trunk gets no gradient."""
+    policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
+    model = policy.model
+    sequences = _distinct_sequences(3)
+    sequences[1] = (sequences[1][0][:9], sequences[1][1][:9])  # padded in the batch
+    cfg = CoralTraining(batch_size=2, corruption_ratio=0.5, stage1_corruption_draws=2)
+    cache = trunk_cache(model, sequences, cfg, range(cfg.stage1_corruption_draws), 0, Accelerator(cpu=True))
+    last = stage_parameters(model, 1)
+    model.requires_grad_(False)
+    for p in last:
+        p.requires_grad_(True)
+    for epoch in (0, 1):
+        results = []
+        for cached in (cache, None):
+            loss, stats = coral_step_loss(model, _padded_batch(sequences, [2, 1, 0]), cfg, epoch, cache=cached)
+            grads = torch.autograd.grad(loss, last)
+            results.append((loss, stats, grads))
+        (loss, stats, grads), (reference, reference_stats, reference_grads) = results
+        torch.testing.assert_close(loss, reference, rtol=0, atol=1e-6)
+        assert stats == pytest.approx(reference_stats, abs=1e-6, nan_ok=True)
+        assert not math.isnan(stats["backward_loss"])  # corrupted tokens were reconstructed
+        for grad, reference_grad in zip(grads, reference_grads, strict=True):
+            torch.testing.assert_close(grad, reference_grad, rtol=0, atol=1e-6)
+    assert all(p.grad is None for p in stage_parameters(model, 2))
+
+
+def test_cached_corruption_draws_cycle_over_epochs(tiny_llama):
+    """Epoch e trains on draw e mod D; the held-out cache's one draw is the held-out key's, for every epoch."""
+    model = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32")).model
+    sequences = _distinct_sequences(2)
+    cfg = CoralTraining(corruption_ratio=0.5)
+    cache = trunk_cache(model, sequences, cfg, range(2), 0, Accelerator(cpu=True))
+    batch = _padded_batch(sequences, [0, 1])
+    for epoch in range(4):
+        expected, _ = corrupt_batch(batch, cfg, epoch % 2)
+        assert torch.equal(cache.batch([0, 1], epoch, 14, torch.device("cpu")).corrupted_ids, expected)
+    held_out = trunk_cache(model, sequences, cfg, (HELD_OUT_KEY,), 0, Accelerator(cpu=True))
+    expected, _ = corrupt_batch(batch, cfg, HELD_OUT_KEY)
+    assert all(torch.equal(held_out.batch([0, 1], epoch, 14, torch.device("cpu")).corrupted_ids, expected)
+               for epoch in range(3))
+
+
+def test_stage1_stops_early_on_the_held_out_loss_and_keeps_its_best_epoch(tiny_llama):
+    """With validation sequences, stage 1 records their objective after every epoch run, stops after
+    ``stage1_patience`` epochs without a new best (a learning rate this high overshoots) and ends with the best
+    epoch's last layer: its held-out loss is the lowest recorded."""
+    from models.coral.training import held_out_loss
+
+    policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
+    train, held_out = _distinct_sequences(4), _distinct_sequences(4, seed=3)
+    cfg = CoralTraining(stage1_epochs=8, stage1_patience=1, stage2_epochs=0, batch_size=2, stage1_learning_rate=0.3,
+                        warmup_ratio=0.0)
+    history = train_coral(policy, train, cfg, validation=held_out)
+    losses = history["stage1_held_out_loss"]
+    assert 1 <= len(losses) < 8 and len(history["loss"]) == 2 * len(losses)
+    best = min(losses)
+    assert history["stage1_best_epoch"] == [losses.index(best) + 1] and losses[-1] > best
+    cache = trunk_cache(policy.model, held_out, cfg, (HELD_OUT_KEY,), 0, Accelerator(cpu=True))
+    assert held_out_loss(policy.model, held_out, cfg, cache, 0) == pytest.approx(best, abs=1e-5)

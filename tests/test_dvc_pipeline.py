@@ -278,6 +278,15 @@ def test_pipeline_prefect_artifacts(dvc_repo, pipeline_result):
     summary = _read_artifacts("pipeline-summary", flow_run_id)
     assert len(summary) == 1 and summary[0].type == "markdown"
     assert pipeline_result["mlflow_run_id"] in summary[0].data
+    # the claims table: every claim judged on the stage metrics the run wrote, in the report, MLflow and Prefect
+    from foresight.claims import CLAIMS, read_claims
+
+    claims = read_claims(dvc_repo[0] / "data/reports")
+    assert claims == pipeline_result["claims"] and len(claims) == len(CLAIMS)
+    assert {row["verdict"] for row in claims} <= {"holds", "does not hold", "undecided", "not measured"}
+    assert all(row["reason"] for row in claims if row["verdict"] != "holds")
+    (claims_artifact,) = _read_artifacts("pipeline-claims", flow_run_id)
+    assert claims_artifact.data == (dvc_repo[0] / "data/reports/claims.md").read_text()
     # the benchmark's Table 1 as a table artifact: every (policy, decoder) row plus DPO+SLA vs DPO greedy
     (benchmark,) = _read_artifacts("sla-benchmark")
     rows = benchmark.data if isinstance(benchmark.data, list) else json.loads(benchmark.data)

@@ -18,7 +18,15 @@ from models.engine.speculative import SpeculativeStats
 from models.labeling.config import LabelerSpec
 from models.labeling.labelers import LabelerError, build_labeler
 from models.mtp.config import MTPRLTraining
-from models.mtp.grpo import clipped_policy_loss, group_advantages, grpo_loss, k3_kl, token_logps, token_mean
+from models.mtp.grpo import (
+    clipped_policy_loss,
+    group_advantages,
+    grpo_loss,
+    k3_kl,
+    token_logps,
+    token_mean,
+    zero_std_groups,
+)
 from models.mtp.module import MTPModule, MTPModuleConfig, advantage_aware_kl, advantage_mask
 from models.mtp.rl import (
     Rollouts,
@@ -45,6 +53,17 @@ def test_group_advantages_by_hand():
     assert advantages[4:].tolist() == [0.0] * 4  # no spread, no signal
     with pytest.raises(ValueError, match="groups of 3"):
         group_advantages(rewards, group_size=3)
+
+
+def test_zero_std_groups_by_hand():
+    """Four groups of 3: mixed 0/1, all 0, all 1, real-valued with one apart. The two flat groups get advantages 0
+    (no gradient): half the groups carry one."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.2, 0.2, 0.7])
+    flat = zero_std_groups(rewards, group_size=3)
+    assert flat.tolist() == [False, True, True, False]
+    assert (~flat).float().mean().item() == 0.5
+    advantages = group_advantages(rewards, group_size=3).view(4, 3)
+    assert [bool((row == 0).all()) for row in advantages] == flat.tolist()
 
 
 def test_clipped_loss_by_hand():
@@ -206,6 +225,8 @@ def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
             rollouts = h["rollouts"]
             assert [r["rows"] for r in rollouts] == [2] and sum(r["tokens"] for r in rollouts) == h["rollout_tokens"]
             assert 0 < sum(r["seconds"] for r in rollouts) <= h["rollout_seconds"]
+            assert h["tokens_per_forward"] == pytest.approx(h["rollout_tokens"] / sum(r["forwards"] for r in rollouts))
+            assert h["nonzero_advantage_share"] in (0.0, 1.0)  # one group
             if var.drafts:
                 assert h["tau"] >= 1 and 0 <= h["acceptance_rate"] <= 1
                 assert sum(r["cycles"] for r in rollouts) == h["cycles"]
@@ -213,7 +234,7 @@ def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
                 assert h["acceptance_rate"] == pytest.approx(sum(r["accepted"] for r in rollouts)
                                                              / sum(r["drafted"] for r in rollouts))
             else:
-                assert h["tau"] == 1.0 and h["acceptance_rate"] == 0.0
+                assert h["tau"] == 1.0 and h["acceptance_rate"] == 0.0 and h["tokens_per_forward"] == 1.0
                 assert not any(r["cycles"] or r["drafted"] for r in rollouts)
             if var.trains_module:
                 assert not math.isnan(h["mtp_ce_1"])
@@ -309,6 +330,51 @@ def end_token_ids_of(model, tokenizer) -> set[int]:
 
 def _prompts(tokenizer, questions=QUESTIONS) -> list[torch.Tensor]:
     return [tokenizer(q, return_tensors="pt").input_ids for q in questions]
+
+
+def first_prompt_mixed(questions, responses, answers) -> list[float]:
+    """A reward function for two prompts × G = 2: the first prompt's rollouts score 1 and 0, the second's 0 and 0."""
+    return [1.0, 0.0] + [0.0] * (len(responses) - 2)
+
+
+def test_nonzero_advantage_share_and_tokens_per_forward_per_step_by_hand(policy):
+    """One step of two groups, one mixed and one flat: half the groups carry a gradient; advantages +, −, 0, 0, so
+    three of four rollouts have A ≥ 0. Plain sampling takes one forward per token."""
+    cfg = MTPRLTraining(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=4)
+    (record,) = train_variant(policy, None, variant("vanilla", cfg), _prompts(policy.tokenizer), QUESTIONS,
+                              [None, None], first_prompt_mixed, cfg, [1.0],
+                              end_token_ids_of(policy.model, policy.tokenizer))
+    assert record["nonzero_advantage_share"] == 0.5 and record["positive_advantage_share"] == 0.75
+    assert record["tokens_per_forward"] == 1.0
+    assert sum(r["forwards"] for r in record["rollouts"]) == record["rollout_tokens"]
+
+
+def test_a_step_at_the_default_learning_rate_changes_every_parameter(policy):
+    """TRL's check of a training step (its tests compare every parameter before and after): one vanilla GRPO step at
+    the pipeline's default policy learning rate, on rewards with a spread, moves every weight tensor."""
+    from foresight.config import MTPRLConfig
+
+    cfg = MTPRLTraining(steps=1, group_size=2, max_new_tokens=6, learning_rate=MTPRLConfig().learning_rate)
+    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    train_variant(policy, None, variant("vanilla", cfg), _prompts(policy.tokenizer)[:1], QUESTIONS[:1], [None],
+                  first_of_each_pair, cfg, [1.0], end_token_ids_of(policy.model, policy.tokenizer))
+    unchanged = [name for name, p in policy.model.named_parameters() if torch.equal(p, before[name])]
+    assert not unchanged
+
+
+def test_a_step_at_the_default_learning_rate_moves_much_of_a_bfloat16_policy(tiny_llama):
+    """The policy samples in bf16, rounded from its float32 master weights: an update far below a weight's bf16
+    spacing leaves it as it was. One step at the default rate changes over a fifth of the tiny bf16 policy's
+    weights (measured: 30 % at 3e-5, 16 % at 1e-5, 3.8 % at the former default 2e-6)."""
+    from foresight.config import MTPRLConfig
+
+    policy = _load(tiny_llama, dtype="bfloat16")
+    cfg = MTPRLTraining(steps=1, group_size=2, max_new_tokens=6, learning_rate=MTPRLConfig().learning_rate)
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    train_variant(policy, None, variant("vanilla", cfg), _prompts(policy.tokenizer)[:1], QUESTIONS[:1], [None],
+                  first_of_each_pair, cfg, [1.0], end_token_ids_of(policy.model, policy.tokenizer))
+    changed = sum(int((p != b).sum()) for p, b in zip(policy.model.parameters(), before, strict=True))
+    assert changed > 0.2 * sum(b.numel() for b in before)
 
 
 def test_bfloat16_policy_moves_at_learning_rate_1e6(tiny_llama):

@@ -488,7 +488,7 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     """train_medusa on task + general prompts, then benchmark_medusa on a float32 policy: each prompt set reported
     separately, τ from the decoded outputs, greedy-verified (adaptive) Medusa identical to HF greedy everywhere."""
     from foresight.prompts import general_instructions
-    from tasks.data import sft_responses
+    from tasks.data import drafter_split, sft_responses
     from tasks.medusa import (
         benchmark_medusa_task,
         candidate_tree,
@@ -526,6 +526,14 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     # the further prompts' responses are the heads' alone: COrAL and the MTP module fine-tune on the others
     assert sft_responses(cfg, "distilled", "coral.data")["prompt_id"].tolist() == (
         responses["prompt_id"][~responses["further_prompt"]].tolist())
+    # one held-out split for every drafter: the further prompts' responses all train; COrAL's and the MTP module's
+    # held-out sequences are exactly Medusa's
+    _, medusa_train, medusa_eval = load_distilled(cfg)
+    assert responses["further_prompt"][medusa_eval.tolist()].eq(False).all() and len(medusa_eval) > 0
+    assert set(responses.index[responses["further_prompt"]]) <= set(medusa_train.tolist())
+    shared = sft_responses(cfg, "distilled", "mtp.data")
+    _, drafter_eval = drafter_split(cfg, shared, 0.9, 123)  # eval_fraction and seed play no part for distilled data
+    assert shared["distilled_row"][drafter_eval.tolist()].tolist() == medusa_eval.tolist()
     evaluation = json.loads((tmp_path / "data/medusa/supervised/evaluation.json").read_text())
     assert evaluation["held_out_by_prompt_set"] and set(evaluation["held_out_by_prompt_set"]) <= {"task", "general"}
     # the auto tree: the paths held-out drafts were accepted on most often, measured jointly, most frequent first

@@ -282,6 +282,41 @@ def test_equip_training_changes_only_the_module_and_lowers_the_loss(tiny_llama, 
     assert (evaluation["positions"], evaluation["responses"]) == (8 * response_tokens, 8)
 
 
+def test_equip_training_stops_on_the_validation_loss_and_keeps_the_best_module(tiny_llama, tmp_path):
+    """With validation sequences the epochs are a budget: one held-out loss per epoch run, training stops after
+    ``patience`` epochs without a new best, and the returned module's validation loss (eq. 1 recomputed here in one
+    batch) is the best recorded one — the best epoch's weights, not the last epoch's."""
+    import pandas as pd
+
+    from models.common.sequences import padding_id, right_pad, sft_sequences
+    from models.engine.config import PolicySpec
+    from models.engine.policy import load_pretrained
+    from models.mtp.config import MTPTraining
+    from models.mtp.module import mtp_cross_entropy
+    from models.mtp.training import depth_weights, frozen_states, train_mtp_module
+
+    policy = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu", dtype="float32"))
+    sequences = _distilled_sequences(policy.tokenizer)
+    prompt = "<|im_start|>user\nIvy has 3 cookies.<|im_end|>\n<|im_start|>assistant\n"
+    validation = sft_sequences(policy.tokenizer, pd.DataFrame({"prompt": [prompt] * 3, "response": [
+        "Ivy has 3 cookies and eats 1.", "The answer is 2.", "She has 2 cookies left."]}), 128)
+    hidden = frozen_states(policy, sequences, tmp_path / "train", batch_size=3)
+    validation_hidden = frozen_states(policy, validation, tmp_path / "validation", batch_size=3)
+    # a rate high enough to overshoot: the validation loss rises after a few epochs
+    cfg = MTPTraining(epochs=12, batch_size=4, learning_rate=3e-2, patience=2, warmup_ratio=0.0)
+    module, history = train_mtp_module(policy, sequences, hidden, 2, cfg, held_out=(validation, validation_hidden))
+    losses, best_epoch = history["held_out_loss"], history["best_epoch"][0]
+    assert len(losses) < 12 and len(history["loss"]) == 2 * len(losses)  # stopped early, 2 batches per epoch
+    assert losses[best_epoch - 1] == min(losses) and len(losses) == best_epoch + 2
+    batch = right_pad(validation, padding_id(policy.tokenizer))
+    batch["hidden"] = torch.nn.utils.rnn.pad_sequence(list(validation_hidden), batch_first=True)
+    with torch.no_grad():
+        states = module(policy.model, batch["input_ids"], batch["hidden"])
+        loss, _ = mtp_cross_entropy(policy.model, states, batch["input_ids"], batch["response_mask"],
+                                    depth_weights(cfg.ce_weights, 2))
+    assert float(loss) == pytest.approx(min(losses), rel=1e-5)
+
+
 def test_chain_acceptance_counts_each_response_alone(tiny, tiny_llama, tmp_path):
     """Per-response counts of a batch with padding equal each response's counted alone; on the model's own greedy
     continuations (n response tokens after a prompt longer than K + 1) every depth has n targets and n positions
@@ -396,9 +431,12 @@ def test_module_round_trips_through_save_and_load(tiny, tmp_path):
         MTPModule.load(tmp_path / "nothing", model)
 
 
-def _rl_stage(root, tiny_llama, train: dict[str, str | None], held_out: dict[str, str | None], **sections):
+def _rl_stage(root, tiny_llama, train: dict[str, str | None], held_out: dict[str, str | None],
+              scores: dict[str, list[float]] | None = None, **sections):
     """A config for the ``train_mtp_rl`` task with what it reads in place: the prepared policy, an (untrained) MTP
-    module, and the prompt splits (question → answer, None: none)."""
+    module, the prompt splits (question → answer, None: none) and the label stage's scores of the training
+    prompts' samples (question → scores; default: 1 and 0 for every prompt, so ``prompt_filter: spread`` keeps
+    them all)."""
     import pandas as pd
 
     from foresight.config import component, parse_config
@@ -416,7 +454,19 @@ def _rl_stage(root, tiny_llama, train: dict[str, str | None], held_out: dict[str
         table = pd.DataFrame({"prompt_id": [f"{split}{i}" for i in range(len(prompts))], "question": list(prompts),
                               "answer": list(prompts.values()), "source": "file"})
         write_table(table[PROMPT_COLUMNS], cfg.path(cfg.paths.prompts_dir) / f"{split}.jsonl")
+    write_table(_scores_table({f"train{i}": values for i, values in enumerate(
+        (scores or {}).get(question, [1.0, 0.0]) for question in train)}), cfg.path(cfg.paths.scores))
     return cfg
+
+
+def _scores_table(scores: dict[str, list[float]]):
+    """A label stage's table: one row per sample of each prompt id, its score and (for 0 / 1 scores) correctness."""
+    import pandas as pd
+
+    rows = [(prompt_id, score) for prompt_id, values in scores.items() for score in values]
+    table = pd.DataFrame(rows, columns=["prompt_id", "score"])
+    table["correct"] = pd.array([score == 1.0 if score in (0.0, 1.0) else None for _, score in rows], dtype="boolean")
+    return table
 
 
 def _run_rl_stage(cfg):
@@ -502,6 +552,12 @@ def test_rl_stage_rewarded_by_a_reward_model_uses_prompts_without_answers(tiny_l
     assert table.loc["mtp_rl", "reward_change"] == pytest.approx(_mean(scored[4][3]) - _mean(scored[0][3]))
     assert m["mtp_rl.tau_pooled_low"] <= m["mtp_rl.tau_pooled"] <= m["mtp_rl.tau_pooled_high"]
     assert "mtp_rl.rollout_speedup_high" in m
+    # one step: τ of the first and last steps is the run's; tokens per target forward, 1 for plain sampling
+    assert m["mtp_rl.tau_start"] == m["mtp_rl.tau_end"] == m["mtp_rl.tau_pooled"]
+    assert m["vanilla.tokens_per_forward"] == 1.0 and m["mtp_rl.tokens_per_forward"] >= 1.0
+    assert "mtp_rl.tokens_per_forward_high" in m and (m["rl_prompts_kept"], m["rl_prompts_dropped"]) == (2, 0)
+    assert result.curves["mtp_rl.nonzero_advantage_share"] == [m["mtp_rl.nonzero_advantage_share"]]
+    assert (out / "nonzero_advantage_share.png").is_file()
     # the rollout speed curve before RL: vanilla (its tokens/s) and MTP drafting (speedup over it) per batch size
     curve = pd.read_csv(out / "rollout_curve.csv")
     assert list(zip(curve["batch"], curve["decoder"], strict=True)) == [(b, d) for b in (1, 2)
@@ -543,9 +599,18 @@ def test_rl_stage_with_the_verifiable_labeler_leaves_out_prompts_without_answers
 
 
 def _rollout(seconds: float, tokens: int, cycles: int = 0, cycle_tokens: int = 0, drafted: int = 0,
-             accepted: int = 0) -> dict:
+             accepted: int = 0, forwards: int | None = None) -> dict:
+    """A rollout batch's counters; ``forwards`` default: one per token (plain sampling)."""
     return {"seconds": seconds, "tokens": tokens, "cycles": cycles, "cycle_tokens": cycle_tokens, "drafted": drafted,
-            "accepted": accepted}
+            "accepted": accepted, "forwards": tokens if forwards is None else forwards}
+
+
+def _record(step: int, rollouts: list[dict], nonzero_advantage_share: float = 1.0) -> dict:
+    """A step's record of :func:`models.mtp.rl.step_record`, as far as the summary reads it."""
+    cycles = sum(r["cycles"] for r in rollouts) or sum(r["tokens"] for r in rollouts)
+    return {"step": step, "rollout_seconds": sum(r["seconds"] for r in rollouts),
+            "rollout_tokens": sum(r["tokens"] for r in rollouts), "cycles": cycles, "tau": 1.0, "reward": 0.5,
+            "nonzero_advantage_share": nonzero_advantage_share, "rollouts": rollouts}
 
 
 def test_rl_summary_intervals_by_hand():
@@ -557,15 +622,11 @@ def test_rl_summary_intervals_by_hand():
     vanilla (½, over [0, 1]: not); accuracy unknown."""
     from tasks.mtp import _summary
 
-    def record(rollouts: list[dict]) -> dict:
-        cycles = sum(r["cycles"] for r in rollouts) or sum(r["tokens"] for r in rollouts)
-        return {"step": 1, "rollout_seconds": sum(r["seconds"] for r in rollouts), "rollout_tokens": sum(
-            r["tokens"] for r in rollouts), "cycles": cycles, "tau": 1.0, "reward": 0.5, "rollouts": rollouts}
-
-    histories = {"vanilla": [record([_rollout(1, 10), _rollout(2, 10)])],
-                 "mtp_rl": [record([_rollout(1, 10, 5, 10, 15, 5), _rollout(1, 30, 10, 30, 30, 20)])]}
+    histories = {"vanilla": [_record(1, [_rollout(1, 10), _rollout(2, 10)])],
+                 "mtp_rl": [_record(1, [_rollout(1, 10, 5, 10, 15, 5, forwards=6),
+                                        _rollout(1, 30, 10, 30, 30, 20, forwards=11)])]}
     rows = _summary(histories, {"vanilla": False, "mtp_rl": True}, {"reward": [0.0, 0.0]},
-                    {"vanilla": {"reward": [0.0, 1.0]}, "mtp_rl": {"reward": [1.0, 1.0]}}, False)
+                    {"vanilla": {"reward": [0.0, 1.0]}, "mtp_rl": {"reward": [1.0, 1.0]}}, False, 5)
     vanilla, mtp = rows
 
     def interval(row: dict, key: str) -> list[float]:
@@ -575,6 +636,12 @@ def test_rl_summary_intervals_by_hand():
     assert not mtp["rollout_speedup_significant"]
     assert interval(mtp, "tau_pooled") == pytest.approx([40 / 15, 2.0, 3.0])
     assert interval(mtp, "acceptance_rate_pooled") == pytest.approx([25 / 45, 1 / 3, 2 / 3])
+    # 40 tokens in 17 forwards (each row's prefill and cycles), 20 / 6 over [10 / 6, 30 / 11]; plain sampling: 1
+    assert interval(mtp, "tokens_per_forward") == pytest.approx([40 / 17, 10 / 6, 30 / 11])
+    assert interval(vanilla, "tokens_per_forward") == [1.0, 1.0, 1.0]
+    # one step: the first and last windows are that step
+    assert mtp["tau_window"] == 1 and interval(mtp, "tau_start") == interval(mtp, "tau_end") == interval(
+        mtp, "tau_pooled")
     assert mtp["break_even_tau"] == pytest.approx((1000 * 2 / 15) / (1000 * 3 / 20))
     assert interval(vanilla, "tau_pooled") == [1.0, 1.0, 1.0] and interval(vanilla, "rollout_speedup") == [1.0, 1.0, 1.0]
     assert interval(mtp, "reward_change") == [1.0, 1.0, 1.0] and mtp["reward_after_significant"]
@@ -582,9 +649,91 @@ def test_rl_summary_intervals_by_hand():
     assert not vanilla["reward_after_significant"] and math.isnan(mtp["accuracy_change"])
     # adaptive drafting: the rollout time includes plain steps that no cycle counts, so a cycle's time is unknown
     vanilla, mtp = _summary(histories, {"vanilla": False, "mtp_rl": True}, {"reward": [0.0, 0.0]},
-                            {"vanilla": {"reward": [0.0, 1.0]}, "mtp_rl": {"reward": [1.0, 1.0]}}, True)
+                            {"vanilla": {"reward": [0.0, 1.0]}, "mtp_rl": {"reward": [1.0, 1.0]}}, True, 5)
     assert math.isnan(mtp["ms_per_cycle"]) and math.isnan(mtp["break_even_tau"])
     assert vanilla["ms_per_cycle"] == 1000 * 3 / 20 and vanilla["break_even_tau"] == 1.0
+
+
+def test_rl_summary_tau_over_the_first_and_last_steps_by_hand():
+    """Two steps of two rollout batches (10 cycles each) per variant, ``tau_window`` 5 cut to half the steps (1).
+    MTP-RL: 20 + 20 tokens in step 1 (τ 2), 30 + 20 in step 2 (τ 2.5 over [2, 3]); τ_end / τ_start = 1.25 over
+    [1, 1.5] (the start window constant): it held. Frozen: 20 + 20, then 15 + 15 (τ 1.5): it fell, significantly.
+    MTP-RL's τ_end over the frozen module's, batch by batch: 2.5 / 1.5 = 5 / 3 over [20 / 15, 30 / 15]. Mixed
+    groups: 1 and ½ of the groups (mean ¾ over [½, 1])."""
+    from tasks.mtp import _summary
+
+    def step(number: int, cycle_tokens: list[int], share: float) -> dict:
+        return _record(number, [_rollout(1, t, 10, t, 30, t - 10, forwards=11) for t in cycle_tokens], share)
+
+    histories = {"mtp_rl": [step(1, [20, 20], 1.0), step(2, [30, 20], 0.5)],
+                 "frozen_mtp": [step(1, [20, 20], 1.0), step(2, [15, 15], 0.5)]}
+    held_out = {"reward": [0.0, 1.0]}
+    mtp, frozen = _summary(histories, {"mtp_rl": True, "frozen_mtp": True}, held_out,
+                           {"mtp_rl": held_out, "frozen_mtp": held_out}, True, 5)
+
+    def interval(row: dict, key: str) -> list[float]:
+        return [row[key + end] for end in ("", "_low", "_high")]
+
+    assert mtp["tau_window"] == 1
+    assert interval(mtp, "tau_start") == [2.0, 2.0, 2.0] and interval(mtp, "tau_end") == pytest.approx([2.5, 2.0, 3.0])
+    assert interval(mtp, "tau_end_over_start") == pytest.approx([1.25, 1.0, 1.5])
+    assert not mtp["tau_end_over_start_significant"]
+    assert interval(frozen, "tau_end_over_start") == pytest.approx([0.75, 0.75, 0.75])
+    assert frozen["tau_end_over_start_significant"]
+    assert interval(mtp, "tau_end_vs_frozen_mtp") == pytest.approx([5 / 3, 4 / 3, 2.0])
+    assert mtp["tau_end_vs_frozen_mtp_significant"]
+    assert interval(mtp, "nonzero_advantage_share") == pytest.approx([0.75, 0.5, 1.0])
+    assert math.isnan(mtp["rollout_speedup"])  # no vanilla run
+
+
+def test_spread_prompts_keep_exactly_those_with_a_pass_rate_strictly_between_0_and_1():
+    """A label stage's table, 4 samples per prompt: pass rates ¼ and ¾ are kept; 0, 1 and a prompt never sampled
+    are not. Real-valued scores (a reward model): kept when they differ at all."""
+    import pandas as pd
+
+    from tasks.mtp import _spread_prompts
+
+    prompts = pd.DataFrame({"prompt_id": ["quarter", "none", "all", "three", "unsampled", "rm_flat", "rm_spread"],
+                            "question": list("abcdefg")})
+    scores = _scores_table({"quarter": [1.0, 0.0, 0.0, 0.0], "none": [0.0] * 4, "all": [1.0] * 4,
+                            "three": [1.0, 1.0, 0.0, 1.0], "rm_flat": [0.3] * 4, "rm_spread": [0.3, 0.3, 0.31, 0.3]})
+    pass_rates = scores.dropna(subset=["correct"]).groupby("prompt_id")["correct"].mean()
+    assert pass_rates.to_dict() == {"all": 1.0, "none": 0.0, "quarter": 0.25, "three": 0.75}
+    kept = _spread_prompts(prompts, scores)
+    assert kept["prompt_id"].tolist() == ["quarter", "three", "rm_spread"]
+    assert kept["question"].tolist() == ["a", "d", "g"]  # the prompts' own rows, in their order
+
+
+def test_rl_stage_draws_its_prompts_from_those_with_a_reward_spread(tiny_llama, tmp_path, scored):
+    """prompt_filter spread (the default): of two training prompts, the one whose label-stage samples all failed is
+    left out (kept 1, dropped 1 in the metrics); with none left, an error naming the setting; ``all`` uses both."""
+    train = {"What is 2 + 3?": "5", "What is 4 * 2?": "8"}
+    held_out = {"What is 9 - 7?": "2"}
+    flat = {"What is 2 + 3?": [0.0, 0.0, 0.0, 0.0], "What is 4 * 2?": [1.0, 0.0, 0.0, 1.0]}
+    one_step = {"variants": ["vanilla"], "steps": 1, "curve_batch_sizes": []}
+    m = _run_rl_stage(_rl_stage(tmp_path / "spread", tiny_llama, train, held_out, flat, mtp_rl=one_step)).metrics
+    assert (m["rl_prompts_kept"], m["rl_prompts_dropped"]) == (1, 1)
+    assert scored[1][0] == ["What is 4 * 2?"] * 2  # the step's rollouts (held out before, then the step)
+    assert 0.0 <= m["vanilla.nonzero_advantage_share"] <= 1.0
+    every = _rl_stage(tmp_path / "all", tiny_llama, train, held_out, flat, mtp_rl={**one_step, "steps": 2,
+                                                                                    "prompt_filter": "all"})
+    assert _run_rl_stage(every).metrics["rl_prompts_kept"] == 2
+    none = _rl_stage(tmp_path / "none", tiny_llama, train, held_out, {q: [0.0] * 4 for q in train}, mtp_rl=one_step)
+    with pytest.raises(ValueError, match="prompt_filter spread: 0 of 2 training prompts qualify"):
+        _run_rl_stage(none)
+
+
+def test_rl_config_fields_validate():
+    """The MTP-RL section's new fields: the prompt filter's two values, groups of at least 2, a window of a step
+    or more; the defaults draw from prompts with a spread in groups of 8."""
+    from foresight.config import ConfigError, MTPRLConfig, parse_config
+
+    defaults = MTPRLConfig()
+    assert (defaults.prompt_filter, defaults.group_size) == ("spread", 8)
+    for bad in ({"prompt_filter": "some"}, {"group_size": 1}, {"tau_window": 0}):
+        with pytest.raises(ConfigError, match=f"mtp_rl.{next(iter(bad))}"):
+            parse_config({"mtp_rl": bad})
+    assert parse_config({"mtp_rl": {"prompt_filter": "all", "tau_window": 3}}).mtp_rl.tau_window == 3
 
 
 @pytest.mark.cuda

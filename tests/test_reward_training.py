@@ -28,6 +28,7 @@ from models.sla.reward_training import (
     pair_accuracy,
     pair_curves,
     pair_wins,
+    score_pairs_by_logprob,
     token_reward_curve,
     tokenize_pairs,
     train_reward_heads,
@@ -234,6 +235,22 @@ def test_joint_training_equals_training_each_head_alone(policy, tiny_llama):
         evaluate_reward_heads({"a": joint["channel"], "b": other}, policy.tokenizer, held_out, cfg)
 
 
+def test_logprob_ranker_scores_each_response_token_by_the_policys_log_prob(policy):
+    """score_pairs_by_logprob gives log π(y_t | x, y_<t) of exactly the response tokens (end token included), as a
+    plain one-sequence forward computes them, in padded batches; pair_wins then compares their means."""
+    pairs = toy_pairs(policy.tokenizer, 3)
+    scored = score_pairs_by_logprob(policy.model, policy.tokenizer, pairs, max_length=64, batch_size=2)
+    tokenized = tokenize_pairs(policy.tokenizer, pairs, 64)
+    for p, item in enumerate(tokenized):
+        for side, got in (("chosen", scored.chosen[p]), ("rejected", scored.rejected[p])):
+            ids, mask = torch.tensor(item[f"{side}_input_ids"]), torch.tensor(item[f"{side}_response_mask"]).bool()
+            with torch.no_grad():
+                logps = policy.model(input_ids=ids[None]).logits[0].float().log_softmax(-1)  # (T, V)
+            positions = mask.nonzero()[:, 0]  # response tokens, each predicted from the position before it
+            torch.testing.assert_close(got, logps[positions - 1, ids[positions]], atol=1e-5, rtol=0)
+    assert pair_wins(scored).tolist() == [float(c.mean() > r.mean()) for c, r in zip(scored.chosen, scored.rejected)]
+
+
 def test_reward_curve_and_autrc_by_hand():
     scored = PairRewards(
         chosen=[torch.tensor([0.0, 1.0, 2.0, 3.0]), torch.tensor([5.0])],
@@ -290,9 +307,15 @@ def test_task_writes_heads_curves_plots_and_metrics(reward_cfg):
     result = train_reward_task.fn(reward_cfg, "base", out_dir)
     heads = ["channel", "adapter-1", "adapter-4"]
     assert sorted(p.name for p in out_dir.iterdir()) == sorted(
-        heads + ["curves.json", "history.json", "autrc.png", "loss.png"])
+        heads + ["curves.json", "history.json", "split.json", "autrc.png", "loss.png"])
     m = result.metrics
     assert (m["num_train_pairs"], m["num_eval_pairs"]) == (6, 2)  # eval_fraction 0.25 of 8 prompts
+    split = json.loads((out_dir / "split.json").read_text())  # what the SLA benchmark must not tune on
+    assert len(split["train_prompt_ids"]) == 6 and len(split["held_out_prompt_ids"]) == 2
+    assert not set(split["train_prompt_ids"]) & set(split["held_out_prompt_ids"])
+    # the policy's own log-prob ranks the same held-out pairs, with its interval over their prompts
+    assert m["pair_accuracy_logprob_low"] <= m["pair_accuracy_logprob"] <= m["pair_accuracy_logprob_high"]
+    assert isinstance(m["pair_accuracy_logprob_significant"], bool)
     for key in ("channel", "adapter1", "adapter4"):
         assert 0.0 <= m[f"pair_accuracy_{key}"] <= 1.0 and 0.0 <= m[f"autrc_{key}"] <= 1.0
         for figure in (f"pair_accuracy_{key}", f"autrc_{key}"):  # intervals over the 2 held-out prompts

@@ -162,8 +162,9 @@ def _train_all(accelerator: Accelerator, policy_folder: str, batch_size: int) ->
     heads, medusa = train_medusa_heads(policy, data, MedusaTraining(
         num_heads=2, epochs=2, batch_size=batch_size, learning_rate=1e-2, warmup_ratio=0.25, mixed_precision="no"),
         accelerator)
+    # β as small as the paper's advice: the tolerances below were set for a KL term this size
     cfg = RLMedusaTraining(reward_width=16, reward_epochs=2, reward_batch_size=batch_size, num_actions=4,
-                           batch_size=batch_size, epochs=2, learning_rate=1e-2)
+                           batch_size=batch_size, epochs=2, learning_rate=1e-2, beta=0.02)
     reward_model, reward_losses = fit_reward_model(data.rl_states(), embedding, candidates, probs, cfg, accelerator)
     rl_heads, rl = train_rl_head(heads, lm_head, reward_model, embedding, data.rl_states(), cfg, accelerator)
 

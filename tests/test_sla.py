@@ -7,6 +7,7 @@ full no-cache forward. They must agree token for token.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import Counter
@@ -26,6 +27,7 @@ from models.sla.search import (
     sla_generate_batch,
     sla_stream,
 )
+from tasks.sla import SPLIT_FILE, choose_setting, tuning_split
 from tests.tiny import load_spiky_tiny_llama
 
 QUESTIONS = ["Ben has 4 apples. How many?", "Ivy has 3 cookies and gives 1 to Omar.", "0 1 2 3", "What is 7 * 8?"]
@@ -85,16 +87,19 @@ def ref_segment(model, seq: list[int], first: int, n: int, eos: set[int]) -> lis
     return tokens
 
 
-def reference_sla(model, prompt: list[int], d: int, k: int, n: int, max_new: int, eos: set[int]):
+def reference_sla(model, prompt: list[int], d: int, k: int, n: int, max_new: int, eos: set[int],
+                  leaf_score: str = "mean"):
     """SLA(d, k, n) by brute force: at each step build the depth-d tree below the committed text from
-    scratch, Q = best leaf (mean response reward) below, commit the argmax first-level child (first wins
-    ties). Returns (tokens, number of finished nodes met in the trees)."""
+    scratch, Q = best leaf below (its mean response reward, or with ``leaf_score="last"`` the reward at its last
+    token), commit the argmax first-level child (first wins ties). Returns (tokens, number of finished nodes met
+    in the trees)."""
     finished_seen = 0
 
     def q_value(path: list[int], level: int, response: list[int]) -> float:
         nonlocal finished_seen
         logits, rewards = full_forward(model, prompt + response + path)
-        score = sum(rewards[len(prompt):].tolist()) / len(response + path)
+        response_rewards = rewards[len(prompt):].tolist()
+        score = sum(response_rewards) / len(response + path) if leaf_score == "mean" else response_rewards[-1]
         if path[-1] in eos:
             finished_seen += 1
             return score
@@ -143,18 +148,29 @@ def test_depth_zero_and_width_one_are_greedy(tiny, eos):
             assert sla_generate(model, ids, cfg, 17, eos)[0] == greedy, cfg
 
 
-@pytest.mark.parametrize(("d", "k", "n"), [(2, 2, 3), (1, 3, 2), (3, 2, 2), (2, 3, 4)])
-def test_sla_equals_brute_force_reference(tiny, eos, d, k, n):
-    """Caching, batching, cache re-indexing and subtree reuse against a from-scratch reference."""
+@pytest.mark.parametrize(("d", "k", "n", "leaf_score"), [(2, 2, 3, "mean"), (1, 3, 2, "mean"), (3, 2, 2, "mean"),
+                                                        (2, 3, 4, "mean"), (2, 2, 3, "last"), (1, 3, 2, "last")])
+def test_sla_equals_brute_force_reference(tiny, eos, d, k, n, leaf_score):
+    """Caching, batching, cache re-indexing and subtree reuse against a from-scratch reference, under either leaf
+    score."""
     model, tok, prompts = tiny
     finished = 0
     never = {tok.eos_token_id}  # never emitted by this model: full-length trees only
     runs = [(ids, eos) for ids in prompts] + [(ids, never) for ids in prompts[2:]]
+    cfg = SLASearch(depth=d, width=k, step=n, leaf_score=leaf_score)
     for ids, eos_ids in runs:
-        expected, seen = reference_sla(model, ids[0].tolist(), d, k, n, 20, eos_ids)
+        expected, seen = reference_sla(model, ids[0].tolist(), d, k, n, 20, eos_ids, leaf_score)
         finished += seen
-        assert sla_generate(model, ids, SLASearch(depth=d, width=k, step=n), 20, eos_ids)[0] == expected
+        assert sla_generate(model, ids, cfg, 20, eos_ids)[0] == expected
     assert finished > 0  # trees with finished (end-token) branches were exercised
+
+
+def test_leaf_scores_differ_and_change_the_output(tiny, eos):
+    """The two leaf scores are different searches: some prompt decodes differently (a random head)."""
+    model, _, prompts = tiny
+    outputs = {how: [sla_generate(model, ids, SLASearch(depth=2, width=2, step=3, leaf_score=how), 14, eos)[0]
+                     for ids in prompts] for how in ("mean", "last")}
+    assert outputs["mean"] != outputs["last"]
 
 
 
@@ -185,6 +201,20 @@ def test_backup_takes_the_best_leaf_and_ties_go_to_the_likelier_child():
     assert select_action(root) == 0
     root.children[1].reward_sum = 3.2
     assert select_action(root) == 1
+
+
+def test_last_token_leaf_score_by_hand():
+    """Mean R' over the response against R' at the last token: child 0's leaves average higher, child 1 ends on the
+    highest reward, so the two scorings choose different actions."""
+    def node(total, count, last, *children):
+        return Node(tokens=[0], reward_sum=total, reward_count=count, last_reward=last, children=list(children))
+
+    root = node(0.0, 0, 0.0,
+                node(2.0, 2, 0.5, node(4.0, 4, 0.2)),  # mean 1.0 at its leaf, last reward 0.2
+                node(0.4, 2, 0.1, node(0.8, 4, 0.9), node(1.2, 4, 0.4)))  # means 0.2 / 0.3; last 0.9 / 0.4
+    assert [backup(c) for c in root.children] == pytest.approx([1.0, 0.3])
+    assert [backup(c, "last") for c in root.children] == [0.2, 0.9]
+    assert (select_action(root), select_action(root, "last")) == (0, 1)
 
 
 def test_search_changes_the_output(tiny, eos):
@@ -355,7 +385,20 @@ def _sla_project(tmp_path, tiny_llama, **benchmark):
     table = pd.DataFrame({"prompt_id": [f"eval{i}" for i in range(6)], "question": questions,
                           "answer": [str(2 * i + 1) for i in range(6)], "source": "file"})
     write_table(table[PROMPT_COLUMNS], cfg.path(cfg.paths.prompts_dir) / "eval.jsonl")
+    # training prompts: train0 and train1 were trained on (split.json), train2 repeats a held-out question
+    train = pd.DataFrame({"prompt_id": [f"train{i}" for i in range(6)],
+                          "question": [f"What is {i} * 2?" for i in range(6)], "answer": [str(2 * i) for i in range(6)],
+                          "source": "file"})
+    train.loc[2, "question"] = questions[0]
+    write_table(train[PROMPT_COLUMNS], cfg.path(cfg.paths.prompts_dir) / "train.jsonl")
+    (cfg.path(cfg.paths.reward_dir) / "base" / SPLIT_FILE).write_text(json.dumps(
+        {"train_prompt_ids": ["train0", "train1"], "held_out_prompt_ids": ["train5"]}))
     return cfg
+
+
+def _tuning(**overrides) -> dict:
+    """A small tuning grid for the tiny project: (1, 3, 8) decodes but cannot be chosen (n > 4)."""
+    return {"tuning_prompts": 2, "tuning_grid": [[1, 2, 2], [2, 2, 2], [1, 3, 8]], "tuning_max_step": 4, **overrides}
 
 
 def test_benchmark_decodes_each_prompt_once_timed_prompts_interleaved(tiny_llama, tmp_path, monkeypatch):
@@ -405,6 +448,31 @@ def test_benchmark_decodes_each_prompt_once_timed_prompts_interleaved(tiny_llama
     assert [row["forward"] for row in speed["overhead"]] == ["decode step", "prompt"]
 
 
+def test_a_setting_under_two_names_is_searched_once(tiny_llama, tmp_path, monkeypatch):
+    """When tuning chooses the paper's setting, ``sla_tuned`` reuses ``sla``'s outputs (the search is deterministic);
+    the leaf-score ablation is another search and runs, untimed."""
+    import models.sla.search
+    from tasks.sla import _decode_all
+
+    cfg = _sla_project(tmp_path, tiny_llama, num_prompts=3, speed_prompts=1, max_new_tokens=3, overhead_repeats=2)
+    searches = []  # prompts per batched SLA search
+    sla_generate_batch = models.sla.search.sla_generate_batch
+
+    def recording_sla_batch(model, prompts, *args):
+        searches.append(len(prompts))
+        return sla_generate_batch(model, prompts, *args)
+
+    monkeypatch.setattr(models.sla.search, "sla_generate_batch", recording_sla_batch)
+    paper = SLASearch(depth=1, width=2, step=2)
+    settings = {"sla": paper, "sla_tuned": paper, "sla_tuned_last": SLASearch(1, 2, 2, leaf_score="last")}
+    records, speed = _decode_all(cfg, "base", [f"What is {i} + 1?" for i in range(3)], ["greedy", "sla"], settings,
+                                 untimed=frozenset({"sla_tuned_last"}))
+    assert searches == [2, 3]  # sla on the 2 untimed prompts, sla_tuned_last on all 3
+    assert set(speed["timers"]) == {"greedy", "sla", "sla_tuned"}
+    by = {(r["decoder"], r["prompt_index"]): r["response"] for r in records}
+    assert all(by[("sla", i)] == by[("sla_tuned", i)] for i in range(3))
+
+
 def test_table_intervals_and_significance_by_hand():
     """10 prompts: SLA right on 9 where greedy is right on 1 (and ties on the other): accuracy, mean reward and
     win rate all differ significantly; the DPO policy's greedy equals base greedy: nothing differs."""
@@ -415,7 +483,8 @@ def test_table_intervals_and_significance_by_hand():
 
     greedy = [1.0] + [0.0] * 9
     sla = [1.0] * 9 + [0.0]
-    outputs = pd.DataFrame([{"policy": p, "decoder": d, "prompt_index": i, "score": v, "correct": bool(v)}
+    outputs = pd.DataFrame([{"policy": p, "decoder": d, "prompt_index": i, "score": v, "correct": bool(v),
+                             "truncated": not v}
                             for p, d, values in (("base", "greedy", greedy), ("base", "sla", sla),
                                                  ("dpo", "greedy", greedy), ("dpo", "sla", greedy))
                             for i, v in enumerate(values)])
@@ -437,6 +506,7 @@ def test_table_intervals_and_significance_by_hand():
     assert better["win_rate_low"] > 0.5 and better["win_rate_significant"]
     assert better["accuracy"] == 0.9 and better["accuracy_low"] < 0.9 < better["accuracy_high"]
     assert better["accuracy_significant"] and better["mean_reward_significant"]
+    assert better["truncated"] == pytest.approx(0.1)
     assert better["latency_vs_reference"] == pytest.approx(3.5 / 2)
     assert better["latency_vs_reference_low"] == pytest.approx(1.5) and better["latency_vs_reference_high"] == 2.0
     same = rows[("dpo", "greedy", "base+greedy")]
@@ -462,7 +532,7 @@ def test_benchmark_task_reports_intervals_everywhere(tiny_llama, tmp_path, monke
     from tasks.sla import benchmark_sla_task
 
     cfg = _sla_project(tmp_path, tiny_llama, num_prompts=6, speed_prompts=2, max_new_tokens=4, overhead_repeats=3,
-                       decoders=["greedy", "top_k", "sla"], dpo_decoders=["greedy", "sla"])
+                       decoders=["greedy", "top_k", "sla"], dpo_decoders=["greedy", "sla"], **_tuning())
     def fake_is_correct(response, answer):
         return len(response) % 2 == 0
 
@@ -475,10 +545,30 @@ def test_benchmark_task_reports_intervals_everywhere(tiny_llama, tmp_path, monke
         result = benchmark_sla_task.fn(cfg)
     out = cfg.path(cfg.paths.benchmarks_dir) / "sla"
     assert {p.name for p in out.iterdir()} == {"outputs.parquet", "table.csv", "overhead.csv", "win_rate.png",
-                                               "latency.png", "report.md"}
+                                               "latency.png", "report.md", "tuning.csv", "tuning_outputs.parquet"}
     outputs = pd.read_parquet(out / "outputs.parquet")
     assert sorted(set(zip(outputs["policy"], outputs["decoder"]))) == [
-        ("base", "greedy"), ("base", "sla"), ("base", "top_k"), ("dpo", "greedy"), ("dpo", "sla")]
+        ("base", "greedy"), ("base", "sla"), ("base", "sla_tuned"), ("base", "sla_tuned_last"), ("base", "top_k"),
+        ("dpo", "greedy"), ("dpo", "sla"), ("dpo", "sla_tuned")]
+    # tuning: on training prompts nothing trained on and no held-out prompt shares, never on the held-out prompts
+    tuning_outputs = pd.read_parquet(out / "tuning_outputs.parquet")
+    assert sorted(set(tuning_outputs["prompt_id"])) == ["train3", "train4"]
+    assert not set(tuning_outputs["question"]) & set(outputs["question"])
+    tuning = pd.read_csv(out / "tuning.csv").set_index("decoder")
+    assert list(tuning.index) == ["greedy", "sla_d1_k2_n2", "sla_d2_k2_n2", "sla_d1_k3_n8"]
+    assert list(tuning["streaming"]) == [False, True, True, False] and tuning["chosen"].sum() == 1
+    chosen = tuning[tuning["chosen"]].iloc[0]
+    assert chosen.name == choose_setting(tuning.reset_index().to_dict("records"), {
+        "sla_d1_k2_n2": SLASearch(1, 2, 2), "sla_d2_k2_n2": SLASearch(2, 2, 2), "sla_d1_k3_n8": SLASearch(1, 3, 8)}, 4)
+    m = result.metrics
+    assert (m["sla_tuned.depth"], m["sla_tuned.width"], m["sla_tuned.step"]) == (
+        chosen["depth"], chosen["width"], chosen["step"])
+    assert m["tuning.num_prompts"] == 2
+    for key in ("tuning_sla_d2_k2_n2.win_rate", "tuning_sla_d1_k3_n8.accuracy", "base_sla_tuned.win_rate",
+                "base_sla_tuned_last.win_rate", "dpo_sla_tuned.win_rate", "dpo_sla_tuned_vs_dpo_greedy.win_rate"):
+        assert m[f"{key}_low"] <= m[key] <= m[f"{key}_high"], key
+    assert 0.0 <= m["base_sla_tuned.truncated"] <= 1.0
+    assert "base_sla_tuned_last.latency_vs_greedy" not in m and "base_sla_tuned.latency_vs_greedy" in m
     table = pd.read_csv(out / "table.csv")
     for column in ("win_rate", "mean_reward", "accuracy", "latency_vs_reference"):
         rows = table.dropna(subset=[column])
@@ -499,7 +589,89 @@ def test_benchmark_task_reports_intervals_everywhere(tiny_llama, tmp_path, monke
     assert "dpo.reward_channel_overhead_prompt" not in m  # the prefill is timed once, on the base policy
     report = (out / "report.md").read_text()
     assert "6 held-out prompts" in report and "first 2" in report and "on 3 interleaved pairs" in report
+    assert "## SLA tuning" in report and "chosen on 2 training prompts" in report
     assert "`*` marks" in report and " [" in report
     (artifact,) = [a for a in data.PENDING_ARTIFACTS if a.get("key") == "sla-benchmark"]
     cells = {(row["policy"], row["decoder"], row["versus"]): row for row in artifact["table"]}
     assert cells[("base", "sla", "base+greedy")]["win_rate"].startswith(f"{sla_row['win_rate']:.3g} [")
+
+
+def test_tuning_split_holds_no_trained_on_or_held_out_prompt():
+    """Tuning prompts: training prompts in order, without those the reward heads / DPO trained on and without any
+    whose question is a held-out one; disjoint from the held-out prompts."""
+    import pandas as pd
+
+    held_out = pd.DataFrame({"prompt_id": ["e0", "e1"], "question": ["What is 1 + 2?", "What is 2 + 3?"]})
+    train = pd.DataFrame({"prompt_id": [f"t{i}" for i in range(6)],
+                          "question": ["What is 1 + 2?", "What is 1 * 2?", "What is 2 * 2?", "What is 3 * 2?",
+                                       "What is 4 * 2?", "What is 5 * 2?"]})
+    split = tuning_split(train, held_out, trained_on={"t1", "t3"}, count=3)
+    assert split["prompt_id"].tolist() == ["t2", "t4", "t5"]
+    assert not set(split["question"]) & set(held_out["question"])
+    assert not set(split["prompt_id"]) & set(held_out["prompt_id"])
+    assert len(tuning_split(train, held_out, set(), count=10)) == 5
+
+
+def test_the_chosen_setting_is_the_best_streaming_one_on_the_tuning_scores():
+    """Hand-made tuning scores: the non-streaming setting wins but cannot be chosen (n > max_step); of the rest the
+    highest win rate wins, a tie goes to accuracy, a full tie to the first in grid order; greedy is never chosen."""
+    settings = {"sla_d2_k2_n10": SLASearch(2, 2, 10), "sla_d1_k4_n16": SLASearch(1, 4, 16),
+                "sla_d2_k3_n8": SLASearch(2, 3, 8), "sla_d1_k4_n64": SLASearch(1, 4, 64)}
+
+    def rows(*scores):
+        return [{"decoder": "greedy", "win_rate": 0.5, "accuracy": 0.9}] + [
+            {"decoder": name, "win_rate": w, "accuracy": a} for name, (w, a) in zip(settings, scores, strict=True)]
+
+    assert choose_setting(rows((0.5, 0.3), (0.7, 0.5), (0.6, 0.6), (0.9, 0.8)), settings, 16) == "sla_d1_k4_n16"
+    assert choose_setting(rows((0.5, 0.3), (0.7, 0.5), (0.6, 0.6), (0.9, 0.8)), settings, 64) == "sla_d1_k4_n64"
+    assert choose_setting(rows((0.7, 0.3), (0.7, 0.5), (0.6, 0.6), (0.9, 0.8)), settings, 16) == "sla_d1_k4_n16"
+    assert choose_setting(rows((0.7, 0.5), (0.7, 0.5), (0.6, 0.6), (0.9, 0.8)), settings, 16) == "sla_d2_k2_n10"
+    assert choose_setting(rows((0.4, 0.3), (0.4, 0.5), (0.3, 0.6), (0.9, 0.8)), settings, 10) == "sla_d2_k2_n10"
+    with pytest.raises(ValueError, match="step ≤ 4"):
+        choose_setting(rows((0.5, 0.3), (0.7, 0.5), (0.6, 0.6), (0.9, 0.8)), settings, 4)
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"sla": {"leaf_score": "first"}}, "sla.leaf_score"),
+    ({"sla_benchmark": {"tuning_grid": [[2, 0, 10]]}}, "sla_benchmark.tuning_grid.0.1"),
+    ({"sla_benchmark": {"tuning_grid": [[2, 2]]}}, "sla_benchmark.tuning_grid.0"),
+    ({"sla_benchmark": {"tuning_grid": []}}, "sla_benchmark.tuning_grid"),
+    ({"sla_benchmark": {"tuning_grid": [[1, 4, 64]], "tuning_max_step": 16}}, "no setting with step ≤ tuning_max"),
+    ({"sla_benchmark": {"tuning_prompts": -1}}, "sla_benchmark.tuning_prompts"),
+])
+def test_new_sla_keys_are_validated(params, message):
+    from foresight.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config(params)
+
+
+def test_new_sla_keys_defaults_and_streaming_only_grids():
+    from foresight.config import component, parse_config
+
+    cfg = parse_config({"sla_benchmark": {"tuning_grid": [[1, 4, 64]], "tuning_prompts": 0}})  # no tuning: no check
+    assert cfg.sla_benchmark.tuning_grid == [(1, 4, 64)]
+    defaults = parse_config({})
+    assert defaults.sla.leaf_score == "mean" and component(SLASearch, defaults.sla) == SLASearch()
+    assert all(step <= defaults.sla_benchmark.tuning_max_step for _, _, step in defaults.sla_benchmark.tuning_grid)
+
+
+def test_onpolicy_pairs_are_every_correct_incorrect_pair_of_distinct_base_outputs():
+    """Prompt 0: greedy and beam wrong with the same text, SLA right → one pair; prompt 1: all right → none; the
+    DPO policy's outputs and unknown correctness take no part."""
+    import pandas as pd
+
+    from tasks.sla import onpolicy_pairs
+
+    outputs = pd.DataFrame({
+        "policy": ["base"] * 6 + ["dpo", "base"],
+        "decoder": ["greedy", "beam", "sla", "greedy", "beam", "sla", "greedy", "top_k"],
+        "prompt_index": [0, 0, 0, 1, 1, 1, 0, 2],
+        "prompt_id": ["p0", "p0", "p0", "p1", "p1", "p1", "p0", "p2"],
+        "response": ["The answer is 5.", "The answer is 5.", "The answer is 7.", "7", "7.", "seven",
+                     "The answer is 9.", "x"],
+        "correct": pd.array([False, False, True, True, True, True, False, None], dtype="boolean"),
+    })
+    pairs = onpolicy_pairs(outputs, ["<prompt 0>", "<prompt 1>", "<prompt 2>"])
+    assert pairs.to_dict("records") == [{"prompt_id": "p0", "prompt": "<prompt 0>", "chosen": "The answer is 7.",
+                                         "rejected": "The answer is 5."}]

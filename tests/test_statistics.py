@@ -82,6 +82,18 @@ def test_ratio_of_means_and_paired_difference_by_hand():
     assert paired_difference([2.0, 5.0, 9.0], [1.0, 4.0, 8.0]) == Interval(1.0, 1.0, 1.0, 3)
 
 
+def test_paired_ratio_difference_by_hand():
+    """Two heads' hits on the same targets per sequence: (3 + 1 + 4) / 16 − (2 + 1 + 1) / 16 = 0.25; a head one hit
+    better in every sequence of equal length is better by exactly 1 / length whatever the resample."""
+    from foresight.statistics import paired_ratio_difference
+
+    difference = paired_ratio_difference([3, 1, 4], [2, 1, 1], [4, 4, 8])
+    assert difference.value == pytest.approx(0.25) and difference.n == 3
+    assert 0.0 <= difference.low <= 0.25 <= difference.high
+    constant = paired_ratio_difference([3, 5, 2, 4], [2, 4, 1, 3], [10, 10, 10, 10])
+    assert constant.low == pytest.approx(0.1) and constant.high == pytest.approx(0.1) and constant.excludes(0.0)
+
+
 def test_pairing_cancels_what_the_units_share():
     """A decoder 0.1 better on every prompt of a very mixed set: paired, that is significant; the two means'
     own intervals overlap widely (comparing them unpaired would see nothing)."""

@@ -48,6 +48,31 @@ def _train_on_two_ranks() -> None:
         assert torch.equal(gathered[0], gathered[1]) == through_wrapper, through_wrapper
 
 
+def _stop_together_on_two_ranks() -> None:
+    """Run by each of 2 processes: each rank sees its own held-out losses; the loop stops on their mean."""
+    from models.common.training import EarlyStopping
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    scripted = iter({0: [0.5, 0.3, 0.4, 0.45, 0.1], 1: [0.5, 0.5, 0.2, 0.45, 0.1]}[accelerator.process_index])
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    model = nn.Linear(4, 1)
+    _, history = train(model, data, _mse_step, model.parameters(), partial(torch.optim.SGD, lr=0.1),
+                       accelerator=accelerator, epochs=5, batch_size=2, seed=0,
+                       early_stopping=EarlyStopping(lambda m: next(scripted), patience=1))
+    # means 0.5, 0.4, 0.3, 0.45: best epoch 3, stopped after epoch 4 on both ranks (alone, rank 0 would stop
+    # after epoch 3 and rank 1 after epoch 2, and the ranks would wait for each other forever)
+    assert history["held_out_loss"] == pytest.approx([0.5, 0.4, 0.3, 0.45]), history["held_out_loss"]
+    assert history["best_epoch"] == [3]
+
+
+def test_early_stopping_decides_on_the_mean_over_processes():
+    launch = ("from accelerate import debug_launcher; from tests.test_training_loop import _stop_together_on_two_ranks; "
+              "debug_launcher(_stop_together_on_two_ranks, num_processes=2)")
+    result = subprocess.run([sys.executable, "-c", launch], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_gradients_are_all_reduced_across_processes():
     """Both ranks end with identical parameters, and would not if the step ran the unwrapped model.
 
@@ -115,3 +140,41 @@ def test_cosine_schedule_with_warmup_and_the_log():
     assert history["learning_rate"][:3] == pytest.approx([0.0, 0.5, 1.0])
     assert history["learning_rate"][-1] < 0.1
     assert seen == [(i + 1, 8, loss) for i, loss in enumerate(history["loss"])]
+
+
+def test_early_stopping_stops_after_patience_and_restores_the_best_epoch() -> None:
+    """Held-out losses scripted per epoch (0.5, 0.3, 0.4, 0.45, 0.1): with patience 2 training stops after epoch
+    4 (two epochs without a new best) and the parameters are those saved after epoch 2, not epoch 4's."""
+    from models.common.training import EarlyStopping
+
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
+    scripted = iter([0.5, 0.3, 0.4, 0.45, 0.1])
+    snapshots = []
+
+    def held_out_loss(m: nn.Module) -> float:
+        snapshots.append(m.weight.detach().clone())
+        return next(scripted)
+
+    trained, history = train(model, data, _mse_step, model.parameters(), partial(torch.optim.SGD, lr=0.1),
+                             accelerator=Accelerator(cpu=True), epochs=5, batch_size=4, seed=0,
+                             early_stopping=EarlyStopping(held_out_loss, patience=2))
+    assert history["held_out_loss"] == [0.5, 0.3, 0.4, 0.45]
+    assert history["best_epoch"] == [2]
+    assert len(history["loss"]) == 4 * 2  # 4 epochs of 2 batches ran, the fifth did not
+    assert not torch.equal(snapshots[1], snapshots[3])  # the parameters moved after the best epoch
+    torch.testing.assert_close(trained.weight.detach(), snapshots[1], rtol=0, atol=0)
+
+
+def test_early_stopping_min_delta_counts_small_gains_as_none() -> None:
+    from models.common.training import EarlyStopping
+
+    model = nn.Linear(2, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(4, 2), torch.randn(4, 1))
+    scripted = iter([1.0, 0.99, 0.985, 0.5])
+    _, history = train(model, data, _mse_step, model.parameters(), partial(torch.optim.SGD, lr=0.1),
+                       accelerator=Accelerator(cpu=True), epochs=4, batch_size=4, seed=0,
+                       early_stopping=EarlyStopping(lambda m: next(scripted), patience=2, min_delta=0.05))
+    assert history["held_out_loss"] == [1.0, 0.99, 0.985]
+    assert history["best_epoch"] == [1]

@@ -50,6 +50,11 @@ Sequences = list[tuple[list[int], list[int]]]
 
 
 def sft_sequences(tokenizer, responses: pd.DataFrame, max_length: int) -> Sequences:
-    """Prompt + response + end token of each row (``prompt`` is already templated)."""
-    return [tokenize_sequence(tokenizer, prompt, response, max_length)
-            for prompt, response in zip(responses["prompt"], responses["response"], strict=True)]
+    """Prompt + response of each row (``prompt`` is already templated), with the end token only where the policy
+    ended the response itself: a response cut at ``max_new_tokens`` (``finish_reason`` ``length``) keeps its cut
+    end, since an end token after the cut is text the policy never emits — learning it teaches a drafter to end
+    mid-sentence. Without a ``finish_reason`` column every response counts as ended."""
+    finished = (responses["finish_reason"] != "length" if "finish_reason" in responses
+                else pd.Series(True, index=responses.index))
+    return [tokenize_sequence(tokenizer, prompt, response, max_length, add_end=bool(ended))
+            for prompt, response, ended in zip(responses["prompt"], responses["response"], finished, strict=True)]

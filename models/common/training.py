@@ -16,13 +16,19 @@ stats)``; the loop owns what they would otherwise each write again:
 * the log: per step, every stat averaged over processes (``accelerator.reduce``) and the learning rate the
   step applied, a progress bar on the local main process, ``on_step`` on the main process;
 * the data order: batches are shuffled by a generator seeded with ``seed``. Seeding the model's
-  initialisation stays with the caller, who builds the model before handing it over.
+  initialisation stays with the caller, who builds the model before handing it over;
+* early stopping (:class:`EarlyStopping`): ``epochs`` is then a budget, not a schedule. After each epoch the
+  caller's held-out loss is measured; training stops once it has not improved for ``patience`` epochs and the
+  trained parameters go back to their best epoch. Budgets copied from 7–8B papers (a few epochs of a large
+  data set) are a handful of optimizer steps on this project's default data, where a module is still learning
+  when the run ends (docs/README.md, "Budgets"): with a held-out split the run decides how long it trains.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,6 +95,52 @@ def step_precision(accelerator: Accelerator, half: torch.dtype | None) -> Iterat
         yield
 
 
+@dataclass(frozen=True)
+class EarlyStopping:
+    """Stop when the held-out loss stops falling, and keep the best epoch's parameters."""
+
+    held_out_loss: Callable[[nn.Module], float]
+    """The loss of the (unwrapped) model on held-out data, measured after each epoch in inference mode; every
+    process must get the same value (all evaluate the same data; the value is averaged over them all the same)."""
+    patience: int = 1
+    """Epochs without a new best held-out loss before training stops."""
+    min_delta: float = 0.0
+    """An improvement smaller than this does not count as one."""
+
+
+class _BestEpoch:
+    """The trained parameters' values at the epoch of the lowest held-out loss (copies in float32)."""
+
+    def __init__(self, params: Sequence[nn.Parameter]):
+        self.params, self.values, self.loss, self.epoch, self.stale = list(params), None, float("inf"), 0, 0
+
+    def update(self, loss: float, epoch: int, min_delta: float) -> None:
+        if loss < self.loss - min_delta:
+            self.values = [p.detach().clone() for p in self.params]
+            self.loss, self.epoch, self.stale = loss, epoch, 0
+        else:
+            self.stale += 1
+
+    def restore(self) -> None:
+        if self.values is None:  # no epoch gave a finite held-out loss: keep the last parameters
+            return
+        with torch.no_grad():
+            for p, value in zip(self.params, self.values, strict=True):
+                p.copy_(value)
+
+
+def _held_out_loss(early_stopping: EarlyStopping, prepared: nn.Module, accelerator: Accelerator) -> float:
+    """The held-out loss of the model being trained, in inference mode, averaged over processes (so that all stop
+    together); the model goes back to training mode after."""
+    model = accelerator.unwrap_model(prepared)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():  # not inference_mode: tensors a module caches in its forward stay usable for training
+        loss = float(early_stopping.held_out_loss(model))
+    model.train(was_training)
+    return accelerator.reduce(torch.tensor([loss], dtype=torch.float64, device=accelerator.device), "mean").item()
+
+
 Step = Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, float | torch.Tensor]]]
 """``(prepared model, batch) -> (loss to minimise, stats to log)``; stats are scalars (floats or 1-element tensors)."""
 
@@ -98,17 +150,21 @@ def train(model: nn.Module, data, step: Step, params: Iterable[nn.Parameter] | I
           seed: int, warmup_ratio: float | None = None, collate_fn: Callable | None = None, desc: str = "training",
           show: Iterable[str] = ("loss",),
           on_step: Callable[[int, int, dict[str, float]], None] | None = None,
-          on_epoch_end: Callable[[int], None] | None = None) -> tuple[nn.Module, dict[str, list[float]]]:
+          on_epoch_end: Callable[[int], None] | None = None,
+          early_stopping: EarlyStopping | None = None) -> tuple[nn.Module, dict[str, list[float]]]:
     """Train ``params`` (parameters of ``model``, or param groups) for ``epochs`` passes over ``data``.
 
     ``optimizer``: builds the optimizer from the parameters, e.g. ``partial(torch.optim.AdamW, lr=1e-3,
     weight_decay=0.0)``. ``warmup_ratio``: the share of steps with linear warm-up before the cosine decay
     to 0; ``None`` keeps the rate constant. ``show``: the stats on the progress bar. ``on_step(step,
     num_steps, stats)`` runs on the main process after each optimizer step; ``on_epoch_end(epoch)`` on
-    every process (it may reduce across them).
+    every process (it may reduce across them). ``early_stopping``: ``epochs`` becomes the most epochs to run
+    (the schedule still spans them all); training ends after ``patience`` epochs without a new best held-out
+    loss, the trained parameters set back to the best epoch's.
 
     Returns the unwrapped model (trained parameters back in their own dtype) and the history: per step,
-    ``learning_rate`` and each stat.
+    ``learning_rate`` and each stat; with early stopping also ``held_out_loss`` per epoch run and
+    ``best_epoch`` (one value, counted from 1).
     """
     from transformers import get_cosine_schedule_with_warmup
 
@@ -133,6 +189,7 @@ def train(model: nn.Module, data, step: Step, params: Iterable[nn.Parameter] | I
         history: dict[str, list[float]] = {"learning_rate": []}
         local_steps = epochs * len(loader)  # this process's share of num_steps
         bar = tqdm(total=local_steps, desc=desc, unit="step", disable=not accelerator.is_local_main_process)
+        best = _BestEpoch(trained) if early_stopping is not None else None
         for epoch in range(epochs):
             for batch in loader:
                 with step_precision(accelerator, half):
@@ -158,5 +215,14 @@ def train(model: nn.Module, data, step: Step, params: Iterable[nn.Parameter] | I
                     on_step(bar.n, local_steps, logged)
             if on_epoch_end is not None:
                 on_epoch_end(epoch)
+            if best is not None:
+                loss = _held_out_loss(early_stopping, prepared, accelerator)
+                history.setdefault("held_out_loss", []).append(loss)
+                best.update(loss, epoch + 1, early_stopping.min_delta)
+                if best.stale >= early_stopping.patience:
+                    break
         bar.close()
+        if best is not None:
+            best.restore()
+            history["best_epoch"] = [best.epoch]
     return accelerator.unwrap_model(prepared), history

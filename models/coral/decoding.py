@@ -141,10 +141,12 @@ def target_aware_tree_forward(model, tokens: torch.Tensor, tree: Tree, cache: Dy
     return _Forward(tokens, offsets, row_of, log_probs, log_probs[:, tokens].cpu(), entropy.cpu())
 
 
-def _path_scores(forward: _Forward, path: list[int], settings: CoralDecoding) -> tuple[float, list[float]]:
-    """Eq. 6 + eq. 7 averaged over the path's block tokens, and eq. 8's acceptance score of each of them."""
+def _path_scores(forward: _Forward, path: list[int], settings: CoralDecoding
+                 ) -> tuple[float, list[float], list[float]]:
+    """Eq. 6 + eq. 7 averaged over the path's block tokens, eq. 8's acceptance score of each of them, and each one's
+    next-token probability p(y_j | y≤j−1)."""
     threshold_scale = math.sqrt(settings.epsilon)
-    scores, confidences = [], []
+    scores, confidences, next_token = [], [], []
     for d in range(1, len(path)):
         node = path[d]
         verify_rows = [(1, forward.row(path[d - 1], 1))] + [
@@ -163,8 +165,10 @@ def _path_scores(forward: _Forward, path: list[int], settings: CoralDecoding) ->
         scores.append(v + v_cd)
         threshold = torch.clamp(threshold_scale * torch.exp(-forward.entropy[rows]), max=settings.epsilon)
         votes = int((log_p.exp() > threshold).sum())  # eq. 8
-        confidences.append(votes / (settings.backward_window + 2))
-    return (sum(scores) / len(scores) if scores else 0.0), confidences
+        voters = settings.backward_window + 2 if settings.confidence_over == "window" else len(verify_rows)
+        confidences.append(votes / voters)
+        next_token.append(math.exp(float(log_p[0])))
+    return (sum(scores) / len(scores) if scores else 0.0), confidences, next_token
 
 
 def _predictions_after(forward: _Forward, path: list[int], confidences: list[float], first_position: int,
@@ -247,11 +251,14 @@ class CoralVerifier:
 
     def __call__(self, draft: BlockDraft, out: _Forward) -> CoralVerdict:
         paths = [[n for n in p.tolist() if n >= 0] for p in draft.tree.paths]
-        (_, confidences), path = max(((_path_scores(out, p, self.settings), p) for p in paths),
-                                     key=lambda item: item[0][0])
+        (_, confidences, next_token), path = max(((_path_scores(out, p, self.settings), p) for p in paths),
+                                                 key=lambda item: item[0][0])
+        # eq. 8's score, or (accept_next_token) the larger of it and the next-token probability, as COrAL's code does
+        chances = [max(c, p) if self.settings.accept_next_token else c
+                   for c, p in zip(confidences, next_token, strict=True)]
         accepted = 0
-        for confidence in confidences:  # draws after an end token change nothing: the loop stops there
-            if float(torch.rand((), generator=self.generator)) >= confidence:
+        for chance in chances:  # draws after an end token change nothing: the loop stops there
+            if float(torch.rand((), generator=self.generator)) >= chance:
                 break
             accepted += 1
         self.stalled = 0 if accepted else self.stalled + 1

@@ -135,6 +135,47 @@ def target_aware_hidden(model, input_ids: torch.Tensor, offsets: Sequence[int],
     return hidden.view(batch, len(offsets), length, -1)  # (B, O, T, H)
 
 
+class _Capture(nn.Module):
+    """Stands in for the last decoder layer: records the hidden states it is given and passes them on."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self.hidden_states = hidden_states
+        return hidden_states
+
+
+@torch.no_grad()
+def last_layer_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The trunk's output (B, T, H): the hidden states the last decoder layer reads (the embeddings and every
+    layer but the last). Stage 1 trains the last layer alone, so this is computed once per sequence and reused
+    (:func:`last_layer_hidden`)."""
+    decoder = _decoder(model)
+    last, capture = decoder.layers[-1], _Capture()
+    decoder.layers[-1] = capture
+    try:
+        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        decoder.layers[-1] = last
+    return capture.hidden_states  # (B, T, H)
+
+
+def last_layer_hidden(model, layer_input: torch.Tensor, attention_mask: torch.Tensor, offsets: Sequence[int]
+                      ) -> torch.Tensor:
+    """:func:`target_aware_hidden` of right-padded sequences from their trunk output ``layer_input`` (B, T, H)
+    (:func:`last_layer_inputs`): the target-aware last layer and the final norm only, with the mask and positions
+    the full forward builds. (B, O, T, H)."""
+    from transformers.masking_utils import create_causal_mask
+
+    decoder = _decoder(model)
+    batch, length, _ = layer_input.shape
+    position_ids = torch.arange(length, device=layer_input.device)[None]  # (1, T)
+    mask = create_causal_mask(config=decoder.config, inputs_embeds=layer_input, attention_mask=attention_mask,
+                              cache=None, position_ids=position_ids)
+    layer = TargetAwareLayer(decoder.layers[-1], decoder.rotary_emb, offsets)
+    hidden = layer(layer_input, attention_mask=mask, position_ids=position_ids,
+                   position_embeddings=decoder.rotary_emb(layer_input, position_ids))  # (B, O·T, H)
+    return decoder.norm(hidden).view(batch, len(offsets), length, -1)  # (B, O, T, H)
+
+
 def target_aware_logits(model, input_ids: torch.Tensor, offsets: Sequence[int], **kwargs) -> torch.Tensor:
     """Logits per offset, (B, O, T, V): every position at every offset (for tests and small inputs)."""
     return model.get_output_embeddings()(target_aware_hidden(model, input_ids, offsets, **kwargs))
@@ -254,21 +295,34 @@ def weighted_offset_loss(per_offset: torch.Tensor, counts: torch.Tensor, weights
     return (weights * per_offset).sum() / weights.sum().clamp(min=1e-12)
 
 
+def offset_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, offsets: Sequence[int],
+                  layer_input: torch.Tensor | None = None, detach_input: bool = False) -> torch.Tensor:
+    """(B, O, T, H) of right-padded sequences: the full target-aware forward, or — given ``layer_input``, the
+    trunk's output for these ids (:func:`last_layer_inputs`) — the last layer alone (no gradient below it either
+    way when ``detach_input``)."""
+    if layer_input is not None:
+        return last_layer_hidden(model, layer_input, attention_mask, offsets)
+    return target_aware_hidden(model, input_ids, offsets, attention_mask=attention_mask, detach_input=detach_input)
+
+
 def forward_prediction_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                            response_mask: torch.Tensor, offsets: Sequence[int] = FORWARD_OFFSETS):
-    """Clean sequences: predict the response token at m + o from the context ≤ m, o ∈ ``offsets``."""
-    hidden = target_aware_hidden(model, input_ids, offsets, attention_mask=attention_mask)  # (B, O, T, H)
+                            response_mask: torch.Tensor, offsets: Sequence[int] = FORWARD_OFFSETS,
+                            layer_input: torch.Tensor | None = None):
+    """Clean sequences: predict the response token at m + o from the context ≤ m, o ∈ ``offsets``. ``layer_input``:
+    the trunk's cached output for ``input_ids`` (stage 1), else the full forward runs."""
+    hidden = offset_hidden(model, input_ids, attention_mask, offsets, layer_input)  # (B, O, T, H)
     targets, valid = offset_targets(input_ids, response_mask, offsets)
     return offset_cross_entropy(hidden, model.get_output_embeddings(), targets, valid)
 
 
 def backward_reconstruction_loss(model, corrupted_ids: torch.Tensor, clean_ids: torch.Tensor,
                                  attention_mask: torch.Tensor, corrupted_mask: torch.Tensor,
-                                 offsets: Sequence[int] = BACKWARD_OFFSETS):
+                                 offsets: Sequence[int] = BACKWARD_OFFSETS, layer_input: torch.Tensor | None = None):
     """Corrupted sequences: reconstruct the clean token at m + o (o ≤ 0) from the corrupted context ≤ m, loss on
-    corrupted positions only (like BERT); the gradient stops below the last layer (as in COrAL's code)."""
-    hidden = target_aware_hidden(model, corrupted_ids, offsets, attention_mask=attention_mask,
-                                 detach_input=True)  # (B, O, T, H)
+    corrupted positions only (like BERT); the gradient stops below the last layer (as in COrAL's code).
+    ``layer_input``: the trunk's cached output for ``corrupted_ids`` (stage 1), else the full forward runs."""
+    hidden = offset_hidden(model, corrupted_ids, attention_mask, offsets, layer_input,
+                           detach_input=True)  # (B, O, T, H)
     targets, valid = offset_targets(clean_ids, corrupted_mask, offsets)
     valid &= attention_mask.bool()[:, None, :]  # the predicting position must be a real token
     return offset_cross_entropy(hidden, model.get_output_embeddings(), targets, valid)

@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from models.common.sequences import padding_id, right_pad, tokenize_sequence
+from models.common.sequences import padding_id, right_pad, sft_sequences
 from models.common.training import train
 from models.engine.policy import Policy
 from models.medusa.config import MedusaTraining, RLMedusaCandidates
@@ -222,8 +222,7 @@ def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaTraining, rl_
     tok, model = policy.tokenizer, policy.model
     lm_head = model.get_output_embeddings()
     generator = torch.Generator().manual_seed(cfg.seed)  # on the CPU: the same RL candidates on any device
-    sequences = [tokenize_sequence(tok, p, r, cfg.max_length, add_end=finish == "eos")
-                 for p, r, finish in zip(samples["prompt"], samples["response"], samples["finish_reason"], strict=True)]
+    sequences = sft_sequences(tok, samples, cfg.max_length)
     parts: dict[str, list[torch.Tensor]] = {name: [] for name in INDEX_FIELDS}
     rows_so_far = 0
     folder = Path(folder)

@@ -24,12 +24,12 @@ class MTPRLTraining:
 
     steps: int = 3  # RL steps (one rollout phase and one update each)
     prompts_per_step: int = 1  # a multiple of the number of processes: each rolls out an equal share
-    group_size: int = 3  # G: rollouts per prompt, advantages normalised within each group
+    group_size: int = 8  # G: rollouts per prompt, advantages normalised within each group
     temperature: float = 0.8  # rollout sampling temperature (no top-k / top-p)
     max_new_tokens: int = 64  # longest rollout
     rollout_batch_size: int | None = None  # rollouts sampled together (None: a step's share in one batch)
     update_batch_size: int | None = None  # rollouts per forward/backward of the update (None: all of a step's)
-    learning_rate: float = 2.0e-6  # AdamW, the policy
+    learning_rate: float = 3.0e-5  # AdamW, the policy (2e-6 left a 135M policy where it was, docs/mtp.md)
     mtp_learning_rate: float = 1.0e-4  # AdamW, the MTP module (variants that train it)
     epsilon_low: float = 0.2  # ratio clipped below at 1 − ε_low
     epsilon_high: float = 0.28  # ratio clipped above at 1 + ε_high (DAPO's clip-higher)
@@ -53,8 +53,9 @@ class MTPTraining:
 
     ce_weights: tuple[float, ...] = (0.6, 0.3, 0.1)  # λ_1 … λ_K (the paper's); deeper depths reuse the last
     init: MTPInit = "last_layer"
-    learning_rate: float = 5.0e-4  # peak rate (the paper: 5e-5 over 5 epochs of ~113k responses)
-    epochs: int = 2
+    learning_rate: float = 1.0e-3  # peak rate (the paper: 5e-5 over 5 epochs of ~113k responses)
+    epochs: int = 8  # the most epochs: with a held-out split, training stops when its loss stops falling
+    patience: int = 1  # epochs without a new best held-out loss before training stops
     batch_size: int = 8  # sequences per step
     warmup_ratio: float = 0.1  # linear warm-up share of the steps, cosine decay after
     seed: int = 0  # shuffling and the module's initialisation

@@ -25,6 +25,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     return ((grouped - mean) / (std + eps)).view(-1)
 
 
+def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) bool: the groups whose rewards are all equal (TRL's ``is_std_zero``), rewards (N·G,) laid out group by
+    group. Their advantages are all 0: they give GRPO no gradient."""
+    grouped = rewards.view(-1, group_size)  # (N, G)
+    return grouped.amax(dim=1) == grouped.amin(dim=1)
+
+
 def clipped_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
                         completion_mask: torch.Tensor, epsilon_low: float = 0.2, epsilon_high: float = 0.28
                         ) -> tuple[torch.Tensor, torch.Tensor]:

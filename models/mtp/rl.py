@@ -48,7 +48,7 @@ from models.engine.config import Adaptation
 from models.engine.policy import Policy
 from models.engine.speculative import AdaptiveDrafting, SpeculativeStats
 from models.mtp.config import MTPRLTraining, VariantName
-from models.mtp.grpo import group_advantages, grpo_loss, token_logps
+from models.mtp.grpo import group_advantages, grpo_loss, token_logps, zero_std_groups
 from models.mtp.module import (
     MTPModule,
     advantage_aware_kl,
@@ -110,6 +110,9 @@ class RolloutCounts:
     cycle_tokens: int  # tokens those cycles produced, each cycle's bonus token included
     drafted: int  # draft tokens offered for verification
     accepted: int  # of which accepted
+    # the policy forwards each row took part in, summed over the rows (prefills included; plain sampling: one per
+    # token): tokens / forwards = tokens per target forward, plain steps and draft–verify cycles alike
+    forwards: int
     rows: int = 1  # rollouts in the batch
 
 
@@ -227,18 +230,19 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
         if module is None:
             tokens = sample_plainly(model, prompt_ids[rows], cfg.max_new_tokens, eos_token_ids, cfg.temperature,
                                     generators[start])
-            rows_stats = [SpeculativeStats(generated_tokens=len(t)) for t in tokens]
+            rows_stats = [SpeculativeStats(forwards=len(t), generated_tokens=len(t)) for t in tokens]
         else:
             tokens, rows_stats = sample_speculatively(model, draft_base, draft_module, prompt_ids[rows],
                                                       cfg.max_new_tokens, eos_token_ids, cfg.temperature,
                                                       cfg.draft_temperature, generators[rows], drafting)
         # the tokens are lists: the batch's device work is done when the clock is read
         counts.append(RolloutCounts(time.perf_counter() - batch_started, sum(map(len, tokens)),
-                                    *_draft_counters(rows_stats), rows=len(tokens)))
+                                    *_batch_counters(rows_stats), rows=len(tokens)))
         for row in rows_stats:
             stats.accepted_lengths += row.accepted_lengths
             stats.drafted_tokens += row.drafted_tokens
             stats.accepted_drafts += row.accepted_drafts
+            stats.forwards += row.forwards
         completions += tokens
         for _ in tokens:
             if on_rollout is not None:
@@ -250,10 +254,11 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
     return Rollouts(prompt_ids, completions, rewards, scoring - started, stats, time.perf_counter() - scoring, counts)
 
 
-def _draft_counters(rows: Sequence[SpeculativeStats]) -> tuple[int, int, int, int]:
-    """The cycles, cycle tokens, drafted and accepted drafts of a batch's rows, summed (:class:`RolloutCounts`)."""
+def _batch_counters(rows: Sequence[SpeculativeStats]) -> tuple[int, int, int, int, int]:
+    """The cycles, cycle tokens, drafted and accepted drafts and forwards of a batch's rows, summed
+    (:class:`RolloutCounts`)."""
     return (sum(len(s.accepted_lengths) for s in rows), sum(sum(s.accepted_lengths) for s in rows),
-            sum(s.drafted_tokens for s in rows), sum(s.accepted_drafts for s in rows))
+            sum(s.drafted_tokens for s in rows), sum(s.accepted_drafts for s in rows), sum(s.forwards for s in rows))
 
 
 def rollout_batch(rollouts: Rollouts, pad_token_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -377,19 +382,23 @@ def process_share(prompts_per_step: int, accelerator: Accelerator) -> slice:
     return slice(accelerator.process_index * share, (accelerator.process_index + 1) * share)
 
 
-def step_record(step: int, rollouts: Rollouts, advantages: torch.Tensor, stats: dict[str, float], drafts: bool,
-                update_seconds: float, accelerator: Accelerator) -> dict:
+def step_record(step: int, rollouts: Rollouts, advantages: torch.Tensor, group_size: int,
+                stats: dict[str, float], drafts: bool, update_seconds: float, accelerator: Accelerator) -> dict:
     """The step's numbers over every process: rollout counts summed, the rollout and scoring phases' wall times
-    the slowest process's, the loss terms (each process's share) summed. ``reward``: the mean reward.
-    ``rollouts``: every rollout's :class:`RolloutCounts`, the processes' in process order (so in prompt order)."""
+    the slowest process's, the loss terms (each process's share) summed. ``reward``: the mean reward;
+    ``nonzero_advantage_share``: the share of groups whose rewards differ (the others give no gradient);
+    ``tokens_per_forward``: rollout tokens per policy forward of a row (1 for plain sampling). ``rollouts``: every
+    rollout batch's :class:`RolloutCounts`, the processes' in process order (so in prompt order)."""
     from accelerate.utils import gather_object
 
     counters = rollouts.stats
+    flat = zero_std_groups(rollouts.rewards, group_size)  # (N,)
     local = torch.tensor([rollouts.rewards.sum().item(), len(rollouts.rewards),
                           sum(len(c) for c in rollouts.completion_ids), advantage_mask(advantages).sum().item(),
+                          len(flat), int((~flat).sum()), counters.forwards,
                           len(counters.accepted_lengths), sum(counters.accepted_lengths), counters.drafted_tokens,
                           counters.accepted_drafts, *stats.values()], dtype=torch.float64, device=accelerator.device)
-    (reward, count, tokens, positive, cycles, cycle_tokens, drafted, accepted, *terms) = \
+    (reward, count, tokens, positive, groups, mixed, forwards, cycles, cycle_tokens, drafted, accepted, *terms) = \
         accelerator.reduce(local, "sum").tolist()
     seconds, reward_seconds = accelerator.gather(torch.tensor([[rollouts.seconds, rollouts.reward_seconds]],
                                                               device=accelerator.device)).max(dim=0).values.tolist()
@@ -397,6 +406,7 @@ def step_record(step: int, rollouts: Rollouts, advantages: torch.Tensor, stats: 
     return {"step": step, "rollout_seconds": seconds, "reward_seconds": reward_seconds,
             "update_seconds": update_seconds, "rollout_tokens": int(tokens), "rollout_tokens_per_s": tokens / seconds,
             "reward": reward / count, "positive_advantage_share": positive / count,
+            "nonzero_advantage_share": mixed / groups, "tokens_per_forward": tokens / forwards,
             "cycles": int(cycles) if drafts else int(tokens),
             "tau": (cycle_tokens / cycles if cycles else nan) if drafts else 1.0,
             "acceptance_rate": (accepted / drafted if drafted else nan) if drafts else 0.0,
@@ -506,7 +516,7 @@ def _train(trained, tokenizer, module: MTPModule | None, var: Variant, prompts: 
                 optimizer.step()
                 optimizer.zero_grad()
             model.eval()
-            record = step_record(step + 1, rollouts, advantages, stats, var.drafts,
+            record = step_record(step + 1, rollouts, advantages, cfg.group_size, stats, var.drafts,
                                  time.perf_counter() - update_started, accelerator)
             history.append(record)
             if on_step is not None:

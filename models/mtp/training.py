@@ -125,13 +125,18 @@ def _collate(rows: list[tuple[list[int], list[int], torch.Tensor]], pad: int) ->
 
 def train_mtp_module(policy: Policy, sequences: Sequences, hidden: Sequence[torch.Tensor], num_depths: int,
                      cfg: MTPTraining, accelerator: Accelerator | None = None,
-                     on_step: Callable[[int, int, dict[str, float]], None] | None = None
+                     on_step: Callable[[int, int, dict[str, float]], None] | None = None,
+                     held_out: tuple[Sequences, Sequence[torch.Tensor]] | None = None
                      ) -> tuple[MTPModule, dict[str, list[float]]]:
     """A fresh K-depth module trained on ``sequences`` (response tokens as targets) with the main model frozen.
+    With ``held_out`` (sequences and their states) ``cfg.epochs`` is a budget: training stops once eq. 1's loss on
+    them has not fallen for ``cfg.patience`` epochs, and the module keeps its best epoch's weights.
     Returns it (eval mode, no gradients) and the per-step history: the learning rate, the loss and each
-    depth's cross-entropy."""
+    depth's cross-entropy (with ``held_out``: also ``held_out_loss`` per epoch and ``best_epoch``)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
+
+    from models.common.training import EarlyStopping
 
     if not sequences:
         raise ValueError("no sequences to train the MTP module on")
@@ -140,18 +145,28 @@ def train_mtp_module(policy: Policy, sequences: Sequences, hidden: Sequence[torc
     base = policy.model.requires_grad_(False).eval()
     module = MTPModule(base, MTPModuleConfig(num_depths=num_depths, init=cfg.init)).train()
     weights = depth_weights(cfg.ce_weights, num_depths)
+    collate = partial(_collate, pad=padding_id(policy.tokenizer))
 
     def step(module: MTPModule, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         states = module(base, batch["input_ids"], batch["hidden"].to(base.dtype))
         loss, per_depth = mtp_cross_entropy(base, states, batch["input_ids"], batch["response_mask"], weights)
         return loss, {"loss": loss.detach(), **{f"ce_depth_{k}": v for k, v in enumerate(per_depth, start=1)}}
 
+    def held_out_loss(module: MTPModule) -> float:
+        """Eq. 1's loss over the held-out sequences, batch losses weighted by their response tokens."""
+        total = tokens = 0.0
+        loader = torch.utils.data.DataLoader(_Rows(*held_out), batch_size=cfg.batch_size, collate_fn=collate)
+        for batch in loader:
+            count = float(batch["response_mask"].sum())
+            total, tokens = total + float(step(module, batch)[0]) * count, tokens + count
+        return total / tokens
+
     module, history = train(
         module, _Rows(sequences, hidden), step, module.parameters(),
         partial(torch.optim.AdamW, lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=0.0),
         accelerator=accelerator, epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed,
-        warmup_ratio=cfg.warmup_ratio, collate_fn=partial(_collate, pad=padding_id(policy.tokenizer)),
-        desc=f"MTP equip (K = {num_depths})", on_step=on_step)
+        warmup_ratio=cfg.warmup_ratio, collate_fn=collate, desc=f"MTP equip (K = {num_depths})", on_step=on_step,
+        early_stopping=EarlyStopping(held_out_loss, cfg.patience) if held_out is not None else None)
     return module.eval().requires_grad_(False), history
 
 

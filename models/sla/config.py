@@ -7,6 +7,11 @@ their defaults from here, so loading the params never loads model code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+LeafScore = Literal["mean", "last"]
+"""How SLA scores a leaf: ``mean`` R' over its response so far (the authors' code), or ``last``: R' at its last
+token (Algorithm 2's text)."""
 
 
 @dataclass(frozen=True)
@@ -43,3 +48,4 @@ class SLASearch:
     depth: int = 2  # d: levels searched below the committed text (0 = plain greedy)
     width: int = 2  # k: children per expanded node
     step: int = 10  # n: tokens decoded greedily per node
+    leaf_score: LeafScore = "mean"  # a leaf's score: mean R' over its response so far | R' at its last token

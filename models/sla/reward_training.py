@@ -189,17 +189,37 @@ def score_pairs(model: RewardTransformer, tokenizer, pairs: pd.DataFrame, max_le
 
     Runs on the model's device in one process (held-out sets are small).
     """
-    loader = _pair_loader(tokenizer, pairs, max_length, batch_size)
     device = next(model.head.parameters()).device
     scored = PairRewards(chosen=[], rejected=[])
-    for batch in loader:
+    for batch in _pair_loader(tokenizer, pairs, max_length, batch_size):
         rewards = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
                         logits_to_keep=1).rewards.float().cpu()  # (2B, T) or (2B, T, H)
-        per_response = [row[mask.bool()] for row, mask in zip(rewards, batch["response_mask"], strict=True)]
-        half = len(per_response) // 2
-        scored.chosen += per_response[:half]
-        scored.rejected += per_response[half:]
+        _add_sides(scored, [row[mask.bool()] for row, mask in zip(rewards, batch["response_mask"], strict=True)])
     return scored
+
+
+@torch.no_grad()
+def score_pairs_by_logprob(policy: nn.Module, tokenizer, pairs: pd.DataFrame, max_length: int,
+                           batch_size: int = 8) -> PairRewards:
+    """The policy's own token-level score of each pair: log π(y_t | x, y_<t) of every response token (end token
+    included), (T,) per response. Its mean ranks a pair the way eq. 17's mean reward does (:func:`pair_wins`): the
+    baseline ranker a trained reward head has to beat."""
+    device = next(policy.parameters()).device
+    scored = PairRewards(chosen=[], rejected=[])
+    for batch in _pair_loader(tokenizer, pairs, max_length, batch_size):
+        input_ids = batch["input_ids"].to(device)  # (2B, T)
+        logits = policy(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device)).logits[:, :-1]
+        token_logps = logits.float().log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0].cpu()  # (2B, T − 1)
+        masks = batch["response_mask"][:, 1:].bool()  # token t is predicted at t − 1; token 0 is never a response's
+        _add_sides(scored, [row[mask] for row, mask in zip(token_logps, masks, strict=True)])
+    return scored
+
+
+def _add_sides(scored: PairRewards, per_response: list[torch.Tensor]) -> None:
+    """Append a batch's per-response values (the B chosen rows, then the B rejected rows) to ``scored``."""
+    half = len(per_response) // 2
+    scored.chosen += per_response[:half]
+    scored.rejected += per_response[half:]
 
 
 def pair_wins(scored: PairRewards) -> np.ndarray:

@@ -11,7 +11,8 @@ One prompt (batch size 1). Below the committed text C sits a balanced tree of de
   early on an end token (it is then *finished*: never extended again, its segment is shorter).
 * **Self-evaluation** — a leaf's score is the mean reward R' over its whole response so far (every
   token generated since the prompt, committed ones included, up to the leaf's last token). This is
-  what the authors' code does; Algorithm 2's text says "R' at the last token".
+  what the authors' code does; Algorithm 2's text says "R' at the last token", which
+  ``SLASearch.leaf_score = "last"`` selects (an ablation).
 * **Backup** — Q(node) = max over the leaves of its subtree (a finished node is a leaf of its own).
 * **Action** — the first-level child with the largest Q; ties go to the lower index, i.e. the more
   probable forked token, so decoding is deterministic.
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.engine.generation import left_pad
-from models.sla.config import SLASearch
+from models.sla.config import LeafScore, SLASearch
 from models.sla.reward_transformer import RewardTransformer
 
 
@@ -70,6 +71,7 @@ class Node:
     tokens: list[int]  # the segment (empty for the initial root)
     reward_sum: float  # Σ R' over the whole response up to the segment's last token
     reward_count: int  # how many response tokens that sum covers
+    last_reward: float = 0.0  # R' at the segment's last token (0 for the initial root, which is never scored)
     finished: bool = False  # the segment ended with an end token
     parent: Node | None = None
     children: list[Node] = field(default_factory=list)
@@ -77,10 +79,9 @@ class Node:
     next_tokens: list[int] = field(default_factory=list)  # top-k next tokens after the segment (unfinished only)
     prompt: int = 0  # which prompt's tree the node belongs to
 
-    @property
-    def score(self) -> float:
-        """Mean R' over the response so far (the leaf score)."""
-        return self.reward_sum / max(self.reward_count, 1)
+    def score(self, leaf_score: LeafScore = "mean") -> float:
+        """The leaf score: mean R' over the response so far (``mean``), or R' at the node's last token (``last``)."""
+        return self.reward_sum / max(self.reward_count, 1) if leaf_score == "mean" else self.last_reward
 
 
 @dataclass
@@ -199,7 +200,8 @@ def expand(model: RewardTransformer, level: Level, width: int, step: int, eos_to
     for b, (tokens, rewards, next_tokens) in enumerate(segments):
         parent = parents[b // width]
         child = Node(tokens=tokens, reward_sum=parent.reward_sum + sum(rewards),
-                     reward_count=parent.reward_count + len(rewards), finished=tokens[-1] in eos_token_ids,
+                     reward_count=parent.reward_count + len(rewards), last_reward=rewards[-1],
+                     finished=tokens[-1] in eos_token_ids,
                      parent=parent, row=b, next_tokens=next_tokens, prompt=parent.prompt)
         parent.children.append(child)
         children.append(child)
@@ -208,16 +210,16 @@ def expand(model: RewardTransformer, level: Level, width: int, step: int, eos_to
     return Level(cache, children, mask)
 
 
-def backup(node: Node) -> float:
+def backup(node: Node, leaf_score: LeafScore = "mean") -> float:
     """Q(node): the best leaf score in its subtree (a leaf's Q is its own score)."""
     if not node.children:
-        return node.score
-    return max(backup(child) for child in node.children)
+        return node.score(leaf_score)
+    return max(backup(child, leaf_score) for child in node.children)
 
 
-def select_action(root: Node) -> int:
+def select_action(root: Node, leaf_score: LeafScore = "mean") -> int:
     """Index of the first-level child with the largest Q; ties → the lowest index (the likelier token)."""
-    q = [backup(child) for child in root.children]
+    q = [backup(child, leaf_score) for child in root.children]
     return max(range(len(q)), key=q.__getitem__)  # max keeps the first of equal values
 
 
@@ -259,7 +261,7 @@ def _search(model: RewardTransformer, prompts: list[torch.Tensor], cfg: SLASearc
     while roots:
         decided, next_roots = [], []
         for root in roots:
-            chosen = root.children[select_action(root)]
+            chosen = root.children[select_action(root, cfg.leaf_score)]
             chunk = chosen.tokens[: max_new_tokens - committed[root.prompt]]
             committed[root.prompt] += len(chunk)
             stats.committed_tokens += len(chunk)

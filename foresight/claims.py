@@ -1,0 +1,304 @@
+"""The claims table: one row per central claim of each paper, judged from this run's stage metrics.
+
+Each row gives the paper's figure (their model and scale), ours with its 95 % interval (the stage metrics'
+``key``, ``key_low``, ``key_high``), a verdict, and — where the claim does not hold — the measured reason, read from
+the same metrics. A verdict is a rule fixed here before any run (:data:`CLAIMS`), never a number typed in:
+
+* ``holds``: the interval says so (e.g. a win rate whose lower end is above 0.5);
+* ``does not hold``: the interval says otherwise (the point estimate alone never decides);
+* ``undecided``: the interval is too wide to decide at this scale (the study profile's larger sets narrow it);
+* ``not measured``: the stage or the setting that measures it did not run (``not run`` says which metric is
+  missing).
+
+The paper's setting is always reported; where this project also runs a setting of its own (chosen on training or
+validation data only, never on the benchmark's prompts), that is a separate row labelled ``ours``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+Metrics = Mapping[str, Mapping[str, float]]
+"""Every stage's metrics, by stage name (``flows.pipeline.stage_metrics``)."""
+
+HOLDS, FAILS, UNDECIDED, NOT_MEASURED = "holds", "does not hold", "undecided", "not measured"
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A metric with its interval (low = high = value when the stage reports none)."""
+
+    value: float
+    low: float
+    high: float
+
+    def __str__(self) -> str:
+        if math.isnan(self.low) or (self.low == self.value == self.high):
+            return f"{self.value:.3g}"
+        return f"{self.value:.3g} [{self.low:.3g}, {self.high:.3g}]"
+
+
+class Missing(LookupError):
+    """A metric the claim needs is not in this run's metrics (its stage or setting did not run)."""
+
+
+def figure(metrics: Metrics, stage: str, key: str) -> Figure:
+    """``stage``'s metric ``key`` with its interval; :class:`Missing` when absent."""
+    values = metrics.get(stage, {})
+    if key not in values or values[key] is None:
+        raise Missing(f"{stage}: {key}")
+    value = float(values[key])
+    return Figure(value, float(values.get(f"{key}_low", value)), float(values.get(f"{key}_high", value)))
+
+
+def value(metrics: Metrics, stage: str, key: str) -> float:
+    return figure(metrics, stage, key).value
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ours: str
+    """Our figure(s), with intervals."""
+    status: str
+    """:data:`HOLDS`, :data:`FAILS`, :data:`UNDECIDED` or :data:`NOT_MEASURED`."""
+    reason: str = ""
+    """What was measured that explains the verdict (always given unless the claim holds)."""
+
+
+def above(f: Figure, threshold: float) -> str:
+    """Holds when the whole interval lies above ``threshold``, fails when it lies wholly at or below it."""
+    return HOLDS if f.low > threshold else FAILS if f.high <= threshold else UNDECIDED
+
+
+def at_least(f: Figure, threshold: float) -> str:
+    """Holds when the point estimate reaches ``threshold`` and the interval does not exclude it from above... i.e.
+    the interval's upper end is at or above the threshold; fails when the whole interval lies below it."""
+    return HOLDS if f.value >= threshold else FAILS if f.high < threshold else UNDECIDED
+
+
+@dataclass(frozen=True)
+class Claim:
+    paper: str
+    claim: str
+    paper_figure: str
+    """The paper's own figure, with its model and setting."""
+    setting: str
+    """``paper`` (the paper's setting), or ``ours: …`` (a setting this project chose on non-benchmark data)."""
+    judge: Callable[[Metrics], Verdict]
+
+
+def judged(claim: Claim, metrics: Metrics) -> dict[str, str]:
+    """One row of the table: the claim, the paper's figure, ours, the verdict and the reason."""
+    try:
+        verdict = claim.judge(metrics)
+    except Missing as missing:
+        verdict = Verdict("–", NOT_MEASURED, f"not run: {missing.args[0]}")
+    return {"paper": claim.paper, "claim": claim.claim, "setting": claim.setting, "paper_figure": claim.paper_figure,
+            "ours": verdict.ours, "verdict": verdict.status, "reason": verdict.reason}
+
+
+# --- SLA (docs/sla.md) -----------------------------------------------------------------------------
+
+def _channel_beats_adapters(m: Metrics) -> Verdict:
+    channel = figure(m, "train_reward", "autrc_channel")
+    adapters = {k: figure(m, "train_reward", f"autrc_adapter{k}") for k in (1, 4)}
+    best = max(adapters.values(), key=lambda f: f.value)
+    status = HOLDS if channel.low > best.high else FAILS if channel.high < best.low else UNDECIDED
+    ours = f"channel {channel}; adapters {adapters[1]} / {adapters[4]}"
+    return Verdict(ours, status, "" if status == HOLDS else _channel_reason(m))
+
+
+def _channel_reason(m: Metrics) -> str:
+    pairs = f"held-out pair accuracy: channel {figure(m, 'train_reward', 'pair_accuracy_channel')}, the policy's " \
+            f"own log-prob {figure(m, 'train_reward', 'pair_accuracy_logprob')}"
+    try:
+        ranking = (f"; on the benchmark's (correct, incorrect) outputs the channel ranks "
+                   f"{figure(m, 'benchmark_sla', 'onpolicy_accuracy_channel')} right, the log-prob "
+                   f"{figure(m, 'benchmark_sla', 'onpolicy_accuracy_logprob')}")
+    except Missing:
+        ranking = ""
+    return pairs + ranking + f"; {value(m, 'validate', 'num_pairs'):.0f} pairs"
+
+
+def _win_against(stage_key: str, reference: str) -> Callable[[Metrics], Verdict]:
+    def judge(m: Metrics) -> Verdict:
+        win = figure(m, "benchmark_sla", f"{stage_key}.win_rate")
+        accuracy = figure(m, "benchmark_sla", f"{stage_key}.accuracy")
+        status = above(win, 0.5)
+        reason = "" if status == HOLDS else (
+            f"accuracy {accuracy} vs {reference}'s; {value(m, 'benchmark_sla', f'{stage_key}.truncated'):.0%} of its "
+            f"outputs cut at max_new_tokens; " + _channel_reason(m))
+        return Verdict(f"win {win}, accuracy {accuracy}", status, reason)
+    return judge
+
+
+# --- Medusa / RLMedusa (docs/medusa.md) -------------------------------------------------------------------------------
+
+def _medusa_speed(m: Metrics) -> Verdict:
+    speedup = figure(m, "benchmark_medusa", "held_out.medusa_supervised.speedup_vs_reference")
+    tau = figure(m, "benchmark_medusa", "held_out.medusa_supervised.tau")
+    general = figure(m, "benchmark_medusa", "general.medusa_supervised.speedup_vs_reference")
+    ours = f"task prompts {speedup}× (τ {tau}); general instructions {general}×"
+    status = above(speedup, 1.0)
+    return Verdict(ours, status, "" if status == HOLDS else f"τ {tau}: a cycle pays only above ~1.3 tokens here")
+
+
+def _rl_head(m: Metrics) -> Verdict:
+    gain = figure(m, "train_rlmedusa", "rl_supervised_t2_top1_gain")
+    rl, supervised = (figure(m, "train_rlmedusa", f"{name}_t2_top1") for name in ("rl_supervised", "supervised"))
+    ours = f"t+2 top-1: RL {rl}, supervised {supervised}; gain {gain}"
+    # the claim is "RL does not lower the supervised head": it fails only when the gain's interval is wholly below 0
+    status = FAILS if gain.high < 0 else HOLDS
+    reason = "" if status == HOLDS else _reward_reason(m)
+    if status == HOLDS and gain.low <= 0:
+        reason = "no significant gain either: " + _reward_reason(m)
+    return Verdict(ours, status, reason)
+
+
+def _reward_reason(m: Metrics) -> str:
+    return (f"the learned r(e, h) ranks the base model's top-1 first in "
+            f"{value(m, 'train_rlmedusa', 'reward_model_top1_ranked_first'):.0%} of held-out states")
+
+
+def _fresh_head(m: Metrics) -> Verdict:
+    fresh, supervised = (figure(m, "train_rlmedusa", f"{name}_t2_top1") for name in ("rl_base", "supervised"))
+    status = HOLDS if fresh.high < supervised.low else FAILS
+    return Verdict(f"RL from a fresh head {fresh}, supervised {supervised}", status,
+                   "" if status == HOLDS else "the fresh RL head reached the supervised head")
+
+
+# --- COrAL (docs/coral.md) --------------------------------------------------------------------------------------------
+
+def _offsets_learn(m: Metrics) -> Verdict:
+    plus2 = figure(m, "train_coral", "after_task_top1_forward_2")
+    plus4 = figure(m, "train_coral", "after_task_top1_forward_4")
+    status = at_least(plus2, 0.2)
+    return Verdict(f"+2 {plus2}, +4 {plus4} (task text, held out)", status,
+                   "" if status == HOLDS else f"stage 1 ran {value(m, 'train_coral', 'stage1_steps'):.0f} steps")
+
+
+def _coral_decoding(decoder: str) -> Callable[[Metrics], Verdict]:
+    def judge(m: Metrics) -> Verdict:
+        accuracy = figure(m, "benchmark_coral", f"{decoder}.accuracy")
+        next_token = figure(m, "benchmark_coral", "next_token.accuracy")
+        speedup = figure(m, "benchmark_coral", f"{decoder}.speedup_vs_reference")
+        close = accuracy.value > 0 and accuracy.value >= next_token.value - 0.05
+        status = HOLDS if close and speedup.low > 1.0 else FAILS if not close or speedup.high < 1.0 else UNDECIDED
+        reason = "" if status == HOLDS else (
+            f"held-out top-1 of the offsets the decoder relies on: +2 "
+            f"{figure(m, 'train_coral', 'after_task_top1_forward_2')}; backward offsets on clean text (what the "
+            f"verifier's votes confirm) 0 {figure(m, 'train_coral', 'after_task_top1_confirm_0')}, −1 "
+            f"{figure(m, 'train_coral', 'after_task_top1_confirm_1')}; "
+            f"{value(m, 'benchmark_coral', 'coral.forced_tokens'):.0f} tokens forced by the stall guard")
+        return Verdict(f"accuracy {accuracy} (next-token {next_token}), {speedup}× next-token", status, reason)
+    return judge
+
+
+# --- MTP / MTP-RL (docs/mtp.md) ---------------------------------------------------------------------------------------
+
+def _mtp_tau(m: Metrics) -> Verdict:
+    tau = figure(m, "train_mtp", "held_out_task_expected_tau")
+    depth1 = figure(m, "train_mtp", "held_out_task_top1_depth_1")
+    medusa = value(m, "train_medusa", "task_top1_head1")
+    status = at_least(tau, 2.46)
+    reason = "" if status == HOLDS else (f"depth-1 top-1 {depth1} (Medusa head 1 on the same sequences {medusa:.3g}); "
+                                         f"{value(m, 'train_mtp', 'optimizer_steps'):.0f} optimizer steps")
+    return Verdict(f"expected τ {tau} at K = 3 on task text; depth-1 top-1 {depth1}, Medusa head 1 {medusa:.3g}",
+                   status, reason)
+
+
+def _rollout_speedup(m: Metrics) -> Verdict:
+    speedup = figure(m, "train_mtp_rl", "mtp_rl.rollout_speedup")
+    tokens = figure(m, "train_mtp_rl", "mtp_rl.tokens_per_forward")
+    faster = above(speedup, 1.0)
+    # a speed-up is drafting's only where drafts were accepted: more than one token per policy forward
+    status = UNDECIDED if faster == HOLDS and not tokens.low > 1.0 else faster
+    reason = "" if status == HOLDS else (f"{tokens} tokens per policy forward: the accepted drafts do not pay for "
+                                         "the draft cycles (docs/mtp.md)")
+    return Verdict(f"{speedup}× vanilla; {tokens} tokens per policy forward", status, reason)
+
+
+def _tau_held(m: Metrics) -> Verdict:
+    """Two parts, each a paired ratio: the frozen module's τ at the end over its start (below 1: it fell), and
+    MTP-RL's τ at the end over the frozen module's (above 1: it held better)."""
+    frozen_fell = figure(m, "train_mtp_rl", "frozen_mtp.tau_end_over_start")
+    held = figure(m, "train_mtp_rl", "mtp_rl.tau_end_vs_frozen_mtp")
+    start, end = figure(m, "train_mtp_rl", "mtp_rl.tau_start"), figure(m, "train_mtp_rl", "mtp_rl.tau_end")
+    status = (HOLDS if frozen_fell.high < 1.0 and held.low > 1.0
+              else FAILS if frozen_fell.low > 1.0 or held.high < 1.0 else UNDECIDED)
+    ours = (f"MTP-RL τ {start} → {end}; frozen module τ end/start {frozen_fell}; MTP-RL's end τ over the frozen "
+            f"module's {held}")
+    reason = "" if status == HOLDS else (
+        f"{value(m, 'train_mtp_rl', 'mtp_rl.steps'):.0f} GRPO steps "
+        f"({figure(m, 'train_mtp_rl', 'mtp_rl.nonzero_advantage_share')} of groups with mixed rewards): "
+        f"the frozen module's τ did not measurably fall, so there was no misalignment to keep")
+    return Verdict(ours, status, reason)
+
+
+CLAIMS: tuple[Claim, ...] = (
+    Claim("SLA", "The reward channel ranks partial responses better than adapters (AuTRC)",
+          "AuTRC: channel > 1- and 4-layer adapters (Llama-3-8B, Figure 4)", "paper", _channel_beats_adapters),
+    Claim("SLA", "SLA beats greedy decoding", "win 0.797 vs greedy (Llama-3-8B-Instruct, ArmoRM; Table 1)",
+          "paper: d 2, k 2, n 10", _win_against("base_sla", "greedy")),
+    Claim("SLA", "SLA beats greedy decoding", "win 0.797 vs greedy", "ours: streaming setting chosen on the tuning "
+          "split", _win_against("base_sla_tuned", "greedy")),
+    Claim("SLA", "DPO + SLA beats DPO greedy", "win 0.743 vs DPO greedy (Table 1)", "paper: d 2, k 2, n 10",
+          _win_against("dpo_sla_vs_dpo_greedy", "DPO greedy")),
+    Claim("SLA", "DPO + SLA beats DPO greedy", "win 0.743 vs DPO greedy", "ours: the tuned setting",
+          _win_against("dpo_sla_tuned_vs_dpo_greedy", "DPO greedy")),
+    Claim("Medusa", "Greedy-verified Medusa heads decode faster than greedy, output unchanged",
+          "Medusa-1 ≈ 2.2× (Vicuna-7B, A100)", "paper: Medusa-1, greedy acceptance", _medusa_speed),
+    Claim("RLMedusa", "RL on head 2 does not lower the supervised head", "RL head ≥ supervised head (blog)",
+          "ours: β 0.5, lr 1e-4, from the supervised head", _rl_head),
+    Claim("RLMedusa", "RL from a fresh head stays below the supervised head (the paper's negative result)",
+          "a fresh RL head fails to learn (paper §5)", "paper", _fresh_head),
+    Claim("COrAL", "Order-agnostic offsets learn beyond +1", "forward/backward offsets trained (Mistral-7B)",
+          "ours: stage 1 to early stopping", _offsets_learn),
+    Claim("COrAL", "Sliding blockwise decoding with the verifier: faster at a small accuracy cost",
+          "75.3 % vs 74.1 % next-token at 1.1× (GSM8K, Mistral-7B)", "paper: verified", _coral_decoding("coral")),
+    Claim("COrAL", "Without the verifier: much faster, a few points lower",
+          "72.4 % at 3.9× (GSM8K)", "paper: w/o verifier", _coral_decoding("coral_no_verifier")),
+    Claim("MTP", "A shared MTP module drafts τ ≈ 2.5 at K = 3", "τ 2.46–2.56, τ ≈ 1 + 3α (7B, Table 1)",
+          "paper: K 3, λ 0.6/0.3/0.1", _mtp_tau),
+    Claim("MTP-RL", "MTP-drafted rollouts are faster than vanilla GRPO's", "1.30–2.24× rollout speedup",
+          "paper: K 3, strict acceptance", _rollout_speedup),
+    Claim("MTP-RL", "MTP-RL keeps τ during RL while a frozen module's falls", "frozen τ collapses; MTP-RL's holds",
+          "paper: advantage-aware loss", _tau_held),
+)
+
+
+def claims_table(metrics: Metrics) -> list[dict[str, str]]:
+    """Every claim of :data:`CLAIMS` judged on ``metrics``."""
+    return [judged(claim, metrics) for claim in CLAIMS]
+
+
+COLUMNS = ("paper", "claim", "setting", "paper_figure", "ours", "verdict", "reason")
+
+
+def claims_markdown(rows: list[dict[str, str]]) -> str:
+    """The table as markdown (pipes in cells escaped)."""
+    header = ["| paper | claim | setting | paper's figure | ours (95 % interval) | verdict | measured reason |",
+              "|---|---|---|---|---|---|---|"]
+    return "\n".join(header + ["| " + " | ".join(str(row[c]).replace("|", "\\|") for c in COLUMNS) + " |"
+                               for row in rows]) + "\n"
+
+
+def write_claims(rows: list[dict[str, str]], folder: Path) -> Path:
+    """``claims.json`` and ``claims.md`` in ``folder`` (each written to a temporary file, then renamed)."""
+    from foresight.storage import write_json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json({"claims": rows}, folder / "claims.json")
+    markdown = folder / "claims.md"
+    tmp = markdown.with_suffix(".md.tmp")
+    tmp.write_text("# Claims: each paper's central claims at this scale\n\n" + claims_markdown(rows))
+    tmp.replace(markdown)
+    return markdown
+
+
+def read_claims(folder: Path) -> list[dict[str, str]]:
+    return json.loads((folder / "claims.json").read_text())["claims"]

@@ -1,0 +1,75 @@
+"""The claims table (foresight/claims.py): verdicts follow the intervals by fixed rules, reasons quote the measured
+figures, a claim whose stage did not run is "not measured" with the missing metric named."""
+
+from __future__ import annotations
+
+import json
+
+from foresight.claims import CLAIMS, claims_markdown, claims_table, judged, read_claims, write_claims
+
+
+def _interval(key: str, value: float, low: float, high: float) -> dict[str, float]:
+    return {key: value, f"{key}_low": low, f"{key}_high": high}
+
+
+def _metrics(sla_win: tuple[float, float, float]) -> dict[str, dict[str, float]]:
+    return {
+        "validate": {"num_pairs": 107},
+        "train_reward": {**_interval("pair_accuracy_channel", 0.62, 0.55, 0.69),
+                         **_interval("pair_accuracy_logprob", 0.87, 0.8, 0.92),
+                         **_interval("autrc_channel", 0.7, 0.65, 0.75), **_interval("autrc_adapter1", 0.55, 0.5, 0.6),
+                         **_interval("autrc_adapter4", 0.6, 0.52, 0.64)},
+        "benchmark_sla": {**_interval("base_sla.win_rate", *sla_win), **_interval("base_sla.accuracy", 0.3, 0.2, 0.4),
+                          "base_sla.truncated": 0.4},
+        "train_rlmedusa": {**_interval("rl_supervised_t2_top1_gain", -0.05, -0.08, -0.02),
+                           **_interval("rl_supervised_t2_top1", 0.38, 0.35, 0.41),
+                           **_interval("supervised_t2_top1", 0.43, 0.4, 0.46), "reward_model_top1_ranked_first": 0.28},
+    }
+
+
+def _row(metrics, paper: str, setting_prefix: str, claim_prefix: str = "") -> dict[str, str]:
+    (claim,) = [c for c in CLAIMS if c.paper == paper and c.setting.startswith(setting_prefix)
+                and c.claim.startswith(claim_prefix)]
+    return judged(claim, metrics)
+
+
+def test_a_win_rate_holds_only_when_its_whole_interval_is_above_one_half():
+    assert _row(_metrics((0.62, 0.53, 0.7)), "SLA", "paper: d 2", "SLA beats")["verdict"] == "holds"
+    undecided = _row(_metrics((0.55, 0.45, 0.65)), "SLA", "paper: d 2", "SLA beats")
+    assert undecided["verdict"] == "undecided"
+    failed = _row(_metrics((0.42, 0.33, 0.49)), "SLA", "paper: d 2", "SLA beats")
+    assert failed["verdict"] == "does not hold" and failed["ours"].startswith("win 0.42 [0.33, 0.49]")
+    # the reason quotes what was measured: truncation, the channel against the policy's log-prob, the pair count
+    assert "40% of its outputs cut" in failed["reason"] and "log-prob 0.87 [0.8, 0.92]" in failed["reason"]
+    assert "107 pairs" in failed["reason"]
+
+
+def test_channel_against_adapters_compares_intervals():
+    row = _row(_metrics((0.5, 0.4, 0.6)), "SLA", "paper", "The reward channel")
+    assert row["verdict"] == "holds" and row["reason"] == ""  # 0.65 > the best adapter's upper end 0.64
+
+
+def test_rl_head_fails_only_when_the_gain_is_significantly_negative():
+    metrics = _metrics((0.5, 0.4, 0.6))
+    row = _row(metrics, "RLMedusa", "ours")
+    assert row["verdict"] == "does not hold" and "28%" in row["reason"]
+    metrics["train_rlmedusa"] |= _interval("rl_supervised_t2_top1_gain", 0.01, -0.01, 0.03)
+    row = _row(metrics, "RLMedusa", "ours")
+    assert row["verdict"] == "holds" and row["reason"].startswith("no significant gain")
+
+
+def test_a_claim_whose_stage_did_not_run_is_not_measured_and_names_the_metric():
+    row = _row({}, "MTP", "paper")
+    assert row["verdict"] == "not measured" and row["ours"] == "–"
+    assert row["reason"] == "not run: train_mtp: held_out_task_expected_tau"
+
+
+def test_the_table_is_written_whole_and_reads_back(tmp_path):
+    rows = claims_table(_metrics((0.62, 0.53, 0.7)))
+    assert len(rows) == len(CLAIMS) and all(row["paper_figure"] for row in rows)
+    path = write_claims(rows, tmp_path / "reports")
+    assert read_claims(tmp_path / "reports") == rows
+    assert json.loads((tmp_path / "reports/claims.json").read_text()) == {"claims": rows}
+    markdown = path.read_text()
+    assert markdown.count("\n| ") == len(rows) + 1 and markdown.endswith(claims_markdown(rows))
+    assert not list((tmp_path / "reports").glob("*.tmp"))
