@@ -59,7 +59,7 @@ def test_rl_head_fails_only_when_the_gain_is_significantly_negative():
 
 
 def test_a_claim_whose_stage_did_not_run_is_not_measured_and_names_the_metric():
-    row = _row({}, "MTP", "paper")
+    row = _row({}, "MTP", "ours")
     assert row["verdict"] == "not measured" and row["ours"] == "–"
     assert row["reason"] == "not run: train_mtp: held_out_task_expected_tau"
 
@@ -73,3 +73,15 @@ def test_the_table_is_written_whole_and_reads_back(tmp_path):
     markdown = path.read_text()
     assert markdown.count("\n| ") == len(rows) + 1 and markdown.endswith(claims_markdown(rows))
     assert not list((tmp_path / "reports").glob("*.tmp"))
+
+
+def test_a_rollout_speedup_beyond_what_drafting_can_give_is_not_credited_to_drafting():
+    def row(speedup, tokens):
+        metrics = {"train_mtp_rl": {**_interval("mtp_rl.rollout_speedup", *speedup),
+                                    **_interval("mtp_rl.tokens_per_forward", *tokens)}}
+        return _row(metrics, "MTP-RL", "paper: K 3")
+
+    assert row((1.5, 1.3, 1.7), (1.9, 1.8, 2.0))["verdict"] == "holds"
+    beyond = row((1.2, 1.12, 1.29), (1.04, 1.01, 1.07))  # the fresh-clone run's figures
+    assert beyond["verdict"] == "undecided" and "not attributable" in beyond["reason"]
+    assert row((0.9, 0.8, 0.95), (1.5, 1.4, 1.6))["verdict"] == "does not hold"

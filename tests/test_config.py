@@ -131,7 +131,8 @@ def test_study_profile_recipe_is_valid():
         assert key in section, f"{dotted} is not a key of params.yaml"
         section[key] = yaml.safe_load(value.replace(",", ", "))
     cfg = parse_config(params, REPO)
-    assert cfg.sla_benchmark.num_prompts == 200 and cfg.mtp_rl.variants[-1] == "no_backprop"
+    assert cfg.sla_benchmark.num_prompts == 120 and cfg.mtp_rl.variants == ["vanilla", "mtp_rl", "frozen_mtp"]
+    assert cfg.mtp_rl.steps >= 30 and tuple(cfg.sla_benchmark.tuning_grid[-1]) == (3, 2, 10)
     from foresight.prompts import general_instructions
 
     assert cfg.medusa.general_prompts <= len(general_instructions("train"))  # the general set can supply them
