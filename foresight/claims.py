@@ -52,6 +52,8 @@ def figure(metrics: Metrics, stage: str, key: str) -> Figure:
     if key not in values or values[key] is None:
         raise Missing(f"{stage}: {key}")
     value = float(values[key])
+    if math.isnan(value):  # e.g. a ratio to a variant or decoder that did not run
+        raise Missing(f"{stage}: {key} (NaN)")
     return Figure(value, float(values.get(f"{key}_low", value)), float(values.get(f"{key}_high", value)))
 
 
@@ -237,9 +239,19 @@ def _tau_held(m: Metrics) -> Verdict:
             f"module's {held}")
     reason = "" if status == HOLDS else (
         f"{value(m, 'train_mtp_rl', 'mtp_rl.steps'):.0f} GRPO steps "
-        f"({value(m, 'train_mtp_rl', 'mtp_rl.nonzero_advantage_share'):.0%} of groups with mixed rewards): "
-        f"the frozen module's τ did not measurably fall, so there was no misalignment to keep")
+        f"({value(m, 'train_mtp_rl', 'mtp_rl.nonzero_advantage_share'):.0%} of MTP-RL's groups with mixed rewards); "
+        f"the frozen module's τ went {figure(m, 'train_mtp_rl', 'frozen_mtp.tau_start')} → "
+        f"{figure(m, 'train_mtp_rl', 'frozen_mtp.tau_end')}" + _accuracy_changes(m))
     return Verdict(ours, status, reason)
+
+
+def _accuracy_changes(m: Metrics) -> str:
+    """The held-out accuracy change of MTP-RL and of the frozen-module variant, where the stage measured them."""
+    try:
+        return (f"; held-out accuracy change: MTP-RL {figure(m, 'train_mtp_rl', 'mtp_rl.accuracy_change')}, frozen "
+                f"module's policy {figure(m, 'train_mtp_rl', 'frozen_mtp.accuracy_change')}")
+    except Missing:
+        return ""
 
 
 CLAIMS: tuple[Claim, ...] = (

@@ -85,3 +85,24 @@ def test_a_rollout_speedup_beyond_what_drafting_can_give_is_not_credited_to_draf
     beyond = row((1.2, 1.12, 1.29), (1.04, 1.01, 1.07))  # the fresh-clone run's figures
     assert beyond["verdict"] == "undecided" and "not attributable" in beyond["reason"]
     assert row((0.9, 0.8, 0.95), (1.5, 1.4, 1.6))["verdict"] == "does not hold"
+
+
+def test_a_nan_figure_is_not_measured_and_tau_reasons_quote_the_accuracy_changes():
+    """Without vanilla the rollout speed-up is NaN: not measured. The τ claim of the study run of the fresh clone:
+    the frozen module's τ rose (end/start 1.49 [1.23, 1.72]), so the claim does not hold, and the reason says what
+    RL did to each policy's held-out accuracy."""
+    metrics = {"train_mtp_rl": {"mtp_rl.rollout_speedup": float("nan"),
+                                **_interval("mtp_rl.tokens_per_forward", 1.28, 1.2, 1.37)}}
+    row = _row(metrics, "MTP-RL", "paper: K 3")
+    assert row["verdict"] == "not measured" and "mtp_rl.rollout_speedup (NaN)" in row["reason"]
+    metrics = {"train_mtp_rl": {**_interval("frozen_mtp.tau_end_over_start", 1.49, 1.23, 1.72),
+                                **_interval("mtp_rl.tau_end_vs_frozen_mtp", 1.23, 1.07, 1.54),
+                                **_interval("mtp_rl.tau_start", 1.57, 1.5, 1.93), **_interval("mtp_rl.tau_end", 3.54, 3.25, 4),
+                                **_interval("frozen_mtp.tau_start", 1.93, 1.65, 2.45),
+                                **_interval("frozen_mtp.tau_end", 2.88, 2.33, 3.31),
+                                "mtp_rl.steps": 30, "mtp_rl.nonzero_advantage_share": 0.267,
+                                **_interval("mtp_rl.accuracy_change", -0.25, -0.4, -0.1),
+                                **_interval("frozen_mtp.accuracy_change", 0.375, 0.2, 0.55)}}
+    row = _row(metrics, "MTP-RL", "paper: advantage")
+    assert row["verdict"] == "does not hold"
+    assert "30 GRPO steps (27% of MTP-RL's groups" in row["reason"] and "MTP-RL -0.25 [-0.4, -0.1]" in row["reason"]
