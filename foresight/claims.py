@@ -179,8 +179,12 @@ def _offsets_learn(m: Metrics) -> Verdict:
     plus2 = figure(m, "train_coral", "after_task_top1_forward_2")
     plus4 = figure(m, "train_coral", "after_task_top1_forward_4")
     status = at_least(plus2, 0.2)
-    return Verdict(f"+2 {plus2}, +4 {plus4} (task text, held out)", status,
-                   "" if status == HOLDS else f"stage 1 ran {value(m, 'train_coral', 'stage1_steps'):.0f} steps")
+    plus1 = {when: figure(m, "train_coral", f"{when}_task_top1_forward_1") for when in ("before", "after")}
+    return Verdict(f"+2 {plus2}, +4 {plus4} (task text, held out)", status, "" if status == HOLDS else (
+        f"stage 1 ran {value(m, 'train_coral', 'stage1_steps'):.0f} steps; the one target-aware layer serves every "
+        f"offset, and +1 (next-token, weighted {value(m, 'train_coral', 'next_token_weight'):g}×) fell "
+        f"{plus1['before']} → {plus1['after']} meanwhile: +2 gains only at +1's cost (docs/coral.md, \"Stage 1's "
+        f"trade-off\")"))
 
 
 def _coral_decoding(decoder: str) -> Callable[[Metrics], Verdict]:
@@ -227,29 +231,35 @@ def _rollout_speedup(m: Metrics) -> Verdict:
     return Verdict(f"{speedup}× vanilla; {tokens} tokens per policy forward", status, reason)
 
 
-def _tau_held(m: Metrics) -> Verdict:
+def _tau_held(name: str, label: str) -> Callable[[Metrics], Verdict]:
     """Two parts, each a paired ratio: the frozen module's τ at the end over its start (below 1: it fell), and
-    MTP-RL's τ at the end over the frozen module's (above 1: it held better)."""
-    frozen_fell = figure(m, "train_mtp_rl", "frozen_mtp.tau_end_over_start")
-    held = figure(m, "train_mtp_rl", "mtp_rl.tau_end_vs_frozen_mtp")
-    start, end = figure(m, "train_mtp_rl", "mtp_rl.tau_start"), figure(m, "train_mtp_rl", "mtp_rl.tau_end")
-    status = (HOLDS if frozen_fell.high < 1.0 and held.low > 1.0
-              else FAILS if frozen_fell.low > 1.0 or held.high < 1.0 else UNDECIDED)
-    ours = (f"MTP-RL τ {start} → {end}; frozen module τ end/start {frozen_fell}; MTP-RL's end τ over the frozen "
-            f"module's {held}")
-    reason = "" if status == HOLDS else (
-        f"{value(m, 'train_mtp_rl', 'mtp_rl.steps'):.0f} GRPO steps "
-        f"({value(m, 'train_mtp_rl', 'mtp_rl.nonzero_advantage_share'):.0%} of MTP-RL's groups with mixed rewards); "
-        f"the frozen module's τ went {figure(m, 'train_mtp_rl', 'frozen_mtp.tau_start')} → "
-        f"{figure(m, 'train_mtp_rl', 'frozen_mtp.tau_end')}" + _accuracy_changes(m))
-    return Verdict(ours, status, reason)
+    variant ``name``'s τ at the end over the frozen module's (above 1: it held better). ``label``: how the reason
+    names the variant."""
+
+    def judge(m: Metrics) -> Verdict:
+        frozen_fell = figure(m, "train_mtp_rl", "frozen_mtp.tau_end_over_start")
+        held = figure(m, "train_mtp_rl", f"{name}.tau_end_vs_frozen_mtp")
+        start, end = figure(m, "train_mtp_rl", f"{name}.tau_start"), figure(m, "train_mtp_rl", f"{name}.tau_end")
+        status = (HOLDS if frozen_fell.high < 1.0 and held.low > 1.0
+                  else FAILS if frozen_fell.low > 1.0 or held.high < 1.0 else UNDECIDED)
+        ours = (f"{label} τ {start} → {end}; frozen module τ end/start {frozen_fell}; {label}'s end τ over the "
+                f"frozen module's {held}")
+        reason = "" if status == HOLDS else (
+            f"{value(m, 'train_mtp_rl', f'{name}.steps'):.0f} GRPO steps "
+            f"({value(m, 'train_mtp_rl', f'{name}.nonzero_advantage_share'):.0%} of {label}'s groups with mixed "
+            f"rewards); the frozen module's τ went {figure(m, 'train_mtp_rl', 'frozen_mtp.tau_start')} → "
+            f"{figure(m, 'train_mtp_rl', 'frozen_mtp.tau_end')}" + _accuracy_changes(m, name, label))
+        return Verdict(ours, status, reason)
+
+    return judge
 
 
-def _accuracy_changes(m: Metrics) -> str:
-    """The held-out accuracy change of MTP-RL and of the frozen-module variant, where the stage measured them."""
+def _accuracy_changes(m: Metrics, name: str, label: str) -> str:
+    """The held-out accuracy change of variant ``name`` and of the frozen-module variant, where the stage measured
+    them."""
     try:
-        return (f"; held-out accuracy change: MTP-RL {figure(m, 'train_mtp_rl', 'mtp_rl.accuracy_change')}, frozen "
-                f"module's policy {figure(m, 'train_mtp_rl', 'frozen_mtp.accuracy_change')}")
+        return (f"; held-out accuracy change: {label} {figure(m, 'train_mtp_rl', f'{name}.accuracy_change')}, "
+                f"frozen module's policy {figure(m, 'train_mtp_rl', 'frozen_mtp.accuracy_change')}")
     except Missing:
         return ""
 
@@ -282,7 +292,10 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("MTP-RL", "MTP-drafted rollouts are faster than vanilla GRPO's", "1.30–2.24× rollout speedup",
           "paper: K 3, strict acceptance", _rollout_speedup),
     Claim("MTP-RL", "MTP-RL keeps τ during RL while a frozen module's falls", "frozen τ collapses; MTP-RL's holds",
-          "paper: advantage-aware loss", _tau_held),
+          "paper: advantage-aware loss", _tau_held("mtp_rl", "MTP-RL")),
+    Claim("MTP-RL", "MTP-RL keeps τ during RL while a frozen module's falls", "frozen τ collapses; MTP-RL's holds",
+          "ours: the KL's target π_main detached (mtp_rl_detached)",
+          _tau_held("mtp_rl_detached", "MTP-RL, KL detached")),
 )
 
 

@@ -301,6 +301,11 @@ class RewardConfig(_Section):
     """Truncate prompt + response to this many tokens."""
     curve_points: int = Field(RewardTraining.curve_points, ge=2)
     """Points x = 1..100 % of the response at which the token-level reward curve is evaluated."""
+    state_cache_gb: float = Field(RewardTraining.state_cache_gb, ge=0.0)
+    """The policy is frozen, so its hidden states (every layer's, which the channel reads) of each distinct training
+    sequence are computed once and kept in memory when they fit in this many GB (a response sits in several pairs
+    and every epoch: on the default data one policy forward per sequence instead of ~3 per epoch); larger data (8B:
+    ~270 KB per token) run the policy at every step instead. 0 never caches."""
     adapter_layers: list[int] = Field(default_factory=lambda: [1, 4])
     """Adapter baselines to train for comparison: MLPs on the final hidden state with these depths."""
     seed: int = RewardTraining.seed
@@ -364,6 +369,10 @@ class SLABenchmarkConfig(_Section):
     """Decoders (of ``decoders``; greedy, the speed reference, always) decoded at batch 1 on the speed prompts,
     interleaved and timed: tokens/s and latency relative to greedy. The others decode every prompt in batches,
     untimed; each classical decoder added here costs ~15 s more at the defaults on a 2-core CPU."""
+    dpo_timed: bool = False
+    """Time the DPO policy's ``timed_decoders`` too, and its reward channel's overhead. Off by default: it has the
+    base policy's architecture, so the base policy's timing measures the same costs (~60 s on a 2-core CPU); its
+    decoders are then decoded in batches, untimed."""
     max_new_tokens: int = Field(64, ge=1)
     """Longest output per decoder."""
     decoders: list[Literal[HFDecoder, "sla"]] = Field(default_factory=lambda: ["greedy", "beam", "sla"])
@@ -693,6 +702,11 @@ class MTPConfig(_Section):
     data: SFTData = "distilled"
     """Self-distilled data: ``distilled`` = the policy's greedy responses that ``train_medusa`` distilled from;
     ``correct`` = the generated samples the labeler marked correct."""
+    further_prompts: bool = True
+    """``data: distilled``: learn from the greedy responses to the further task prompts too, which ``train_medusa``
+    distilled for its heads (``medusa.task_prompts``), so that the module sees the text Medusa's heads see. Measured
+    on the default data (docs/mtp.md, "Budgets"): 109 → 354 training responses raised held-out depth-1 top-1 on task
+    text from 0.65 to 0.83 (Medusa head 1: 0.73) and the expected τ from 2.24 to 2.90."""
     num_depths: int = Field(3, ge=1, le=8)
     """K: chained predictions per draft, one shared layer applied K times (the paper: 3)."""
     ce_weights: list[float] = Field(default_factory=lambda: list(MTPTraining.ce_weights), min_length=1)
@@ -739,8 +753,11 @@ class MTPRLConfig(_Section):
     """Run in the same harness, each from the same policy and MTP module, on the same prompts and seeds:
     ``vanilla`` GRPO (no drafts: HF sampling), ``mtp_rl`` (eq. 2–5), ``frozen_mtp`` (drafts, module never
     trained), ``ce_only`` (module trained by eq. 1's CE alone), ``no_backprop`` (eq. 4's loss, but it never
-    reaches the policy). Rollout speedups are measured against ``vanilla``. The default runs the three the
-    targets compare (the 30-minute CPU budget); add ``ce_only`` and ``no_backprop`` for Table 1's rows."""
+    reaches the policy), and ours, ``mtp_rl_detached`` (eq. 2–5 with the KL's target π_main detached: measured
+    over 30 steps, the paper's reading dragged the policy's held-out accuracy from 0.325 to 0.025, this one ended
+    at 0.475; docs/mtp.md, "MTP-RL's collapse"). Rollout speedups are measured against ``vanilla``. The default
+    runs the three the paper's targets compare (the 30-minute CPU budget; 3 steps cannot show a collapse either
+    way); the study profile adds ``mtp_rl_detached``; add ``ce_only`` and ``no_backprop`` for Table 1's rows."""
     prompt_filter: Literal["spread", "all"] = "spread"
     """Which training prompts GRPO draws its steps' prompts from. ``spread``: those whose label-stage samples
     (``generate``'s samples of the prompt, scored by the same labeler: ``paths.scores``) did not all score alike —

@@ -100,6 +100,10 @@ def log_stage_outputs(cfg: Config, metrics: dict, tables: dict[str, pd.DataFrame
     import mlflow
     from mlflow.entities import Metric
 
+    # a curve is a metric's history in MLflow: under a metric's name its last step would overwrite the metric
+    clashes = sorted(set(metrics) & set(curves or {}))
+    if clashes:
+        raise ValueError(f"{clashes} are both metrics and per-step curves of the stage: name the curves apart")
     mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
     now = int(time.time() * 1000)
     history = [Metric(key, float(v), now, step) for key, values in (curves or {}).items()

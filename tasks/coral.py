@@ -51,7 +51,7 @@ def train_coral_task(cfg: Config) -> StageResult:
     """Two-stage COrAL training of the base policy; writes the model folder with its curves and evaluation."""
     from models.common.sequences import sft_sequences
     from models.coral.config import CoralTraining
-    from models.coral.training import train_coral
+    from models.coral.training import PER_EPOCH, train_coral
 
     logger = stage_logger()
     started = time.perf_counter()
@@ -93,11 +93,13 @@ def train_coral_task(cfg: Config) -> StageResult:
                "final_loss": history["loss"][-1] if history["loss"] else float("nan"),
                **{key: history[key][-1] for key in ("stage1_held_out_loss", "stage1_best_epoch") if key in history},
                "stage1_epochs_run": len(history.get("stage1_held_out_loss", [])),
-               "stage1_steps": history["stage"].count(1),
+               "stage1_steps": history["stage"].count(1), "next_token_weight": c.next_token_weight,
                **{f"{when}_{key}": value for when, accuracy in (*before.items(), *after.items())
                   for key, value in accuracy.items()},
                "wall_seconds": time.perf_counter() - started}
-    curves = {key: values for key, values in history.items() if key != "stage"}
+    # per-step curves only: stage 1's per-epoch early-stopping entries are metrics (their last values) and history.json
+    curves = {key: values for key, values in history.items()
+              if key != "stage" and key.removeprefix("stage1_") not in PER_EPOCH}
     return StageResult(metrics=metrics, curves=curves, artifacts={"coral": out})
 
 

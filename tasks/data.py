@@ -194,25 +194,25 @@ def split_distilled(responses: pd.DataFrame, eval_fraction: float, seed: int):
     return train_rows, torch.from_numpy(shared.to_numpy())[eval_rows]
 
 
-def shared_distilled_responses(cfg: Config, key: str) -> pd.DataFrame:
+def shared_distilled_responses(cfg: Config, key: str, further: bool = False) -> pd.DataFrame:
     """The responses ``train_medusa`` distilled from that the other stages learn from too — those to the training
-    prompts and general instructions; those to further task prompts (``medusa.task_prompts``) are for the Medusa
-    heads alone — indexed by their row in ``distilled/responses.parquet``. ``key`` names the setting that reads
-    them."""
+    prompts and general instructions; those to further task prompts (``medusa.task_prompts``) only with ``further``
+    — indexed by their row in ``distilled/responses.parquet``. ``key`` names the setting that reads them."""
     path = distilled_dir(cfg) / "responses.parquet"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: run the train_medusa stage ({key} reads it)")
     responses = read_table(path, "distilled responses")
-    return responses[~responses["further_prompt"]]
+    return responses if further else responses[~responses["further_prompt"]]
 
 
-def sft_responses(cfg: Config, source: str, key: str) -> pd.DataFrame:
+def sft_responses(cfg: Config, source: str, key: str, further: bool = False) -> pd.DataFrame:
     """Responses a stage fine-tunes on: ``distilled`` = the policy's own (greedy) responses to the training prompts
-    and general instructions that ``train_medusa`` distilled from (:func:`shared_distilled_responses`; column
-    ``distilled_row`` keeps their row there); ``correct`` = the generated samples the labeler marked correct.
-    ``key`` names the setting."""
+    and general instructions that ``train_medusa`` distilled from, with ``further`` also those to the further task
+    prompts its heads learn from (:func:`shared_distilled_responses`; column ``distilled_row`` keeps their row
+    there; further rows always train, :func:`split_distilled`); ``correct`` = the generated samples the labeler
+    marked correct. ``key`` names the setting."""
     if source == "distilled":
-        responses = (shared_distilled_responses(cfg, f"{key}: distilled").rename_axis("distilled_row")
+        responses = (shared_distilled_responses(cfg, f"{key}: distilled", further).rename_axis("distilled_row")
                      .reset_index())
     else:
         scores = read_table(cfg.path(cfg.paths.scores), "scored samples")

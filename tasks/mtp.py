@@ -86,7 +86,7 @@ def train_mtp_task(cfg: Config) -> StageResult:
     policy = load_stage_policy(cfg, "base", training=True)
     policy.model.requires_grad_(False).eval()
     accelerator = stage_accelerator(policy.device, m.mixed_precision)
-    responses = sft_responses(cfg, m.data, "mtp.data")
+    responses = sft_responses(cfg, m.data, "mtp.data", further=m.further_prompts)
     train_rows, eval_rows = drafter_split(cfg, responses, m.eval_fraction, m.seed)
     fit_rows, validation_rows = validation_split(responses, train_rows, m.validation_fraction, m.seed)
     sequences = sft_sequences(policy.tokenizer, responses, m.max_length)
@@ -408,7 +408,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                 for curve_name, curve_rows in curves_by_batch.items() for row in curve_rows
                 for key in CURVE_METRICS for column in (key, f"{key}_low", f"{key}_high") if column in row}
     metrics |= {"rl_prompts_kept": kept, "rl_prompts_dropped": dropped, "wall_seconds": time.perf_counter() - started}
-    curves = {f"{name}.{key}": [record[key] for record in history] for name, history in histories.items()
+    curves = {f"{name}.per_step.{key}": [record[key] for record in history] for name, history in histories.items()
               for key in ("tau", "acceptance_rate", "tokens_per_forward", "rollout_seconds", "reward_seconds",
                           "reward", "nonzero_advantage_share")}
     return StageResult(metrics=metrics, curves=curves, tables={"mtp_rl_table": out / "table.csv"},

@@ -123,12 +123,7 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     the (identical) trained heads, and only the main process writes.
     """
     from models.sla.config import RewardTraining
-    from models.sla.reward_training import (
-        evaluate_reward_heads,
-        pair_wins,
-        score_pairs_by_logprob,
-        train_reward_heads,
-    )
+    from models.sla.reward_training import LOGPROB, evaluate_reward_heads, train_reward_heads
     from models.sla.reward_transformer import RewardHeadConfig
 
     logger = stage_logger()
@@ -170,7 +165,7 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     curves: dict[str, dict] = {}
     prompt_ids = held_out["prompt_id"].tolist()
     # every process evaluates (a small held-out set), all heads in one pass: all return the metrics
-    evaluations = evaluate_reward_heads(models, policy.tokenizer, held_out, training)
+    evaluations = evaluate_reward_heads(models, policy.tokenizer, held_out, training, logprobs=True)
     for name, model in models.items():
         curves[name] = evaluation = with_intervals(evaluations[name], prompt_ids,
                                                    {"pair_accuracy": "pair_correct", "autrc": "pair_autrc"})
@@ -187,10 +182,7 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
                     cell(evaluation, "autrc"), evaluation["num_pairs"], evaluation["num_prompts"],
                     metrics[f"{key}_params"])
     # the ranker every head has to beat: the policy's own mean token log-prob, on the same held-out (on-policy) pairs
-    logprob_wins = pair_wins(score_pairs_by_logprob(policy.model, policy.tokenizer, held_out, training.max_length,
-                                                    training.batch_size))
-    logprob = with_intervals({"pair_accuracy": float(logprob_wins.mean()), "pair_correct": logprob_wins.tolist()},
-                             prompt_ids, {"pair_accuracy": "pair_correct"})
+    logprob = with_intervals(evaluations[LOGPROB], prompt_ids, {"pair_accuracy": "pair_correct"})
     metrics |= _interval_metrics(logprob, "pair_accuracy", "pair_accuracy_logprob")
     logger.info("the policy's mean token log-prob as the ranker: held-out pair accuracy %s",
                 cell(logprob, "pair_accuracy"))
@@ -341,10 +333,12 @@ def forward_overhead(reward_model, input_ids: torch.Tensor, repeats: int, warm_u
     return rows
 
 
-def _decode_all(cfg: Config, which: str, questions: list[str], decoders: list[str],
-                sla_settings: dict[str, SLASearch], untimed: frozenset[str] = frozenset()) -> tuple[list[dict], dict]:
-    """Every decoder on every question for one policy (chat template of its own tokenizer); returns output
-    records and speed stats: a timer per decoder and the reward channel's overhead.
+def _decode_all(cfg: Config, loaded: tuple, which: str, questions: list[str], decoders: list[str],
+                sla_settings: dict[str, SLASearch], untimed: frozenset[str] = frozenset(), timed: bool = True
+                ) -> tuple[list[dict], dict]:
+    """Every decoder on every question for one policy, ``which`` (``loaded``: its policy and reward transformer,
+    :func:`_load`; chat template of its own tokenizer); returns output records and speed stats: a timer per decoder
+    and the reward channel's overhead (with ``timed`` False: none, every prompt decoded in batches).
 
     Each (decoder, prompt) is decoded once. The first ``sla_benchmark.speed_prompts`` prompts are decoded at
     batch 1 by greedy and the other ``sla_benchmark.timed_decoders`` in turn, prompt by prompt
@@ -356,13 +350,22 @@ def _decode_all(cfg: Config, which: str, questions: list[str], decoders: list[st
     from models.sla.search import sla_generate
 
     b = cfg.sla_benchmark
-    policy, reward_model = _load(cfg, which)
+    policy, reward_model = loaded
     eos = end_token_ids(policy)
     prompt_ids = _prompt_ids(cfg, policy, questions)
     names = [name for d in decoders for name in (sla_settings if d == "sla" else [d])]
-    timed_names = [name for name in names if name == "greedy" or (
-        name not in untimed and ("sla" if name in sla_settings else name) in b.timed_decoders)]
-    speed_prompts = min(b.speed_prompts, len(prompt_ids))
+    timed_names = [name for name in names if timed and (name == "greedy" or (
+        name not in untimed and ("sla" if name in sla_settings else name) in b.timed_decoders))]
+    speed_prompts = min(b.speed_prompts, len(prompt_ids)) if timed else 0
+    # a setting under a second name (the tuned one may be the paper's) is decoded and timed once: the search is
+    # deterministic, so its second row takes the first's outputs and timer
+    first_named: dict[SLASearch, str] = {}
+    aliases: dict[str, str] = {}
+    for name in timed_names:
+        if name in sla_settings:
+            first = first_named.setdefault(sla_settings[name], name)
+            if first != name:
+                aliases[name] = first
 
     def decode(decoder: str, i: int, max_new_tokens: int) -> tuple[list[int], None]:
         if decoder in sla_settings:
@@ -371,9 +374,11 @@ def _decode_all(cfg: Config, which: str, questions: list[str], decoders: list[st
                                     max_new_tokens, batch_size=1)
         return tokens, None
 
-    timers, timed = interleaved_decoding(timed_names, range(speed_prompts), decode, b.max_new_tokens,
-                                         f"{which} timed")
+    timers, timed = interleaved_decoding([name for name in timed_names if name not in aliases], range(speed_prompts),
+                                         decode, b.max_new_tokens, f"{which} timed")
+    timers |= {name: timers[first] for name, first in aliases.items()}
     outputs = {(r["decoder"], r["prompt_index"]): r["tokens"] for r in timed}
+    outputs |= {(name, i): outputs[(first, i)] for name, first in aliases.items() for i in range(speed_prompts)}
     decoded: dict[tuple[SLASearch, int], str] = {}  # (SLA setting, first prompt) → the name it was decoded under
     for name in names:
         start = speed_prompts if name in timed_names else 0  # the first prompt not decoded yet
@@ -391,7 +396,8 @@ def _decode_all(cfg: Config, which: str, questions: list[str], decoders: list[st
                 **_output_columns(policy.tokenizer, outputs[(name, i)], eos, b.max_new_tokens)}
                for name in names for i in range(len(prompt_ids))]
     # the prefill's overhead on the base policy only: both share the architecture, and it costs 4× the decode step's
-    overhead = forward_overhead(reward_model, prompt_ids[0], b.overhead_repeats, prefill=which == "base")
+    overhead = forward_overhead(reward_model, prompt_ids[0], b.overhead_repeats, prefill=which == "base") if timed \
+        else []
     return records, {"timers": timers, "overhead": overhead}
 
 
@@ -475,8 +481,8 @@ def choose_setting(rows: list[dict], settings: dict[str, SLASearch], max_step: i
     return max(eligible, key=lambda r: (r["win_rate"], np.nan_to_num(r.get("accuracy", np.nan), nan=0.0)))["decoder"]
 
 
-def _tune(cfg: Config, held_out: pd.DataFrame) -> tuple[SLASearch, list[dict], pd.DataFrame]:
-    """Decode the tuning split (:func:`tuning_split`) with base greedy and every ``sla_benchmark.tuning_grid`` setting
+def _tune(cfg: Config, loaded: tuple, held_out: pd.DataFrame) -> tuple[SLASearch, list[dict], pd.DataFrame]:
+    """Decode (``loaded``: the base policy and its reward transformer) the tuning split (:func:`tuning_split`) with base greedy and every ``sla_benchmark.tuning_grid`` setting
     (untimed, batched); return the chosen setting (:func:`choose_setting`), the tuning table (one row per decoder
     with its win rate against greedy and accuracy, 95 % intervals over the tuning prompts, d, k, n, whether it
     could be chosen, ``streaming``, and whether it was, ``chosen``) and the scored tuning outputs."""
@@ -493,7 +499,7 @@ def _tune(cfg: Config, held_out: pd.DataFrame) -> tuple[SLASearch, list[dict], p
         raise ValueError("no tuning prompts: every training prompt was trained on; raise prompts.num_train")
     grid = {setting_name(s): s for s in (replace(component(SLASearch, cfg.sla), depth=d, width=k, step=n)
                                          for d, k, n in b.tuning_grid)}
-    policy, reward_model = _load(cfg, "base")
+    policy, reward_model = loaded
     eos = end_token_ids(policy)
     prompt_ids = _prompt_ids(cfg, policy, prompts["question"].tolist())
     records = [{"policy": "base", "decoder": name, "prompt_index": i,
@@ -575,9 +581,12 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
     settings = _sla_settings(cfg)
     sweep = [name for name in settings if name != "sla"]
     tuning_rows, tuning_outputs, tuned = [], None, {}
+    # the base policy serves the tuning, its own decoding and the on-policy ranking: loaded once, kept while the DPO
+    # policy decodes (foresight/memory.py counts both)
+    base = _load(cfg, "base")
     if "sla" in b.decoders and b.tuning_prompts > 0:
         tuning_started = time.perf_counter()
-        chosen, tuning_rows, tuning_outputs = _tune(cfg, held_out)
+        chosen, tuning_rows, tuning_outputs = _tune(cfg, base, held_out)
         tuned = _tuned_settings(chosen, b.leaf_score_ablation)
         logger.info("SLA tuning on %d training prompts (%.0f s), chosen %s:\n%s", tuning_rows[0]["num_prompts"],
                     time.perf_counter() - tuning_started, setting_name(chosen),
@@ -588,11 +597,13 @@ def benchmark_sla_task(cfg: Config) -> StageResult:
         logger.info("decoding %d held-out prompts with the %s policy: %s", len(questions), which, ", ".join(decoders))
         policy_settings = settings | tuned if which == "base" else {
             k: v for k, v in (settings | tuned).items() if k in ("sla", TUNED)}
-        policy_records, speed[which] = _decode_all(cfg, which, questions, decoders, policy_settings,
-                                                   untimed=frozenset(tuned) - {TUNED})
+        policy_records, speed[which] = _decode_all(cfg, base if which == "base" else _load(cfg, which), which,
+                                                   questions, decoders, policy_settings,
+                                                   untimed=frozenset(tuned) - {TUNED},
+                                                   timed=which == "base" or b.dpo_timed)
         records += policy_records
     outputs = _scored(pd.DataFrame(records), held_out, cfg)
-    ranking = _onpolicy_ranking(cfg, outputs, questions)
+    ranking = _onpolicy_ranking(cfg, base, outputs, questions)
     logger.info("on-policy ranking of the base decoders' (correct, incorrect) outputs: %s", json.dumps(ranking))
     rows = _table(outputs[~outputs["decoder"].isin(sweep)], speed)
     sweep_rows = _table(outputs[(outputs["policy"] == "base") & ~outputs["decoder"].isin(list(tuned))], speed) \
@@ -622,15 +633,15 @@ def onpolicy_pairs(outputs: pd.DataFrame, prompts: list[str]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["prompt_id", "prompt", "chosen", "rejected"])
 
 
-def _onpolicy_ranking(cfg: Config, outputs: pd.DataFrame, questions: list[str]) -> dict:
+def _onpolicy_ranking(cfg: Config, base: tuple, outputs: pd.DataFrame, questions: list[str]) -> dict:
     """How often the reward channel ranks the correct one of the base decoders' (correct, incorrect) outputs first
     (by eq. 17's mean token reward), against the policy's own mean token log-prob as the ranker: the choice SLA's
     search faces, measured on the benchmark's outputs (a diagnostic: it chooses nothing). Intervals resample
     prompts. ``onpolicy_*``; none without known answers."""
     from models.engine.generation import chat_prompts
-    from models.sla.reward_training import pair_wins, score_pairs, score_pairs_by_logprob
+    from models.sla.reward_training import pair_wins, score_pairs
 
-    policy, reward_model = _load(cfg, "base")
+    policy, reward_model = base
     pairs = onpolicy_pairs(outputs, chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt))
     if pairs.empty:
         return {"onpolicy_pairs": 0}
@@ -639,9 +650,9 @@ def _onpolicy_ranking(cfg: Config, outputs: pd.DataFrame, questions: list[str]) 
     max_length = (max(len(policy.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in pairs["prompt"])
                   + cfg.sla_benchmark.max_new_tokens + 16 + 1)
     metrics = {"onpolicy_pairs": len(pairs), "onpolicy_prompts": pairs["prompt_id"].nunique()}
-    for ranker, scored in (("channel", score_pairs(reward_model, policy.tokenizer, pairs, max_length)),
-                           ("logprob", score_pairs_by_logprob(policy.model, policy.tokenizer, pairs, max_length))):
-        interval = statistics.clustered_mean_interval(pair_wins(scored), pairs["prompt_id"])
+    scored = score_pairs(reward_model, policy.tokenizer, pairs, max_length, logprobs=True)  # both from one forward
+    for ranker, scores in (("channel", scored.rewards), ("logprob", scored.logprobs)):
+        interval = statistics.clustered_mean_interval(pair_wins(scores), pairs["prompt_id"])
         metrics |= statistics.interval_columns(f"onpolicy_accuracy_{ranker}", interval, reference=0.5)
     return metrics
 
@@ -711,7 +722,8 @@ def _metrics(rows: list[dict], speed: dict) -> dict:
         for row in s["overhead"]:
             suffix = "" if row["forward"] == "decode step" else "_" + row["forward"]
             metrics |= _interval_metrics(row, "overhead", f"{which}.reward_channel_overhead{suffix}")
-        metrics[f"{which}.greedy_tokens_per_s"] = s["timers"]["greedy"].tokens_per_s
+        if "greedy" in s["timers"]:
+            metrics[f"{which}.greedy_tokens_per_s"] = s["timers"]["greedy"].tokens_per_s
     return metrics
 
 

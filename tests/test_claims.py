@@ -106,3 +106,27 @@ def test_a_nan_figure_is_not_measured_and_tau_reasons_quote_the_accuracy_changes
     row = _row(metrics, "MTP-RL", "paper: advantage")
     assert row["verdict"] == "does not hold"
     assert "30 GRPO steps (27% of MTP-RL's groups" in row["reason"] and "MTP-RL -0.25 [-0.4, -0.1]" in row["reason"]
+    # ours, the KL's target detached: its own row, judged on its own variant's figures
+    detached = {key.replace("mtp_rl.", "mtp_rl_detached."): v for key, v in metrics["train_mtp_rl"].items()}
+    row = _row({"train_mtp_rl": detached | _interval("mtp_rl_detached.accuracy_change", 0.15, 0.0, 0.3)}, "MTP-RL",
+               "ours: the KL")
+    assert row["verdict"] == "does not hold" and row["ours"].startswith("MTP-RL, KL detached τ 1.57 [1.5, 1.93]")
+    assert "MTP-RL, KL detached's groups" in row["reason"] and "MTP-RL, KL detached 0.15 [0, 0.3]," in row["reason"]
+    assert _row(metrics, "MTP-RL", "ours: the KL")["verdict"] == "not measured"  # the default runs no such variant
+
+
+def test_offsets_that_do_not_learn_quote_what_next_token_prediction_paid():
+    """+2 below 0.2 with an interval that excludes it: does not hold, and the reason quotes +1's fall in the same run
+    (the one target-aware layer serves every offset) and the weight that protected it."""
+    metrics = {"train_coral": {**_interval("after_task_top1_forward_2", 0.068, 0.05, 0.08),
+                               **_interval("after_task_top1_forward_4", 0.11, 0.09, 0.13),
+                               **_interval("before_task_top1_forward_1", 0.977, 0.96, 0.99),
+                               **_interval("after_task_top1_forward_1", 0.838, 0.8, 0.87),
+                               "stage1_steps": 140, "next_token_weight": 4.0}}
+    row = _row(metrics, "COrAL", "ours", "Order-agnostic")
+    assert row["verdict"] == "does not hold" and row["ours"].startswith("+2 0.068 [0.05, 0.08]")
+    assert "140 steps" in row["reason"] and "weighted 4×" in row["reason"]
+    assert "0.977 [0.96, 0.99] → 0.838 [0.8, 0.87]" in row["reason"]
+    metrics["train_coral"] |= _interval("after_task_top1_forward_2", 0.25, 0.2, 0.3)
+    held = _row(metrics, "COrAL", "ours", "Order-agnostic")
+    assert held["verdict"] == "holds" and held["reason"] == ""

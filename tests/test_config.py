@@ -131,7 +131,8 @@ def test_study_profile_recipe_is_valid():
         assert key in section, f"{dotted} is not a key of params.yaml"
         section[key] = yaml.safe_load(value.replace(",", ", "))
     cfg = parse_config(params, REPO)
-    assert cfg.sla_benchmark.num_prompts == 120 and cfg.mtp_rl.variants == ["vanilla", "mtp_rl", "frozen_mtp"]
+    assert cfg.sla_benchmark.num_prompts == 120 and cfg.mtp_rl.variants == ["vanilla", "mtp_rl", "mtp_rl_detached",
+                                                                             "frozen_mtp"]
     assert cfg.mtp_rl.steps >= 30 and tuple(cfg.sla_benchmark.tuning_grid[-1]) == (3, 2, 10)
     from foresight.prompts import general_instructions
 

@@ -764,4 +764,4 @@ def test_stage1_stops_early_on_the_held_out_loss_and_keeps_its_best_epoch(tiny_l
     best = min(losses)
     assert history["stage1_best_epoch"] == [losses.index(best) + 1] and losses[-1] > best
     cache = trunk_cache(policy.model, held_out, cfg, (HELD_OUT_KEY,), 0, Accelerator(cpu=True))
-    assert held_out_loss(policy.model, held_out, cfg, cache, 0) == pytest.approx(best, abs=1e-5)
+    assert held_out_loss(held_out, cfg, cache, 0)(policy.model) == pytest.approx(best, abs=1e-5)

@@ -231,7 +231,8 @@ def test_pipeline_mlflow_runs_nest_under_one_parent(dvc_repo, pipeline_result):
     assert len(steps["loss"]) >= 2  # stage 1 and stage 2
     # GRPO: per-step τ and rollout time of every variant as metric histories
     rl_run = by_stage["train_mtp_rl"].info.run_id
-    for key in ("mtp_rl.tau", "frozen_mtp.tau", "vanilla.rollout_seconds", "mtp_rl.rollout_seconds"):
+    for key in ("mtp_rl.per_step.tau", "frozen_mtp.per_step.tau", "vanilla.per_step.rollout_seconds",
+                "mtp_rl.per_step.rollout_seconds"):
         assert [m.step for m in client.get_metric_history(rl_run, key)] == [1], key
 
 

@@ -186,13 +186,42 @@ def _step(policy, module, name: str, rewards: list[float]) -> tuple[bool, bool]:
 
 
 @pytest.mark.parametrize("name, policy_moves, module_moves", [
-    ("vanilla", False, False), ("frozen_mtp", False, False), ("mtp_rl", True, True), ("ce_only", True, True),
-    ("no_backprop", False, True)])
+    ("vanilla", False, False), ("frozen_mtp", False, False), ("mtp_rl", True, True), ("mtp_rl_detached", True, True),
+    ("ce_only", True, True), ("no_backprop", False, True)])
 def test_which_parameters_each_variant_moves_when_rewards_carry_no_signal(policy, name, policy_moves, module_moves):
     """All rewards equal: advantages are 0 and GRPO gives no gradient, so the policy moves only through L_Adv —
-    which MTP-RL and CE-only back-propagate into it and no-backprop does not."""
+    which MTP-RL (either KL target) and CE-only back-propagate into it and no-backprop does not."""
     module = MTPModule(policy.model, MTPModuleConfig(2))
     assert _step(policy, module, name, [0.0, 0.0, 0.0, 0.0]) == (policy_moves, module_moves)
+
+
+@pytest.mark.parametrize("name, target_takes_gradient", [("mtp_rl", True), ("mtp_rl_detached", False)])
+def test_the_kl_pulls_the_policy_toward_the_module_only_in_the_papers_reading(policy, monkeypatch, name,
+                                                                            target_takes_gradient):
+    """Eq. 3's KL(π_main ‖ π_MTP) in the main loss (eq. 5): in ``mtp_rl`` its target π_main takes gradient (the
+    policy is pulled toward the module); in ``mtp_rl_detached`` the target is a constant, and the policy's share
+    of L_Adv comes only through the hidden states the module reads."""
+    import models.mtp.rl as mtp_rl
+
+    seen = []
+    real = mtp_rl.advantage_aware_kl
+
+    def recording(base, states, main_logits, *args):
+        seen.append(main_logits.requires_grad)
+        return real(base, states, main_logits, *args)
+
+    monkeypatch.setattr(mtp_rl, "advantage_aware_kl", recording)
+    cfg = MTPRLTraining()
+    torch.manual_seed(0)
+    module = MTPModule(policy.model, MTPModuleConfig(2))
+    policy.model.requires_grad_(True)
+    rollouts = _rollouts(policy, [1.0, 0.0, 1.0, 0.0])
+    batch = rollout_batch(rollouts, padding_id(policy.tokenizer), policy.device)
+    _, stats = mtp_rl_step_loss(policy.model, policy.model, module, batch, group_advantages(rollouts.rewards, 4),
+                                None, None, variant(name, cfg), cfg, [0.6, 0.4], lambda loss: None)
+    assert seen == [target_takes_gradient]
+    policy.model.requires_grad_(False)
+    assert stats["mtp_kl_1"] > 0
 
 
 @pytest.mark.parametrize("name", ["vanilla", "no_backprop"])
@@ -212,7 +241,7 @@ def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
     prompts = _prompts(policy.tokenizer, questions)
     answers = ["5", "8"]
     eos = end_token_ids(policy)
-    for name in ("vanilla", "mtp_rl", "frozen_mtp", "ce_only", "no_backprop"):
+    for name in ("vanilla", "mtp_rl", "mtp_rl_detached", "frozen_mtp", "ce_only", "no_backprop"):
         fresh = load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), device="cpu", dtype="float32"))
         var = variant(name, cfg)
         module = MTPModule(fresh.model, MTPModuleConfig(2)) if var.drafts else None

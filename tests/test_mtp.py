@@ -115,7 +115,9 @@ def test_cached_chained_drafts_equal_a_teacher_forced_forward(tiny, chunks):
     final tokens followed by the drafts (the caches keep exactly the positions whose inputs are final)."""
     model, _ = tiny
     module = _perturbed_module(model, 3)
-    sequence = torch.randint(0, model.config.vocab_size, (1, sum(chunks) + 1))
+    # seeded: an unseeded draw once landed 2.35e-4 from the teacher-forced logits (float32 sums in another order)
+    sequence = torch.randint(0, model.config.vocab_size, (1, sum(chunks) + 1),
+                             generator=torch.Generator().manual_seed(len(chunks)))
     with torch.no_grad():
         hidden = model(sequence, output_hidden_states=True).hidden_states[-1]
     drafter = MTPDrafter(model, module)
@@ -537,7 +539,7 @@ def test_rl_stage_rewarded_by_a_reward_model_uses_prompts_without_answers(tiny_l
     assert m["reward_before"] == _mean(scored[0][3]) == history["reward_before"]
     assert m["vanilla.reward_after"] == _mean(scored[2][3]) and m["mtp_rl.reward_after"] == _mean(scored[4][3])
     assert history["variants"]["vanilla"][0]["reward"] == pytest.approx(_mean(scored[1][3]), abs=1e-6)
-    assert result.curves["mtp_rl.reward"] == [pytest.approx(_mean(scored[3][3]), abs=1e-6)]
+    assert result.curves["mtp_rl.per_step.reward"] == [pytest.approx(_mean(scored[3][3]), abs=1e-6)]
     assert not set(scored[3][3]) <= {0.0, 1.0}  # real-valued scores
     assert not [key for key in m if "accuracy" in key]
     assert (history["labeler"], history["label_model"]) == ("hf-classifier", str(tiny_classifier))
@@ -556,7 +558,7 @@ def test_rl_stage_rewarded_by_a_reward_model_uses_prompts_without_answers(tiny_l
     assert m["mtp_rl.tau_start"] == m["mtp_rl.tau_end"] == m["mtp_rl.tau_pooled"]
     assert m["vanilla.tokens_per_forward"] == 1.0 and m["mtp_rl.tokens_per_forward"] >= 1.0
     assert "mtp_rl.tokens_per_forward_high" in m and (m["rl_prompts_kept"], m["rl_prompts_dropped"]) == (2, 0)
-    assert result.curves["mtp_rl.nonzero_advantage_share"] == [m["mtp_rl.nonzero_advantage_share"]]
+    assert result.curves["mtp_rl.per_step.nonzero_advantage_share"] == [m["mtp_rl.nonzero_advantage_share"]]
     assert (out / "nonzero_advantage_share.png").is_file()
     # the rollout speed curve before RL: vanilla (its tokens/s) and MTP drafting (speedup over it) per batch size
     curve = pd.read_csv(out / "rollout_curve.csv")

@@ -20,6 +20,7 @@ from models.engine.config import PolicySpec
 from models.engine.policy import load_pretrained, prepare_policy
 from models.sla.config import RewardTraining
 from models.sla.reward_training import (
+    LOGPROB,
     PairRewards,
     autrc,
     collate_pairs,
@@ -28,7 +29,7 @@ from models.sla.reward_training import (
     pair_accuracy,
     pair_curves,
     pair_wins,
-    score_pairs_by_logprob,
+    score_pairs,
     token_reward_curve,
     tokenize_pairs,
     train_reward_heads,
@@ -209,6 +210,33 @@ def test_training_and_scoring_compute_the_logits_of_one_position_only(policy):
     assert all(shape[1] == 1 for shape in shapes), shapes
 
 
+def test_cached_policy_states_train_the_heads_as_the_policy_forward_does(policy):
+    """The frozen policy's states of the distinct training sequences, computed once (a response sits in several pairs
+    and every epoch), give the heads the losses and weights a policy forward at every step gives; with
+    ``state_cache_gb`` 0 the policy runs at every step instead."""
+    pairs = toy_pairs(policy.tokenizer, 4)
+    pairs = pd.concat([pairs, pairs.assign(rejected=pairs["rejected"][::-1].to_numpy())], ignore_index=True)
+    cfg = RewardTraining(**{**FAST, "epochs": 2})  # 8 pairs, 12 distinct sequences: 2 × 2 steps
+    adapter = RewardHeadConfig(kind="adapter", adapter_layers=2, hidden_size=8)
+    forwards = []
+    hook = policy.model.register_forward_hook(lambda module, args, kwargs_out: forwards.append(1))
+    try:
+        cached, cached_histories = train_reward_heads(policy, pairs, cfg, {"channel": CHANNEL, "adapter": adapter})
+        cached_forwards = len(forwards)
+        forwards.clear()
+        fresh, fresh_histories = train_reward_heads(policy, pairs, replace(cfg, state_cache_gb=0.0),
+                                                    {"channel": CHANNEL, "adapter": adapter})
+    finally:
+        hook.remove()
+    assert (cached_forwards, len(forwards)) == (2, 4)  # 12 sequences in batches of 8 once; a forward per step
+    for name in ("channel", "adapter"):
+        assert cached_histories[name]["loss"] == pytest.approx(fresh_histories[name]["loss"], abs=1e-5)
+        for key, value in fresh[name].head.state_dict().items():
+            if key == "mlp.2.bias":  # the adapter's output bias: the BT loss sees reward differences only, so its
+                continue  # gradient is 0 in exact arithmetic and Adam turns the rounding noise into full steps
+            torch.testing.assert_close(cached[name].head.state_dict()[key], value, atol=1e-5, rtol=1e-4)
+
+
 def test_joint_training_equals_training_each_head_alone(policy, tiny_llama):
     """One shared policy pass per batch: each head gets exactly its own gradient, Adam is element-wise; and one
     scores exactly as it does alone."""
@@ -236,19 +264,33 @@ def test_joint_training_equals_training_each_head_alone(policy, tiny_llama):
 
 
 def test_logprob_ranker_scores_each_response_token_by_the_policys_log_prob(policy):
-    """score_pairs_by_logprob gives log π(y_t | x, y_<t) of exactly the response tokens (end token included), as a
-    plain one-sequence forward computes them, in padded batches; pair_wins then compares their means."""
+    """score_pairs(logprobs=True) gives, from the reward forward itself, log π(y_t | x, y_<t) of exactly the response
+    tokens (end token included), as a plain one-sequence forward computes them, in padded batches, and the same
+    rewards as without; pair_wins then compares their means; evaluate_reward_heads reports that ranker beside the
+    heads from the same forwards."""
     pairs = toy_pairs(policy.tokenizer, 3)
-    scored = score_pairs_by_logprob(policy.model, policy.tokenizer, pairs, max_length=64, batch_size=2)
+    model = RewardTransformer(policy.model, CHANNEL)
+    scored = score_pairs(model, policy.tokenizer, pairs, max_length=64, batch_size=2, logprobs=True)
     tokenized = tokenize_pairs(policy.tokenizer, pairs, 64)
     for p, item in enumerate(tokenized):
-        for side, got in (("chosen", scored.chosen[p]), ("rejected", scored.rejected[p])):
+        for side, got in (("chosen", scored.logprobs.chosen[p]), ("rejected", scored.logprobs.rejected[p])):
             ids, mask = torch.tensor(item[f"{side}_input_ids"]), torch.tensor(item[f"{side}_response_mask"]).bool()
             with torch.no_grad():
                 logps = policy.model(input_ids=ids[None]).logits[0].float().log_softmax(-1)  # (T, V)
             positions = mask.nonzero()[:, 0]  # response tokens, each predicted from the position before it
             torch.testing.assert_close(got, logps[positions - 1, ids[positions]], atol=1e-5, rtol=0)
-    assert pair_wins(scored).tolist() == [float(c.mean() > r.mean()) for c, r in zip(scored.chosen, scored.rejected)]
+    rewards_only = score_pairs(model, policy.tokenizer, pairs, max_length=64, batch_size=2)
+    assert rewards_only.logprobs is None
+    for got, want in zip(scored.rewards.chosen + scored.rewards.rejected,
+                         rewards_only.rewards.chosen + rewards_only.rewards.rejected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    wins = pair_wins(scored.logprobs)
+    assert wins.tolist() == [float(c.mean() > r.mean()) for c, r in zip(scored.logprobs.chosen,
+                                                                         scored.logprobs.rejected)]
+    cfg = RewardTraining(**FAST)
+    evaluation = evaluate_reward_heads({"channel": model}, policy.tokenizer, pairs, cfg, logprobs=True)
+    assert evaluation[LOGPROB]["pair_correct"] == wins.tolist()
+    assert evaluation["channel"] == evaluate_reward_head(model, policy.tokenizer, pairs, cfg)
 
 
 def test_reward_curve_and_autrc_by_hand():

@@ -409,7 +409,7 @@ def test_benchmark_decodes_each_prompt_once_timed_prompts_interleaved(tiny_llama
     from transformers import GenerationMixin
 
     import models.sla.search
-    from tasks.sla import _decode_all
+    from tasks.sla import _decode_all, _load
 
     cfg = _sla_project(tmp_path, tiny_llama, num_prompts=5, speed_prompts=2, batch_size=2, max_new_tokens=3,
                        overhead_repeats=2, timed_decoders=["sla"])  # greedy, the reference, is timed anyway
@@ -433,7 +433,7 @@ def test_benchmark_decodes_each_prompt_once_timed_prompts_interleaved(tiny_llama
     monkeypatch.setattr(models.sla.search, "sla_generate", recording_sla)
     monkeypatch.setattr(models.sla.search, "sla_generate_batch", recording_sla_batch)
     questions = [f"What is {i} + {i}?" for i in range(5)]
-    records, speed = _decode_all(cfg, "base", questions, ["greedy", "beam", "sla"],
+    records, speed = _decode_all(cfg, _load(cfg, "base"), "base", questions, ["greedy", "beam", "sla"],
                                  {"sla": SLASearch(depth=1, width=2, step=2)})
     batch_1 = [("greedy", 1), ("sla", 1)]  # warm-up, prompt 0, prompt 1
     assert calls == batch_1 * 3 + [("greedy", 2), ("greedy", 1), ("beam", 2), ("beam", 2), ("beam", 1),
@@ -446,13 +446,19 @@ def test_benchmark_decodes_each_prompt_once_timed_prompts_interleaved(tiny_llama
     assert [r["new_tokens"] for r in records if r["decoder"] == "greedy" and r["timed"]] == (
         speed["timers"]["greedy"].call_tokens)
     assert [row["forward"] for row in speed["overhead"]] == ["decode step", "prompt"]
+    # an untimed policy (the DPO policy unless sla_benchmark.dpo_timed): every prompt in batches, no timer, no overhead
+    calls.clear()
+    records, speed = _decode_all(cfg, _load(cfg, "dpo"), "dpo", questions, ["greedy", "sla"],
+                                 {"sla": SLASearch(depth=1, width=2, step=2)}, timed=False)
+    assert calls == [("greedy", 2), ("greedy", 2), ("greedy", 1), ("sla", 2), ("sla", 2), ("sla", 1)]
+    assert speed == {"timers": {}, "overhead": []} and not any(r["timed"] for r in records)
 
 
 def test_a_setting_under_two_names_is_searched_once(tiny_llama, tmp_path, monkeypatch):
-    """When tuning chooses the paper's setting, ``sla_tuned`` reuses ``sla``'s outputs (the search is deterministic);
-    the leaf-score ablation is another search and runs, untimed."""
+    """When tuning chooses the paper's setting, ``sla_tuned`` reuses ``sla``'s outputs and its timer (the search is
+    deterministic): searched and timed once; the leaf-score ablation is another search and runs, untimed."""
     import models.sla.search
-    from tasks.sla import _decode_all
+    from tasks.sla import _decode_all, _load
 
     cfg = _sla_project(tmp_path, tiny_llama, num_prompts=3, speed_prompts=1, max_new_tokens=3, overhead_repeats=2)
     searches = []  # prompts per batched SLA search
@@ -462,13 +468,21 @@ def test_a_setting_under_two_names_is_searched_once(tiny_llama, tmp_path, monkey
         searches.append(len(prompts))
         return sla_generate_batch(model, prompts, *args)
 
+    sla_generate = models.sla.search.sla_generate
+
+    def recording_sla(model, ids, *args):
+        searches.append("batch 1")
+        return sla_generate(model, ids, *args)
+
     monkeypatch.setattr(models.sla.search, "sla_generate_batch", recording_sla_batch)
+    monkeypatch.setattr(models.sla.search, "sla_generate", recording_sla)
     paper = SLASearch(depth=1, width=2, step=2)
     settings = {"sla": paper, "sla_tuned": paper, "sla_tuned_last": SLASearch(1, 2, 2, leaf_score="last")}
-    records, speed = _decode_all(cfg, "base", [f"What is {i} + 1?" for i in range(3)], ["greedy", "sla"], settings,
-                                 untimed=frozenset({"sla_tuned_last"}))
-    assert searches == [2, 3]  # sla on the 2 untimed prompts, sla_tuned_last on all 3
-    assert set(speed["timers"]) == {"greedy", "sla", "sla_tuned"}
+    records, speed = _decode_all(cfg, _load(cfg, "base"), "base", [f"What is {i} + 1?" for i in range(3)],
+                                 ["greedy", "sla"], settings, untimed=frozenset({"sla_tuned_last"}))
+    # sla timed once at batch 1 (warm-up, prompt 0), then on the 2 untimed prompts; sla_tuned_last on all 3
+    assert searches == ["batch 1", "batch 1", 2, 3]
+    assert set(speed["timers"]) == {"greedy", "sla", "sla_tuned"} and speed["timers"]["sla_tuned"] is speed["timers"]["sla"]
     by = {(r["decoder"], r["prompt_index"]): r["response"] for r in records}
     assert all(by[("sla", i)] == by[("sla_tuned", i)] for i in range(3))
 
@@ -532,7 +546,8 @@ def test_benchmark_task_reports_intervals_everywhere(tiny_llama, tmp_path, monke
     from tasks.sla import benchmark_sla_task
 
     cfg = _sla_project(tmp_path, tiny_llama, num_prompts=6, speed_prompts=2, max_new_tokens=4, overhead_repeats=3,
-                       decoders=["greedy", "top_k", "sla"], dpo_decoders=["greedy", "sla"], **_tuning())
+                       decoders=["greedy", "top_k", "sla"], dpo_decoders=["greedy", "sla"], dpo_timed=True,
+                       **_tuning())
     def fake_is_correct(response, answer):
         return len(response) % 2 == 0
 

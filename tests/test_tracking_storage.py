@@ -22,6 +22,9 @@ def test_parent_and_nested_stage_runs(tmp_path, monkeypatch):
         with stage_run(cfg, "generate", ["generate"]) as child:
             log_stage_outputs(cfg, {"num_samples": 10, "tokens_per_s": 99.5, "flag": True}, {"samples": table},
                               {"datadocs": docs})
+            # a curve named like a metric would overwrite it with its last step in MLflow: refused, nothing logged
+            with pytest.raises(ValueError, match=r"\['tokens_per_s'\] are both metrics and per-step curves"):
+                log_stage_outputs(cfg, {"tokens_per_s": 99.5}, {}, {}, {"tokens_per_s": [1.0, 2.0]})
     monkeypatch.delenv(PARENT_RUN_ENV)
     with stage_run(cfg, "label", ["label"]) as standalone:
         pass

@@ -108,6 +108,20 @@ class EarlyStopping:
     """An improvement smaller than this does not count as one."""
 
 
+def held_out_mean(step: Step, batches: Iterable, weight: Callable[[Any], float]) -> Callable[[nn.Module], float]:
+    """An :class:`EarlyStopping` criterion: the model's mean loss over the held-out ``batches`` (re-iterable, e.g. a
+    list or a ``DataLoader``), each batch's ``step`` loss weighted by ``weight(batch)`` (its targets, or its rows)."""
+
+    def loss(model: nn.Module) -> float:
+        total = count = 0.0
+        for batch in batches:
+            w = float(weight(batch))
+            total, count = total + float(step(model, batch)[0]) * w, count + w
+        return total / count
+
+    return loss
+
+
 class _BestEpoch:
     """The trained parameters' values at the epoch of the lowest held-out loss (copies in float32)."""
 

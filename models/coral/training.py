@@ -32,7 +32,7 @@ from torch import nn
 
 from models.common.lora import memory_saving, merged
 from models.common.sequences import Sequences, padding_id, right_pad
-from models.common.training import EarlyStopping, half_dtype, step_precision, train
+from models.common.training import EarlyStopping, half_dtype, held_out_mean, step_precision, train
 from models.coral.config import CoralTraining
 from models.coral.target_aware import (
     backward_reconstruction_loss,
@@ -206,18 +206,18 @@ class CoralObjective(nn.Module):
         return coral_step_loss(self.model, batch, self.cfg, self.epoch, self.reconstruct, self.cache)
 
 
-def held_out_loss(model: nn.Module, sequences: Sequences, cfg: CoralTraining, cache: TrunkCache, pad_token_id: int
-                  ) -> float:
-    """Stage 1's objective (forward prediction + backward reconstruction) on held-out ``sequences`` from their
-    cached trunk outputs (one fixed corruption each), averaged over sequences: what early stopping watches."""
-    device = next(model.parameters()).device
-    total = 0.0
-    for start in range(0, len(sequences), cfg.batch_size):
-        chunk = list(enumerate(sequences[start : start + cfg.batch_size], start=start))
-        batch = {k: v.to(device) for k, v in _collate(chunk, pad_token_id).items()}
-        loss, _ = coral_step_loss(model, batch, cfg, 0, cache=cache)
-        total += float(loss) * len(chunk)
-    return total / len(sequences)
+def held_out_loss(sequences: Sequences, cfg: CoralTraining, cache: TrunkCache, pad_token_id: int
+                  ) -> Callable[[nn.Module], float]:
+    """Stage 1's objective (forward prediction + backward reconstruction) of a model on held-out ``sequences`` from
+    their cached trunk outputs (one fixed corruption each), averaged over sequences: what early stopping watches."""
+    batches = [_collate(list(enumerate(sequences[start : start + cfg.batch_size], start=start)), pad_token_id)
+               for start in range(0, len(sequences), cfg.batch_size)]
+
+    def step(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        device = next(model.parameters()).device
+        return coral_step_loss(model, {k: v.to(device) for k, v in batch.items()}, cfg, 0, cache=cache)
+
+    return held_out_mean(step, batches, lambda batch: len(batch["index"]))
 
 
 def _collate(items: list[tuple[int, tuple[list[int], list[int]]]], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -300,8 +300,8 @@ def _train_last_layer(model: nn.Module, sequences: Sequences, validation: Sequen
     early_stopping = None
     if validation:
         validation_cache = trunk_cache(model, validation, cfg, (HELD_OUT_KEY,), pad, accelerator)
-        early_stopping = EarlyStopping(partial(held_out_loss, sequences=validation, cfg=cfg, cache=validation_cache,
-                                               pad_token_id=pad), patience=cfg.stage1_patience)
+        early_stopping = EarlyStopping(held_out_loss(validation, cfg, validation_cache, pad),
+                                       patience=cfg.stage1_patience)
     parameters = stage_parameters(model, 1)
     for p in parameters:
         p.requires_grad_(True)

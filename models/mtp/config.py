@@ -15,7 +15,7 @@ MTPInit = Literal["last_layer", "scratch"]
 """How the module's decoder layer starts: a copy of the main model's last layer, or at random."""
 
 
-VariantName = Literal["vanilla", "mtp_rl", "frozen_mtp", "ce_only", "no_backprop"]
+VariantName = Literal["vanilla", "mtp_rl", "mtp_rl_detached", "frozen_mtp", "ce_only", "no_backprop"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class MTPTraining:
     ce_weights: tuple[float, ...] = (0.6, 0.3, 0.1)  # λ_1 … λ_K (the paper's); deeper depths reuse the last
     init: MTPInit = "last_layer"
     learning_rate: float = 1.0e-3  # peak rate (the paper: 5e-5 over 5 epochs of ~113k responses)
-    epochs: int = 8  # the most epochs: with a held-out split, training stops when its loss stops falling
+    epochs: int = 4  # the most epochs: with a held-out split, training stops when its loss stops falling
     patience: int = 1  # epochs without a new best held-out loss before training stops
     batch_size: int = 8  # sequences per step
     warmup_ratio: float = 0.1  # linear warm-up share of the steps, cosine decay after

@@ -15,7 +15,10 @@ GRPO term, through the KL's π_main and through the hidden states and shared emb
 reads; the module through L_Adv. The baselines change one thing each (:class:`Variant`): no drafts
 (``vanilla``), a module that never trains (``frozen_mtp``), CE alone (``ce_only``), or L_Adv cut off from
 the policy (``no_backprop``: the module reads detached states and the policy's parameters are frozen while
-its loss is built).
+its loss is built). Ours, ``mtp_rl_detached``: MTP-RL with the KL's target π_main detached, so that the KL pulls
+the module toward the policy but not the policy toward the module (L_Adv still reaches the policy through the
+hidden states the module reads): at a learning rate that moves a 135M policy, the paper's reading let the KL drag
+the policy onto its module's worse predictions (docs/mtp.md, "MTP-RL's collapse").
 
 Rollouts are sampled as batches (a step's prompts × G rows, ``rollout_batch_size``), as RL systems sample them:
 vanilla by HF batched sampling, the drafting variants by the batched speculative engine
@@ -77,6 +80,7 @@ class Variant:
     kl: bool  # L_Adv includes the advantage-aware KL
     ce_weight: float  # weight of the module's CE in L_Adv
     backprop_into_policy: bool  # L_Adv's gradient reaches the policy
+    kl_moves_policy: bool = False  # the KL's target π_main takes gradient too (pulls the policy toward the module)
 
 
 def variant(name: VariantName, cfg: MTPRLTraining) -> Variant:
@@ -85,7 +89,9 @@ def variant(name: VariantName, cfg: MTPRLTraining) -> Variant:
         "vanilla": Variant("vanilla", drafts=False, trains_module=False, kl=False, ce_weight=0.0,
                            backprop_into_policy=False),
         "mtp_rl": Variant("mtp_rl", drafts=True, trains_module=True, kl=True, ce_weight=cfg.beta,
-                          backprop_into_policy=True),
+                          backprop_into_policy=True, kl_moves_policy=True),
+        "mtp_rl_detached": Variant("mtp_rl_detached", drafts=True, trains_module=True, kl=True, ce_weight=cfg.beta,
+                                   backprop_into_policy=True),
         "frozen_mtp": Variant("frozen_mtp", drafts=True, trains_module=False, kl=False, ce_weight=0.0,
                               backprop_into_policy=False),
         "ce_only": Variant("ce_only", drafts=True, trains_module=True, kl=False, ce_weight=cfg.ce_only_weight,
@@ -355,7 +361,8 @@ def mtp_rl_step_loss(model, base, module, batch: dict[str, torch.Tensor], advant
         mtp_loss = var.ce_weight * ce
         kl_per_depth = [float("nan")] * len(states)
         if var.kl:
-            kl, kl_per_depth = advantage_aware_kl(base, states, main_logits, response_mask, advantage_mask(advantages),
+            target = main_logits if var.kl_moves_policy else main_logits.detach()
+            kl, kl_per_depth = advantage_aware_kl(base, states, target, response_mask, advantage_mask(advantages),
                                                   weights, first, totals.samples if totals else None)
             mtp_loss = mtp_loss + kl
     backward(loss + mtp_loss if var.backprop_into_policy else mtp_loss)

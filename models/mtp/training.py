@@ -136,7 +136,7 @@ def train_mtp_module(policy: Policy, sequences: Sequences, hidden: Sequence[torc
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from models.common.training import EarlyStopping
+    from models.common.training import EarlyStopping, held_out_mean
 
     if not sequences:
         raise ValueError("no sequences to train the MTP module on")
@@ -152,21 +152,17 @@ def train_mtp_module(policy: Policy, sequences: Sequences, hidden: Sequence[torc
         loss, per_depth = mtp_cross_entropy(base, states, batch["input_ids"], batch["response_mask"], weights)
         return loss, {"loss": loss.detach(), **{f"ce_depth_{k}": v for k, v in enumerate(per_depth, start=1)}}
 
-    def held_out_loss(module: MTPModule) -> float:
-        """Eq. 1's loss over the held-out sequences, batch losses weighted by their response tokens."""
-        total = tokens = 0.0
+    early_stopping = None
+    if held_out is not None:  # eq. 1's loss over the held-out sequences, batch losses weighted by their tokens
         loader = torch.utils.data.DataLoader(_Rows(*held_out), batch_size=cfg.batch_size, collate_fn=collate)
-        for batch in loader:
-            count = float(batch["response_mask"].sum())
-            total, tokens = total + float(step(module, batch)[0]) * count, tokens + count
-        return total / tokens
-
+        early_stopping = EarlyStopping(held_out_mean(step, loader, lambda batch: batch["response_mask"].sum()),
+                                       cfg.patience)
     module, history = train(
         module, _Rows(sequences, hidden), step, module.parameters(),
         partial(torch.optim.AdamW, lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=0.0),
         accelerator=accelerator, epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed,
         warmup_ratio=cfg.warmup_ratio, collate_fn=collate, desc=f"MTP equip (K = {num_depths})", on_step=on_step,
-        early_stopping=EarlyStopping(held_out_loss, cfg.patience) if held_out is not None else None)
+        early_stopping=early_stopping)
     return module.eval().requires_grad_(False), history
 
 

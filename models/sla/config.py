@@ -38,6 +38,9 @@ class RewardTraining:
     warmup_ratio: float = 0.1
     max_length: int = 512  # prompt + response tokens kept per sequence
     curve_points: int = 100  # x = 1 … 100 % of the response for the token-level reward curve
+    # the frozen policy's hidden states of every distinct training sequence, kept in memory when they fit in this many
+    # GB: one policy forward per sequence instead of one per sequence, pair and epoch (else the forward runs per step)
+    state_cache_gb: float = 4.0
     seed: int = 0  # head initialisation and shuffling
 
 

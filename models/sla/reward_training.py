@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -72,15 +73,50 @@ def tokenize_pairs(tokenizer, pairs: pd.DataFrame, max_length: int) -> list[Toke
     return tokenized
 
 
-def collate_pairs(batch: Sequence[TokenizedPair], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate_pairs(batch: Sequence[TokenizedPair], pad_token_id: int,
+                  states: dict[tuple[int, ...], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Right-pad B pairs into one batch of 2B sequences: the B chosen rows, then the B rejected rows.
 
     One forward then scores both sides; ``rewards.chunk(2)`` splits them again. Padding has attention 0
     and response mask 0, so it changes neither the policy states of real tokens nor the reward means.
+    ``states``: the policy's cached hidden states by sequence (:func:`policy_states`): the batch then carries them
+    as ``states`` (L + 1, 2B, T, d), zero past each sequence (the heads are position-wise).
     """
     sequences = [(p["chosen_input_ids"], p["chosen_response_mask"]) for p in batch]
     sequences += [(p["rejected_input_ids"], p["rejected_response_mask"]) for p in batch]
-    return right_pad(sequences, pad_token_id)
+    padded = right_pad(sequences, pad_token_id)
+    if states is not None:
+        length = padded["input_ids"].shape[1]
+        padded["states"] = torch.stack([F.pad(states[tuple(ids)], (0, 0, 0, length - len(ids)))
+                                        for ids, _ in sequences], dim=1)  # (L + 1, 2B, T, d)
+    return padded
+
+
+def state_cache_bytes(policy_config, sequences: Sequence[Sequence[int]], dtype: torch.dtype) -> int:
+    """The memory :func:`policy_states` takes for ``sequences``: every distinct one's L + 1 hidden states."""
+    tokens = sum(len(ids) for ids in {tuple(ids) for ids in sequences})
+    width = (policy_config.num_hidden_layers + 1) * policy_config.hidden_size
+    return tokens * width * torch.empty((), dtype=dtype).element_size()
+
+
+@torch.no_grad()
+def policy_states(policy: nn.Module, sequences: Sequence[Sequence[int]], batch_size: int, pad_token_id: int
+                  ) -> dict[tuple[int, ...], torch.Tensor]:
+    """The frozen policy's hidden states (HF's L + 1: every decoder layer's input, then the final-normed state) of
+    each distinct sequence, (L + 1, T, d) in the policy's dtype on the CPU, from right-padded batches of
+    ``batch_size`` (the logits of one position only)."""
+    device = next(policy.parameters()).device
+    distinct = list(dict.fromkeys(tuple(ids) for ids in sequences))
+    states = {}
+    for start in range(0, len(distinct), batch_size):
+        chunk = distinct[start : start + batch_size]
+        batch = right_pad([(list(ids), [0] * len(ids)) for ids in chunk], pad_token_id)
+        out = policy(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                     output_hidden_states=True, logits_to_keep=1)
+        hidden = torch.stack(out.hidden_states)  # (L + 1, B, T, d)
+        for row, ids in enumerate(chunk):
+            states[ids] = hidden[:, row, : len(ids)].cpu()
+    return states
 
 
 def _pair_loader(tokenizer, pairs: pd.DataFrame, max_length: int, batch_size: int) -> DataLoader:
@@ -108,7 +144,9 @@ def train_reward_heads(policy: Policy, train_pairs: pd.DataFrame, cfg: RewardTra
 
     The heads share nothing but the policy's states: the summed loss gives each head exactly the
     gradient of its own loss, and Adam is element-wise, so this equals training each head alone (same
-    initialisation order, data order and schedule) at a fraction of the policy forwards.
+    initialisation order, data order and schedule) at a fraction of the policy forwards. The policy is frozen,
+    so where its states of the distinct training sequences fit in ``cfg.state_cache_gb`` they are computed once
+    (:func:`policy_states`) and every step runs the heads alone; else each step runs the policy.
 
     ``accelerator``: an ``accelerate.Accelerator``; by default one on the policy's device. Under
     ``accelerate launch`` every process runs this function, batches are split between them and the
@@ -137,10 +175,19 @@ def train_reward_heads(policy: Policy, train_pairs: pd.DataFrame, cfg: RewardTra
     correct = torch.zeros(len(names), device=accelerator.device)  # this epoch's pairs ranked right, per head
     seen = torch.zeros((), device=accelerator.device)
     accuracies: dict[str, list[float]] = {name: [] for name in names}
+    data = tokenize_pairs(policy.tokenizer, train_pairs, cfg.max_length)
+    pad = padding_id(policy.tokenizer)
+    sequences = [pair[f"{side}_input_ids"] for pair in data for side in ("chosen", "rejected")]
+    # the frozen policy's states, once per distinct sequence (every process computes them all), where they fit
+    fits = state_cache_bytes(policy.model.config, sequences, policy.model.dtype) <= cfg.state_cache_gb * 1e9
+    states = policy_states(policy.model, sequences, 2 * cfg.batch_size, pad) if fits else None
 
     def step(model: RewardTransformer, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        # logits of one position only: the loss needs the hidden states, not the (2B, T, V) logits
-        rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1).rewards
+        if "states" in batch:  # the head alone, on the cached states (through the prepared model: DDP's forward)
+            rewards = model(hidden_states=tuple(batch["states"].unbind(0))).rewards
+        else:  # logits of one position only: the loss needs the hidden states, not the (2B, T, V) logits
+            rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            logits_to_keep=1).rewards
         chosen_rewards, rejected_rewards = rewards.float().chunk(2)  # (B, T, H) each
         chosen_mask, rejected_mask = batch["response_mask"].chunk(2)  # (B, T) each
         losses = torch.stack([bradley_terry_loss(chosen_rewards[..., h], chosen_mask,
@@ -162,10 +209,10 @@ def train_reward_heads(policy: Policy, train_pairs: pd.DataFrame, cfg: RewardTra
         seen.zero_()
 
     model, history = train(
-        model, tokenize_pairs(policy.tokenizer, train_pairs, cfg.max_length), step, model.head.parameters(),
+        model, data, step, model.head.parameters(),
         partial(torch.optim.Adam, lr=cfg.learning_rate), accelerator=accelerator, epochs=cfg.epochs,
         batch_size=cfg.batch_size, seed=cfg.seed, warmup_ratio=cfg.warmup_ratio,
-        collate_fn=partial(collate_pairs, pad_token_id=padding_id(policy.tokenizer)),
+        collate_fn=partial(collate_pairs, pad_token_id=pad, states=states),
         desc=f"reward heads ({', '.join(names)})", show=names, on_step=on_step, on_epoch_end=on_epoch_end)
     models = {name: RewardTransformer(policy.model, head_configs[name], head=model.head[name]) for name in names}
     histories = {name: {"loss": history[name], "learning_rate": list(history["learning_rate"]),
@@ -181,37 +228,40 @@ class PairRewards:
     rejected: list[torch.Tensor]  # each (T_l,), or (T_l, H)
 
 
+@dataclass
+class PairScores:
+    """What one forward per batch of pairs gives: the head's R' of every response prefix (:class:`PairRewards`), and
+    with ``logprobs`` the policy's own log π(y_t | x, y_<t) of every response token, end token included (T,) per
+    response: the ranker a trained reward head has to beat (its mean ranks a pair as eq. 17's mean reward does)."""
+
+    rewards: PairRewards
+    logprobs: PairRewards | None = None
+
+
 @torch.no_grad()
 def score_pairs(model: RewardTransformer, tokenizer, pairs: pd.DataFrame, max_length: int,
-                batch_size: int = 8) -> PairRewards:
-    """One forward per pair (both sides batched): the per-prefix rewards of each chosen and rejected response,
-    (T,) each, or (T, H) for :class:`StackedHeads`.
+                batch_size: int = 8, logprobs: bool = False) -> PairScores:
+    """One forward per batch of pairs (both sides batched): the per-prefix rewards of each chosen and rejected
+    response, (T,) each, or (T, H) for :class:`StackedHeads`; with ``logprobs`` also the policy's token log-probs
+    from the same forward (logits of the positions that predict a response token only; without, of one position).
 
     Runs on the model's device in one process (held-out sets are small).
     """
     device = next(model.head.parameters()).device
-    scored = PairRewards(chosen=[], rejected=[])
+    scored = PairScores(PairRewards(chosen=[], rejected=[]), PairRewards(chosen=[], rejected=[]) if logprobs else None)
     for batch in _pair_loader(tokenizer, pairs, max_length, batch_size):
-        rewards = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                        logits_to_keep=1).rewards.float().cpu()  # (2B, T) or (2B, T, H)
-        _add_sides(scored, [row[mask.bool()] for row, mask in zip(rewards, batch["response_mask"], strict=True)])
-    return scored
-
-
-@torch.no_grad()
-def score_pairs_by_logprob(policy: nn.Module, tokenizer, pairs: pd.DataFrame, max_length: int,
-                           batch_size: int = 8) -> PairRewards:
-    """The policy's own token-level score of each pair: log π(y_t | x, y_<t) of every response token (end token
-    included), (T,) per response. Its mean ranks a pair the way eq. 17's mean reward does (:func:`pair_wins`): the
-    baseline ranker a trained reward head has to beat."""
-    device = next(policy.parameters()).device
-    scored = PairRewards(chosen=[], rejected=[])
-    for batch in _pair_loader(tokenizer, pairs, max_length, batch_size):
-        input_ids = batch["input_ids"].to(device)  # (2B, T)
-        logits = policy(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device)).logits[:, :-1]
-        token_logps = logits.float().log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0].cpu()  # (2B, T − 1)
-        masks = batch["response_mask"][:, 1:].bool()  # token t is predicted at t − 1; token 0 is never a response's
-        _add_sides(scored, [row[mask] for row, mask in zip(token_logps, masks, strict=True)])
+        input_ids, response_mask = batch["input_ids"].to(device), batch["response_mask"]  # (2B, T)
+        # token t is predicted at t − 1: the logits from the first response token's predictor on
+        first = max(int(response_mask.argmax(dim=1).min()) - 1, 0) if logprobs else input_ids.shape[1] - 1
+        out = model(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device),
+                    logits_to_keep=input_ids.shape[1] - first)
+        rewards = out.rewards.float().cpu()  # (2B, T) or (2B, T, H)
+        _add_sides(scored.rewards, [row[mask.bool()] for row, mask in zip(rewards, response_mask, strict=True)])
+        if logprobs:
+            targets = input_ids[:, first + 1:, None]  # (2B, T − first − 1, 1)
+            token_logps = out.logits[:, :-1].float().log_softmax(-1).gather(-1, targets)[..., 0].cpu()
+            masks = response_mask[:, first + 1:].bool()
+            _add_sides(scored.logprobs, [row[mask] for row, mask in zip(token_logps, masks, strict=True)])
     return scored
 
 
@@ -261,11 +311,17 @@ def autrc(xs: Sequence[float], accuracies: Sequence[float]) -> float:
     return float(np.trapezoid(accuracies, xs) / (xs[-1] - xs[0]))
 
 
+LOGPROB = "logprob"
+"""The entry of :func:`evaluate_reward_heads` for the policy's own mean token log-prob as the ranker."""
+
+
 def evaluate_reward_heads(models: dict[str, RewardTransformer], tokenizer, pairs: pd.DataFrame,
-                          cfg: RewardTraining) -> dict[str, dict]:
+                          cfg: RewardTraining, logprobs: bool = False) -> dict[str, dict]:
     """Per head: pair accuracy, the token-level reward curve and its AuTRC on (held-out) pairs, and per pair the
     values these average (for intervals over pairs): ``pair_correct`` (0/1) and ``pair_autrc``, a pair's own AuTRC
-    (the area under its 0/1 curve; the trapezoid rule is linear, so their mean is the AuTRC).
+    (the area under its 0/1 curve; the trapezoid rule is linear, so their mean is the AuTRC). With ``logprobs``,
+    also :data:`LOGPROB`: the pair accuracy and ``pair_correct`` of the policy's own mean token log-prob, the
+    ranker every head has to beat, from the same forwards.
 
     The heads must sit on one (frozen) policy: one policy forward per batch scores them all (:class:`StackedHeads`),
     which gives each head exactly the rewards it gets alone, at the cost of one head's evaluation.
@@ -273,17 +329,23 @@ def evaluate_reward_heads(models: dict[str, RewardTransformer], tokenizer, pairs
     policies = {id(model.policy) for model in models.values()}
     if len(policies) != 1:
         raise ValueError(f"heads evaluated together must share one policy, got {len(policies)} policies")
+    if logprobs and LOGPROB in models:
+        raise ValueError(f"a head named {LOGPROB!r} would hide the log-prob ranker's entry")
     policy = next(iter(models.values())).policy
     stacked = RewardTransformer(policy, head=StackedHeads({name: model.head for name, model in models.items()}))
-    scored = score_pairs(stacked, tokenizer, pairs, cfg.max_length, cfg.batch_size)  # rewards (T, H) per response
+    scored = score_pairs(stacked, tokenizer, pairs, cfg.max_length, cfg.batch_size, logprobs)
     evaluations = {}
-    for h, name in enumerate(models):
-        head_scored = PairRewards(chosen=[c[:, h] for c in scored.chosen], rejected=[r[:, h] for r in scored.rejected])
+    for h, name in enumerate(models):  # rewards (T, H) per response
+        head_scored = PairRewards(chosen=[c[:, h] for c in scored.rewards.chosen],
+                                  rejected=[r[:, h] for r in scored.rewards.rejected])
         xs, wins = pair_curves(head_scored, cfg.curve_points)
         accuracies = wins.mean(axis=0).tolist()
         evaluations[name] = {"pair_accuracy": pair_accuracy(head_scored), "x": xs, "accuracy": accuracies,
                              "autrc": autrc(xs, accuracies), "pair_correct": pair_wins(head_scored).tolist(),
                              "pair_autrc": [autrc(xs, curve) for curve in wins]}
+    if logprobs:
+        evaluations[LOGPROB] = {"pair_accuracy": pair_accuracy(scored.logprobs),
+                                "pair_correct": pair_wins(scored.logprobs).tolist()}
     return evaluations
 
 

@@ -45,7 +45,7 @@ CONFIG = "reward_head.json"
 class RewardOutput:
     """Policy logits and per-prefix rewards of one forward."""
 
-    logits: torch.Tensor  # (B, T', V): next-token logits at the last T' positions (all T by default)
+    logits: torch.Tensor | None  # (B, T', V): next-token logits at the last T' positions (all T by default)
     rewards: torch.Tensor  # (B, T): R'(x_{≤t}), the predicted final reward of each prefix
     past_key_values: object | None = None  # the policy's KV cache (the reward channel needs none)
 
@@ -129,11 +129,15 @@ class RewardTransformer(nn.Module):
         if freeze_policy:
             policy.requires_grad_(False)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 past_key_values=None, position_ids: torch.Tensor | None = None,
-                use_cache: bool = False, logits_to_keep: int = 0) -> RewardOutput:
+                use_cache: bool = False, logits_to_keep: int = 0,
+                hidden_states: tuple[torch.Tensor, ...] | None = None) -> RewardOutput:
         """Logits and rewards for the given tokens; with ``past_key_values`` only the new tokens are
         processed and scored (the channel is position-wise, so their rewards equal a full forward's).
+        ``hidden_states``: the frozen policy's own (HF's L + 1 tensors) of the tokens, computed before: only the
+        head runs, and no logits come back (training on cached states runs through here, so that under DDP the
+        prepared wrapper's forward still runs).
 
         ``logits_to_keep``: logits of the last that many positions only (0 = all, Hugging Face's convention).
         Rewards need the hidden states alone, and the (B, T, V) logits of a 128k vocabulary are the largest
@@ -141,6 +145,8 @@ class RewardTransformer(nn.Module):
         and SLA ask for 1. Rewards come out in the head's compute dtype (the policy's, also under training's
         autocast over float32 master weights); callers cast them to float32 before reducing them.
         """
+        if hidden_states is not None:
+            return RewardOutput(logits=None, rewards=self.head(hidden_states))
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_policy):
             out = self.policy(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
                               position_ids=position_ids, use_cache=use_cache, output_hidden_states=True,
