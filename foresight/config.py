@@ -359,7 +359,7 @@ class SLABenchmarkConfig(_Section):
     """Held-out prompts used for quality (the first ones of the eval split); intervals are over these prompts."""
     speed_prompts: int = Field(8, ge=1)
     """Prompts (the first ones) decoded at batch 1 for speed (tokens/s, per-token latency, intervals over them)."""
-    overhead_repeats: int = Field(40, ge=2)
+    overhead_repeats: int = Field(20, ge=2)
     """Interleaved timing repeats of one policy forward against one policy + reward channel forward; the overhead's
     interval is over these pairs."""
     dpo_decoders: list[Literal[HFDecoder, "sla"]] = Field(default_factory=lambda: ["greedy", "sla"])
@@ -579,17 +579,18 @@ class MedusaBenchmarkConfig(_Section):
     """Longest output."""
     prompt_files: list[FileSourceConfig] = Field(default_factory=list)
     """Extra prompt sets (local jsonl/parquet/csv files), each benchmarked like the held-out prompts."""
-    curve_batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 4, 16])
+    curve_batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 16])
     """The speed curve's batch sizes: HF batched greedy (left-padded, the reference) against each Medusa decoder in
     the batched tree engine (greedy-verified, adaptive as ``adaptive``, with a decision state per batch size), the
     decoders interleaved batch by batch on the same prompts (``speed_curve.csv``, ``speed_curve.png``); empty: no
     curve. On the 2-core CPU a 4-node tree forward of 16 rows cost 2.4 plain batch steps (83 vs 34 ms) against
-    1.2 at one row: drafting stops paying as the batch grows."""
+    1.2 at one row: drafting stops paying as the batch grows. The study profile adds batch 4."""
     curve_batches: int = Field(3, ge=2)
     """Timed batches per batch size (the intervals' units; the set's prompts in order, cycled when too few)."""
-    curve_sets: list[str] = Field(default_factory=lambda: ["held_out", "general"])
+    curve_sets: list[str] = Field(default_factory=lambda: ["held_out"])
     """The prompt sets the speed curve runs on (``held_out``, ``general``, a prompt file's stem); a name that is
-    not a benchmarked set is an error."""
+    not a benchmarked set is an error. The default's general instructions are timed at batch 1 only (the 30-minute
+    budget; the curve on them cost ~75 s on the 2-core CPU); the study profile adds them."""
 
 
 class CoralConfig(_Section):
@@ -688,8 +689,9 @@ class CoralBenchmarkConfig(_Section):
     ablations: list[Literal["no_verifier", "no_multi_forward"]] = Field(default_factory=lambda: ["no_verifier"])
     """Fixed ablations of full COrAL, timed on the speed prompts: ``no_verifier`` (accept the forward drafts
     unverified) and ``no_multi_forward`` (forward window 1: ~50 s on the 2-core CPU, hence in the study profile)."""
-    ablation_block_sizes: list[int] = Field(default_factory=lambda: [16])
-    """Extra block sizes for COrAL w/o verifier (the speed setting); [] skips the ablation."""
+    ablation_block_sizes: list[int] = Field(default_factory=list)
+    """Extra block sizes for COrAL w/o verifier (the speed setting), e.g. [16] (the study profile); [] (the default,
+    for the time budget) skips the ablation."""
     ablation_forward_windows: list[int] = Field(default_factory=list)
     """Extra forward windows for COrAL w/o verifier, e.g. [2]; [] (the default, for the time budget) skips it."""
     seed: int = CoralDecoding.seed
@@ -830,12 +832,13 @@ class MTPRLConfig(_Section):
     """Steps pooled at each end of a variant's run for ``tau_start`` / ``tau_end`` (τ over those steps' draft
     cycles, with an interval over their rollout batches), at most half the steps: does a module's acceptance hold
     under RL (the paper: a frozen module's τ collapses, MTP-RL's holds)?"""
-    curve_batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 4, 16])
+    curve_batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1])
     """The batch sizes of MTP drafting's speed curves, before RL, with the starting policy and the equipped module
     (adaptive as ``adaptive``, one decision state per batch size), every decoder on the same batch in turn: greedy
     decoding of the held-out prompts (HF batched greedy against greedy-verified MTP drafting, outputs compared;
     ``decoding_curve.csv``) and rollouts of the training prompts, cycled, at ``temperature`` (HF batched sampling
-    against batched speculative sampling; ``rollout_curve.csv``); ``speed_curve.png``. Empty: no curves."""
+    against batched speculative sampling; ``rollout_curve.csv``); ``speed_curve.png``. Empty: no curves. The default
+    times batch 1 only (batches 4 and 16 cost ~100 s on the 2-core CPU); the study profile runs 1, 4, 16."""
     curve_batches: int = Field(3, ge=2)
     """Timed batches per batch size of each curve (the intervals' units)."""
     eval_prompts: int = Field(40, ge=1)

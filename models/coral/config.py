@@ -52,7 +52,7 @@ class CoralTraining:
     replace_probability: float = 0.5  # a corrupted patch is another span of the response, else its first token repeated
     # The paper's 5e-6 suits 3 epochs of ~100k examples, not ~100 (docs/coral.md, "Two-stage training").
     stage1_learning_rate: float = 1.0e-3
-    stage1_epochs: int = 6  # the last decoder layer only: the most epochs (early stopping on held-out data); 0 skips
+    stage1_epochs: int = 4  # the last decoder layer only: the most epochs (early stopping on held-out data); 0 skips
     stage1_patience: int = 2  # epochs without a new best validation loss before stage 1 stops
     # Corruptions per sequence whose trunk outputs stage 1 caches; epoch e trains on draw e mod this.
     stage1_corruption_draws: int = 2
