@@ -511,7 +511,7 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
         rlmedusa={"trajectory_tokens": 4, "top_pool": 10},
         medusa_benchmark={"tree": [[0], [1], [0, 0]], "num_prompts": 3, "speed_prompts": 2, "general_prompts": 2,
                           "max_new_tokens": 8, "decoders": ["greedy", "prompt_lookup", "medusa_supervised"],
-                          "curve_batch_sizes": [1, 2], "curve_batches": 2})
+                          "curve_batch_sizes": [1, 2], "curve_batches": 2, "curve_sets": ["held_out", "general"]})
 
     trained = train_medusa_task.fn(cfg)
     responses = pd.read_parquet(tmp_path / "data/medusa/distilled/responses.parquet")
