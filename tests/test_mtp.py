@@ -41,7 +41,7 @@ def _perturbed_module(model, num_depths: int, scale: float = 0.3, seed: int = 0)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
+            p.add_((torch.randn(p.shape, generator=gen) * scale).to(p.device, p.dtype))
     return module.requires_grad_(False)
 
 
