@@ -228,7 +228,21 @@ def _rollout_speedup(m: Metrics) -> Verdict:
     reason = "" if status == HOLDS else (
         f"{tokens} tokens per policy forward" + (": more speed-up than drafting can give, so not attributable to "
                                                  "it" if beyond else ": the accepted drafts do not pay for the cycles"))
-    return Verdict(f"{speedup}× vanilla; {tokens} tokens per policy forward", status, reason)
+    return Verdict(f"{speedup}× vanilla; {tokens} tokens per policy forward" + _rollout_curve(m), status, reason)
+
+
+def _rollout_curve(m: Metrics) -> str:
+    """The rollout speed curve's figures (``mtp_rl.curve_batch_sizes``), where it ran: both samplers on the same
+    prompts, batch by batch in turn, so its speed-up is drafting's alone — unlike the training rollouts', whose
+    variants sample different rollouts from policies that drift apart."""
+    prefix, suffix = "rollout_curve.mtp.batch", ".speedup_vs_reference"
+    batches = sorted(int(key[len(prefix):-len(suffix)]) for key in m.get("train_mtp_rl", {})
+                     if key.startswith(prefix) and key.endswith(suffix))
+    if not batches:
+        return ""
+    return "; the same prompts interleaved (rollout curve): " + ", ".join(
+        f"batch {b} {figure(m, 'train_mtp_rl', f'{prefix}{b}{suffix}')}× at "
+        f"{figure(m, 'train_mtp_rl', f'{prefix}{b}.tokens_per_forward')} tokens per forward" for b in batches)
 
 
 def _tau_held(name: str, label: str) -> Callable[[Metrics], Verdict]:

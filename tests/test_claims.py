@@ -85,6 +85,17 @@ def test_a_rollout_speedup_beyond_what_drafting_can_give_is_not_credited_to_draf
     beyond = row((1.2, 1.12, 1.29), (1.04, 1.01, 1.07))  # the fresh-clone run's figures
     assert beyond["verdict"] == "undecided" and "not attributable" in beyond["reason"]
     assert row((0.9, 0.8, 0.95), (1.5, 1.4, 1.6))["verdict"] == "does not hold"
+    # where the rollout curve ran, its interleaved figures (drafting's own speed-up) stand beside, batch by batch
+    metrics = {"train_mtp_rl": {**_interval("mtp_rl.rollout_speedup", 1.2, 1.12, 1.29),
+                                **_interval("mtp_rl.tokens_per_forward", 1.04, 1.01, 1.07),
+                                **_interval("rollout_curve.mtp.batch16.speedup_vs_reference", 0.8, 0.7, 0.9),
+                                **_interval("rollout_curve.mtp.batch16.tokens_per_forward", 1.1, 1.0, 1.2),
+                                **_interval("rollout_curve.mtp.batch1.speedup_vs_reference", 1.29, 0.63, 2.31),
+                                **_interval("rollout_curve.mtp.batch1.tokens_per_forward", 1.13, 1.0, 1.33)}}
+    assert _row(metrics, "MTP-RL", "paper: K 3")["ours"] == (
+        "1.2 [1.12, 1.29]× vanilla; 1.04 [1.01, 1.07] tokens per policy forward; the same prompts interleaved "
+        "(rollout curve): batch 1 1.29 [0.63, 2.31]× at 1.13 [1, 1.33] tokens per forward, batch 16 0.8 [0.7, 0.9]× "
+        "at 1.1 [1, 1.2] tokens per forward")
 
 
 def test_a_nan_figure_is_not_measured_and_tau_reasons_quote_the_accuracy_changes():
