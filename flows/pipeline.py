@@ -59,8 +59,11 @@ def reproduce_task(root: Path, parent_run_id: str, targets: list[str], force: bo
     would hold the only slot they wait for (a deadlock). The stage tasks themselves take the slots.
     """
     # TQDM_MININTERVAL: progress bars redraw every 10 s instead of flooding the log with lines;
-    # PYTHONUNBUFFERED: stage output reaches the Prefect log as it happens, not in late blocks.
-    env = dict(os.environ, **{PARENT_RUN_ENV: parent_run_id, "TQDM_MININTERVAL": "10", "PYTHONUNBUFFERED": "1"})
+    # PYTHONUNBUFFERED: stage output reaches the Prefect log as it happens, not in late blocks;
+    # PATH: dvc.yaml's commands run `python`, which must be this interpreter (the project's venv) however the flow
+    # was started: `make` puts the venv on PATH, `.venv/bin/foresight` or a deployment's worker need not.
+    env = dict(os.environ, **{PARENT_RUN_ENV: parent_run_id, "TQDM_MININTERVAL": "10", "PYTHONUNBUFFERED": "1",
+                              "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])})
     api_url = _prefect_api_url()
     if api_url:  # stage processes report to the same Prefect server instead of starting their own
         env["PREFECT_API_URL"] = api_url

@@ -91,7 +91,10 @@ def pipeline_result(dvc_repo):
     repo, _, env = dvc_repo
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(repo)  # MLflow puts a new experiment's artifacts under the working directory
-        mp.setenv("PATH", env["PATH"])  # reproduce_task passes os.environ on to dvc and the stages
+        # the venv off PATH, as `.venv/bin/foresight` finds it: the flow must put its interpreter first for the
+        # stages' `python` (the system's has no prefect)
+        mp.setenv("PATH", os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                          if Path(p) != Path(sys.executable).parent))
         mp.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", env["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"])
         started = time.perf_counter()
         state = pipeline_flow(params_path=str(repo / "params.yaml"), push=True, return_state=True)
