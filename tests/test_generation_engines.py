@@ -1,32 +1,37 @@
-"""The generate stage's engines and its resumable, sharded output (foresight/shards.py, models/engine/vllm_sampling.py).
+"""The generate stage's engines and its resumable, sharded output (foresight/shards.py, models/engine/vllm_sampling.py,
+models/engine/vllm_worker.py).
 
 The HF engine runs for real on the tiny model: a stage process killed (SIGKILL) after its second batch and run again
-yields the uninterrupted run's samples row for row. vLLM cannot be installed here (no GPU): its request and response
-mapping is tested against stand-ins that follow vLLM's documented types (``SamplingParams``, ``RequestOutput``,
-``CompletionOutput``), injected as the ``vllm`` module, so the engine's own import and calls run unchanged.
+yields the uninterrupted run's samples row for row. vLLM cannot be installed here (no GPU, and it conflicts with the
+pipeline's pins): the real worker script runs as a subprocess of the interpreter ``generate.vllm_python`` (this
+venv's python here), through the real generate stage, against a stand-in ``vllm`` package put on the worker's
+``PYTHONPATH`` that follows vLLM 0.33's ``LLM(...)``, ``LLM.generate(prompts, sampling_params, *, use_tqdm)``,
+``SamplingParams``, ``RequestOutput`` and ``CompletionOutput`` (vllm/entrypoints/llm.py, sampling_params.py,
+outputs.py), and seeds a request's sample s with ``seed + s`` as vllm/v1/engine/parallel_sampling.py does.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import logging
 import os
 import subprocess
 import sys
-import types
-from dataclasses import dataclass, field
+import time
 from pathlib import Path
-from typing import ClassVar
 
 import pandas as pd
 import pytest
 import yaml
 
 from foresight.config import ConfigError, load_config, parse_config
+from foresight.pairs import SAMPLE_COLUMNS
 from foresight.shards import ShardStore, shard_folder
 from foresight.storage import read_table
 from models.engine.config import PolicySpec, Sampling
 from models.engine.generation import Completion
-from models.engine.vllm_sampling import VLLMSampler, import_vllm, vllm_completions, vllm_requests
+from models.engine.vllm_sampling import WORKER, VLLMSampler, sampling_params, vllm_completions, worker_environment
 from tests.conftest import tiny_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,26 +145,36 @@ def test_shard_store_keeps_its_spec_and_names_missing_shards(tmp_path):
 def test_tensor_parallel_needs_the_vllm_engine(tmp_path):
     with pytest.raises(ConfigError, match="tensor_parallel_size 2 needs engine: vllm"):
         parse_config({"generate": {"tensor_parallel_size": 2}}, root=tmp_path)
-    assert parse_config({"generate": {"engine": "vllm", "tensor_parallel_size": 2}}, root=tmp_path).generate.engine == "vllm"
+    cfg = parse_config({"generate": {"engine": "vllm", "tensor_parallel_size": 2, "vllm_python": sys.executable}},
+                       root=tmp_path)
+    assert cfg.generate.engine == "vllm"
 
 
-# --- vLLM, through stand-ins of its documented types -------------------------------------------------------------
+# --- vLLM: the real worker script in its own process, over a stand-in vllm package ----------------------------------
+
+STAND_IN_VLLM = '''
+"""A stand-in for vLLM 0.33 as the worker calls it: LLM(model, *, tensor_parallel_size, dtype, seed,
+trust_remote_code), LLM.generate(prompts, sampling_params, *, use_tqdm) -> RequestOutputs in the prompts' order,
+SamplingParams with vLLM's field names and defaults. It records what it was given (STAND_IN_VLLM_RECORD), logs to
+stdout as vLLM does by default, and fails on demand (STAND_IN_VLLM_FAIL)."""
+import atexit, dataclasses, json, os, sys, time
+
+__version__ = "0.33.0"
+print("INFO stand-in vllm imported, logging to stdout as vLLM does")
 
 
-@dataclass
+@dataclasses.dataclass
 class SamplingParams:
-    """vllm.SamplingParams' fields the engine sets (vLLM: top_k −1 = off)."""
-
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = 0
     seed: int | None = None
+    stop_token_ids: list[int] | None = None
     max_tokens: int | None = 16
-    stop_token_ids: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclasses.dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -167,116 +182,272 @@ class CompletionOutput:
     finish_reason: str | None
 
 
-@dataclass
+@dataclasses.dataclass
 class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
 
 
+def _record(entry):
+    with open(os.environ["STAND_IN_VLLM_RECORD"], "a") as f:
+        f.write(json.dumps(entry) + "\\n")
+
+
 class LLM:
-    """vllm.LLM as far as the engine uses it: built once, ``generate(prompts, sampling_params, use_tqdm)`` returns
-    one RequestOutput per prompt, in order. Each sample's text is derived from its request, so the mapping is
-    checked value by value; the second sample of every request is listed first (vLLM gives no order promise)."""
+    def __init__(self, model, *, tensor_parallel_size=1, dtype="auto", seed=0, trust_remote_code=False):
+        _record({"llm": {"model": model, "tensor_parallel_size": tensor_parallel_size, "dtype": dtype, "seed": seed,
+                         "trust_remote_code": trust_remote_code},
+                 "pid": os.getpid(),
+                 "env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "MASTER_PORT")},
+                 "sys_modules": sorted(m for m in ("torch", "transformers", "models", "foresight")
+                                       if m in sys.modules)})
+        if os.environ.get("STAND_IN_VLLM_FAIL") == "exit":
+            atexit.register(os._exit, 3)
+        if os.environ.get("STAND_IN_VLLM_FAIL") == "hang":  # a shutdown that never ends
+            atexit.register(time.sleep, 600)
 
-    instances: ClassVar[list[LLM]] = []
-
-    def __init__(self, **kwargs):
-        self.kwargs, self.calls = kwargs, []
-        self.visible_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")  # what vLLM's engine would start on
-        LLM.instances.append(self)
-
-    def generate(self, prompts, sampling_params, use_tqdm=True):
-        self.calls.append((prompts, sampling_params))
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True):
+        if os.environ.get("STAND_IN_VLLM_FAIL") == "generate":
+            print("ERROR stand-in engine: CUDA error: an illegal memory access", file=sys.stderr)
+            raise RuntimeError("stand-in engine died")
         outputs = []
         for prompt, params in zip(prompts, sampling_params, strict=True):
             ids = prompt["prompt_token_ids"]
-            samples = [CompletionOutput(i, f" seed {params.seed} sample {i} ", [7] * (i + 2),
-                                        "stop" if i == 0 else "length") for i in range(params.n)]
+            _record({"prompt_token_ids": ids, "params": dataclasses.asdict(params), "use_tqdm": use_tqdm})
+            # sample s is drawn with seed + s (vllm/v1/engine/parallel_sampling.py); vLLM promises no order
+            samples = [CompletionOutput(s, f" seed {params.seed + s} ", [7] * (s + 2), "stop" if s == 0 else "length")
+                       for s in range(params.n)]
             outputs.append(RequestOutput(ids, samples[::-1]))
+        print(f"INFO stand-in generate: {len(prompts)} requests", flush=True)
         return outputs
+'''
 
 
 @pytest.fixture
-def stand_in_vllm(monkeypatch):
-    module = types.ModuleType("vllm")
-    module.LLM, module.SamplingParams = LLM, SamplingParams
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    LLM.instances.clear()
-    return module
+def stand_in_vllm(tmp_path, monkeypatch) -> Path:
+    """The stand-in vllm package on the worker's PYTHONPATH (this process never imports it); returns the file
+    where it records what it was given."""
+    package = tmp_path / "stand-in" / "vllm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(STAND_IN_VLLM)
+    record = tmp_path / "stand-in-record.jsonl"
+    monkeypatch.setenv("PYTHONPATH", str(package.parent))
+    monkeypatch.setenv("STAND_IN_VLLM_RECORD", str(record))
+    monkeypatch.delenv("STAND_IN_VLLM_FAIL", raising=False)
+    return record
 
 
-def test_vllm_requests_are_seeded_per_prompt_and_match_the_hf_settings(stand_in_vllm):
+def _records(record: Path, key: str) -> list[dict]:
+    return [entry for entry in map(json.loads, record.read_text().splitlines()) if key in entry]
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie its new parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+VLLM = {"engine": "vllm", "vllm_python": sys.executable, "seed": 5}
+
+
+def test_vllm_engine_samples_through_a_worker_in_its_own_environment(tiny_llama, tmp_path, stand_in_vllm):
+    """The generate stage with ``engine: vllm``: one worker for the stage, prompts as token ids without added
+    special tokens, vLLM's parameters, the samples schema, the worker stopped at the end, and vllm never imported
+    here."""
+    from transformers import AutoTokenizer
+
+    from models.engine.policy import policy_path
+
+    params_path = _project(tmp_path / "p", tiny_llama, **VLLM)
+    _generate(params_path)
+    cfg = load_config(params_path)
+    samples = read_table(cfg.path(cfg.paths.samples), "samples")
+    assert "vllm" not in sys.modules  # the pipeline's process never imports it
+
+    (started,) = _records(stand_in_vllm, "llm")  # one worker, the model loaded once for the 4 batches
+    model = policy_path(cfg.path(cfg.paths.policy_dir))  # the prepared policy's weights (here: the tiny model's)
+    assert started["llm"] == {"model": str(model), "tensor_parallel_size": 1,
+                              "dtype": "float32", "seed": 5, "trust_remote_code": False}
+    assert started["sys_modules"] == []  # the worker imports neither torch, transformers nor the pipeline
+    assert _gone(started["pid"])
+
+    requests = _records(stand_in_vllm, "prompt_token_ids")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = samples.drop_duplicates("prompt_id")["prompt"].tolist()
+    # the chat template holds the special tokens: none added, as the HF engine tokenises
+    assert [r["prompt_token_ids"] for r in requests] == [tokenizer(p, add_special_tokens=False).input_ids
+                                                         for p in prompts]
+    assert {r["use_tqdm"] for r in requests} == {False}
+    assert [r["params"] for r in requests] == [
+        {"n": 2, "temperature": 0.8, "top_p": 1.0, "top_k": -1, "seed": 5 + 2 * i, "max_tokens": 10,
+         "stop_token_ids": sorted({tokenizer.eos_token_id})} for i in range(7)]
+
+    assert list(samples.columns) == SAMPLE_COLUMNS and len(samples) == 14
+    assert samples["sample_index"].tolist() == [0, 1] * 7  # sorted back from vLLM's order
+    assert samples["finish_reason"].tolist() == ["eos", "length"] * 7
+    assert samples["response_tokens"].tolist() == [2, 3] * 7
+    assert samples["prompt_tokens"].tolist() == [len(r["prompt_token_ids"]) for r in requests for _ in range(2)]
+
+
+def test_vllm_seed_streams_are_distinct_across_prompts_and_a_resumed_batch(tiny_llama, tmp_path, stand_in_vllm):
+    """vLLM seeds sample s of a request with seed + s: prompt i seeded with seed + i would share streams with prompt
+    i + 1. Every (prompt, sample) stream of a run killed after two batches and resumed is its own, and the run
+    equals an uninterrupted one row for row."""
+    once = _project(tmp_path / "once", tiny_llama, **VLLM)
+    _generate(once)
+    cfg = load_config(once)
+    expected = read_table(cfg.path(cfg.paths.samples), "samples")
+
+    params_path = _project(tmp_path / "killed", tiny_llama, **VLLM)
+    killed = _kill_after(params_path, batches=2)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    orphan = _records(stand_in_vllm, "llm")[-1]["pid"]
+    deadline = time.monotonic() + 30
+    while not _gone(orphan) and time.monotonic() < deadline:  # its stdin closed with the stage: it stops
+        time.sleep(0.1)
+    assert _gone(orphan)
+    resumed = _generate(params_path)
+    assert resumed.metrics["resumed_batches"] == 2
+    cfg = load_config(params_path)
+    samples = read_table(cfg.path(cfg.paths.samples), "samples")
+    pd.testing.assert_frame_equal(samples, expected)
+    seeds = [int(r.split()[1]) for r in samples["response"]]  # the stand-in writes each sample's seed
+    assert sorted(seeds) == list(range(5, 5 + 14))  # 7 prompts × 2 samples: 14 distinct streams
+
+
+def test_sampling_params_give_each_prompt_its_own_seed_streams():
     cfg = Sampling(num_samples=3, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=12, seed=5)
-    prompts, params = vllm_requests(stand_in_vllm, [[1, 2], [3]], first_index=10, cfg=cfg, eos_ids={9, 2})
-    assert prompts == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
-    assert params == [SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=-1, seed=5 + 10 + i, max_tokens=12,
-                                     stop_token_ids=[2, 9]) for i in range(2)]
-    _, params = vllm_requests(stand_in_vllm, [[1]], first_index=0, cfg=Sampling(top_k=40), eos_ids={2})
-    assert params[0].top_k == 40
+    assert sampling_params(cfg, 10, eos_ids={9, 2}) == {
+        "n": 3, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "seed": 5 + 30, "max_tokens": 12,
+        "stop_token_ids": [2, 9]}
+    assert sampling_params(Sampling(top_k=40), 0, {2})["top_k"] == 40
+    # a batch of 4 and the next one (a resumed run's first): vLLM's streams seed + s, s < n, never shared
+    streams = [sampling_params(cfg, i, {2})["seed"] + s for i in range(8) for s in range(cfg.num_samples)]
+    assert len(set(streams)) == len(streams)
 
 
 def test_vllm_outputs_become_the_samples_schema():
-    outputs = [RequestOutput([1, 2, 3], [CompletionOutput(1, " b ", [4, 2], "stop"),
-                                         CompletionOutput(0, "a", [5, 6, 7], "length")])]
-    assert vllm_completions(outputs, first_index=4) == [
+    outputs = [[{"index": 1, "text": " b ", "token_ids": [4, 2], "finish_reason": "stop"},
+                {"index": 0, "text": "a", "token_ids": [5, 6, 7], "finish_reason": "length"}]]
+    assert vllm_completions(outputs, [[1, 2, 3]], first_index=4) == [
         Completion(prompt_index=4, sample_index=0, response="a", prompt_tokens=3, response_tokens=3,
                    finish_reason="length"),
         Completion(prompt_index=4, sample_index=1, response="b", prompt_tokens=3, response_tokens=2,
                    finish_reason="eos")]
     with pytest.raises(RuntimeError, match=r"sample 0 of prompt 7 with 'abort'"):
-        vllm_completions([RequestOutput([1], [CompletionOutput(0, "", [], "abort")])], first_index=7)
+        vllm_completions([[{"index": 0, "text": "", "token_ids": [], "finish_reason": "abort"}]], [[1]], 7)
+    with pytest.raises(RuntimeError, match="answered 1 requests for 2 prompts"):
+        vllm_completions(outputs, [[1], [2]], 0)
 
 
-def test_vllm_sampler_tokenises_like_hf_and_maps_a_batch(stand_in_vllm, tiny_llama):
+def test_the_worker_imports_only_the_standard_library_and_vllm():
+    imported = set()
+    for node in ast.walk(ast.parse(WORKER.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module.split(".")[0])
+    assert imported - set(sys.stdlib_module_names) == {"vllm"}
+
+
+def _sampler(tiny_llama: Path) -> VLLMSampler:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    cfg = Sampling(num_samples=2, seed=3, engine="vllm")
-    sampler = VLLMSampler(tiny_llama, PolicySpec(model=str(tiny_llama)), cfg, tokenizer, {2},
-                          tensor_parallel_size=2)
-    llm = LLM.instances[-1]
-    assert llm.kwargs == {"model": str(tiny_llama), "dtype": "bfloat16", "seed": 3, "tensor_parallel_size": 2,
-                          "trust_remote_code": False}
-    prompts = ["<s>hello there", "what is 2 + 2"]
-    completions = sampler(prompts, batch_index=1, first_index=2)
-    requests, _ = llm.calls[-1]
-    # the chat template holds the special tokens: none added, as the HF engine tokenises
-    assert [r["prompt_token_ids"] for r in requests] == [tokenizer(p, add_special_tokens=False).input_ids
-                                                         for p in prompts]
-    assert [(c.prompt_index, c.sample_index, c.response) for c in completions] == [
-        (2, 0, "seed 5 sample 0"), (2, 1, "seed 5 sample 1"), (3, 0, "seed 6 sample 0"), (3, 1, "seed 6 sample 1")]
+    return VLLMSampler(sys.executable, tiny_llama, PolicySpec(model=str(tiny_llama)),
+                       Sampling(num_samples=2, seed=3, engine="vllm"), AutoTokenizer.from_pretrained(tiny_llama), {2},
+                       tensor_parallel_size=2)
 
 
-def test_a_missing_vllm_says_how_to_install_it(monkeypatch):
-    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
-    with pytest.raises(ImportError, match=r"pip install -e \.\[vllm\].*generate.engine: hf"):
-        import_vllm()
+def test_each_launched_process_gives_its_vllm_worker_its_own_gpus(tiny_llama, stand_in_vllm, monkeypatch, caplog):
+    """Data parallel generation (``launch.num_processes``): local rank r's worker sees the r-th group of
+    ``tensor_parallel_size`` GPUs, and none of the launcher's variables; ours stay as they are. vLLM's log (on
+    stdout by default) reaches our logger, never the answers' channel."""
+    caplog.set_level(logging.INFO, logger="models.engine.vllm_sampling")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with _sampler(tiny_llama) as sampler:  # policy dtype auto: bf16, as on a GPU
+        completions = sampler(["hello there"], batch_index=0, first_index=0)
+    (started,) = _records(stand_in_vllm, "llm")
+    assert started["env"] == {"CUDA_VISIBLE_DEVICES": "2,3", "LOCAL_RANK": None, "MASTER_PORT": None}
+    assert started["llm"]["dtype"] == "bfloat16" and started["llm"]["tensor_parallel_size"] == 2
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert [c.response for c in completions] == ["seed 3", "seed 4"]
+    assert "vllm: INFO stand-in generate: 1 requests" in caplog.text
+    assert "vLLM 0.33.0 worker ready" in caplog.text and "GPUs 2,3" in caplog.text
 
 
-def test_each_launched_process_gives_its_vllm_its_own_gpus(stand_in_vllm, tiny_llama, monkeypatch):
-    """Data parallel generation (``launch.num_processes``): local rank r's vLLM sees the r-th group of
-    ``tensor_parallel_size`` GPUs; without a launch, every visible GPU."""
-    from transformers import AutoTokenizer
+def test_worker_environment_narrows_the_visible_gpus_by_local_rank():
+    def visible(local_rank: int | None, world: int, tensor_parallel_size: int, env=None) -> str | None:
+        env = dict(env or {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+        if local_rank is not None:
+            env.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world), RANK=str(local_rank))
+        return worker_environment(env, tensor_parallel_size, lambda: 4).get("CUDA_VISIBLE_DEVICES")
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    policy = PolicySpec(model=str(tiny_llama))
-
-    def start(local_rank: int | None, world: int, tensor_parallel_size: int) -> str | None:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-        if local_rank is None:
-            monkeypatch.delenv("LOCAL_RANK", raising=False)
-            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-        else:
-            monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
-        VLLMSampler(tiny_llama, policy, Sampling(), tokenizer, {2}, tensor_parallel_size)
-        return LLM.instances[-1].visible_gpus
-
-    assert start(None, 1, 2) == "0,1,2,3"
-    assert start(0, 4, 1) == "0" and start(3, 4, 1) == "3"
-    assert start(1, 2, 2) == "2,3"
+    assert visible(None, 1, 2) == "0,1,2,3"  # no launch: every visible GPU
+    assert visible(0, 4, 1) == "0" and visible(3, 4, 1) == "3"
+    assert visible(1, 2, 2) == "2,3"
+    assert visible(1, 2, 2, env={"PATH": "/bin"}) == "2,3"  # none set: counted
     with pytest.raises(RuntimeError, match="local rank 2 needs GPUs 4…5 of 4 visible"):
-        start(2, 3, 2)
+        visible(2, 3, 2)
+
+
+def test_a_crashing_worker_is_an_error_naming_its_interpreter_and_stderr(tiny_llama, stand_in_vllm, monkeypatch):
+    monkeypatch.setenv("STAND_IN_VLLM_FAIL", "generate")
+    sampler = _sampler(tiny_llama)
+    with pytest.raises(RuntimeError) as err, sampler:
+        sampler(["hello"], batch_index=4, first_index=8)
+    message = str(err.value)
+    assert f"({sys.executable} {WORKER}) exited with code 1 while sampling batch 4" in message
+    assert "CUDA error: an illegal memory access" in message and "RuntimeError: stand-in engine died" in message
+    assert sampler.process is None and _gone(_records(stand_in_vllm, "llm")[0]["pid"])
+
+
+def test_a_worker_that_exits_non_zero_at_the_end_is_an_error(tiny_llama, stand_in_vllm, monkeypatch):
+    monkeypatch.setenv("STAND_IN_VLLM_FAIL", "exit")
+    with pytest.raises(RuntimeError, match=r"exited with code 3 when asked to stop"), _sampler(tiny_llama) as sampler:
+        sampler(["hello"], batch_index=0, first_index=0)
+
+
+def test_a_worker_that_does_not_stop_is_terminated(tiny_llama, stand_in_vllm, monkeypatch, caplog):
+    """A worker stuck in its shutdown is sent SIGTERM, which it turns into an interpreter exit (vLLM's finalizers
+    run); no SIGKILL needed."""
+    monkeypatch.setenv("STAND_IN_VLLM_FAIL", "hang")
+    monkeypatch.setattr("models.engine.vllm_sampling.STOP_SECONDS", 1.0)
+    caplog.set_level(logging.INFO, logger="models.engine.vllm_sampling")
+    started = time.monotonic()
+    with _sampler(tiny_llama) as sampler:
+        sampler(["hello"], batch_index=0, first_index=0)
+    assert time.monotonic() - started < 20
+    assert "did not stop within 1 s: terminated" in caplog.text and "killed" not in caplog.text
+    assert _gone(_records(stand_in_vllm, "llm")[0]["pid"])
+
+
+def test_vllm_python_is_checked_when_the_config_is_parsed(tmp_path, monkeypatch):
+    def parse(**generate):
+        return parse_config({"generate": {"engine": "vllm", **generate}}, root=tmp_path).generate
+
+    with pytest.raises(ConfigError, match=r"generate.engine: vllm needs generate.vllm_python.*pip install "
+                                          r"vllm==0\.33\.0"):
+        parse()
+    with pytest.raises(ConfigError, match=r"generate.vllm_python '/nowhere/bin/python' is not an executable file"):
+        parse(vllm_python="/nowhere/bin/python")
+    with pytest.raises(ConfigError, match=r"generate.vllm_python 'vllm-env/bin/python' must be an absolute path"):
+        parse(vllm_python="vllm-env/bin/python")
+    python = tmp_path / "vllm-env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o644)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"generate.vllm_python '~/vllm-env/bin/python' is not an executable"):
+        parse(vllm_python="~/vllm-env/bin/python")
+    python.chmod(0o755)
+    assert parse(vllm_python="~/vllm-env/bin/python").vllm_python == str(python)  # ~ expanded
+    # the hf engine never runs it: a path that is only right on the GPU machine does not stop a CPU run
+    assert parse_config({"generate": {"vllm_python": "~/vllm-env/bin/python"}}, root=tmp_path).generate.engine == "hf"
 
 
 def test_generation_in_two_processes_writes_the_one_process_table(tiny_llama, tmp_path):

@@ -41,9 +41,10 @@ class Sampling:
     max_new_tokens: int = 64
     batch_size: int = 24  # prompts per batch, each bringing num_samples sequences
     chunk_tokens: int = 8  # new tokens per generate call; then rows that have ended drop out
-    seed: int = 0  # batch b is seeded with seed + b (vLLM: prompt i with seed + i)
-    engine: SamplingEngineName = "hf"  # hf (generate, the reference) | vllm (GPU machines, the optional extra)
+    seed: int = 0  # batch b is seeded with seed + b (vLLM: prompt i with seed + i·num_samples; sample s: + s)
+    engine: SamplingEngineName = "hf"  # hf (generate, the reference) | vllm (GPU machines, a worker in vLLM's venv)
     tensor_parallel_size: int = 1  # vllm: GPUs one model is split over
+    vllm_python: str | None = None  # vllm: the python of the separate venv holding vLLM (runs the worker script)
 
 
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
