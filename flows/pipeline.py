@@ -4,7 +4,11 @@ DVC decides what is stale (params, code and data hashes in ``dvc.lock``) and run
 stage's flow (``flows.stages``) in its own process; this flow opens the parent MLflow run that those
 stage runs nest under, streams their output into the Prefect log, collects every stage's metrics into
 a table artifact and a markdown summary, judges each paper's central claims on them (``foresight/claims.py``:
-``data/reports/claims.md``, an MLflow artifact and a Prefect artifact), and pushes the versioned data to the DVC remote.
+``data/reports/claims.md``, an MLflow artifact and a Prefect artifact), and, when asked (``push``), pushes the
+versioned data and the run cache to the DVC remote. Not by default: the default remote is a folder inside the
+checkout, and a push there stores every output a second time (32 GB more for the 8B policies) for no machine but
+this one, whose DVC cache already restores every stage it ran; a fleet of workers sharing a remote (``foresight
+deploy``) pushes.
 
 Independent branches of the DAG at once, on several workers (docs/gpu.md, "Prefect on GPUs"): DVC releases its
 lock while a stage's command runs, but two runs in one workspace whose targets share a stale ancestor would both
@@ -14,8 +18,8 @@ the results from DVC's run cache (``dvc repro`` again, which finds every stage "
 checks the outputs out and records them in ``dvc.lock``). Every run waits for DVC's lock rather than failing
 after DVC's default 3 s when another run holds it for its bookkeeping. Across
 machines the same run cache travels through the DVC remote: runs pull missing data and run-cache entries
-(``--pull``) and push theirs (``dvc push --run-cache``), so a worker in its own clone restores what another
-worker computed instead of computing it again.
+(``--pull``) and push theirs (``dvc push --run-cache``; ``foresight deploy``'s deployments do), so a worker in its
+own clone restores what another worker computed instead of computing it again.
 """
 
 from __future__ import annotations
@@ -120,12 +124,13 @@ def _markdown(rows: list[dict], run_id: str, cfg: Config) -> str:
 
 @flow(name="pipeline", log_prints=True)
 def pipeline_flow(params_path: str = "params.yaml", targets: list[str] | None = None, force: bool = False,
-                  push: bool = True, isolated: bool = False) -> dict:
+                  push: bool = False, isolated: bool = False) -> dict:
     """Reproduce the DVC pipeline (all stages, or ``targets`` and what they depend on).
 
     ``force`` re-runs stages even when DVC finds them up to date; ``push`` sends the outputs (and the run cache)
-    to the default DVC remote afterwards; ``isolated`` runs the stages in a temporary copy of the workspace, so
-    that runs of independent branches started at once (on several workers) do not contend for DVC's lock.
+    to the default DVC remote afterwards (off by default: see the module's docstring); ``isolated`` runs the stages
+    in a temporary copy of the workspace, so that runs of independent branches started at once (on several
+    workers) do not contend for DVC's lock.
     """
     cfg = load_config(params_path)  # fail on malformed params before anything runs
     root = Path(params_path).resolve().parent

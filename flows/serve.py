@@ -15,7 +15,9 @@ them in this process's machine, in the repository folder.
 ``foresight deploy --work-pool gpu-pool`` registers the same deployments on work pools instead (docs/gpu.md):
 the pipeline and every stage that runs a network go to the GPU pool, the others to ``--cpu-work-pool`` when
 given. Workers on the GPU machines (``prefect worker start --pool gpu-pool``) then run them from this
-repository folder; the ``gpu`` concurrency limit guards the GPUs they share.
+repository folder; the ``gpu`` concurrency limit guards the GPUs they share. These deployments push their
+outputs and the run cache to the DVC remote (``push``): workers in their own clones share their results through
+it. Served deployments run in this workspace, whose DVC cache already holds them, and do not push.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from tasks.data import GPU_TAG
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _deployment_specs(params_path: Path) -> list[tuple[str, dict, str, bool]]:
+def _deployment_specs(params_path: Path, push: bool = False) -> list[tuple[str, dict, str, bool]]:
     """(name, parameters, description, whether it runs a network on a GPU) of the pipeline's deployment and each
-    stage's, all of the pipeline flow."""
-    params = {"params_path": str(params_path)}
+    stage's, all of the pipeline flow; ``push``: their runs push to the DVC remote."""
+    params = {"params_path": str(params_path), **({"push": True} if push else {})}
     pipeline = ("pipeline", params, (pipeline_flow.description or "").strip().splitlines()[0], True)
     # isolated: a stage's runs on several workers at once (independent branches) each get a temporary workspace
     stages = [(stage.flow_name, {**params, "targets": [stage.name], "isolated": True},
@@ -72,4 +74,4 @@ def deploy(work_pool: str, cpu_work_pool: str | None = None, params_path: Path =
     return [source.deploy(name=name, work_pool_name=work_pool if gpu else cpu_work_pool or work_pool,
                           parameters=parameters, tags=["foresight", *([GPU_TAG] if gpu else [])],
                           description=description, build=False, push=False, print_next_steps=False)
-            for name, parameters, description, gpu in _deployment_specs(params_path)]
+            for name, parameters, description, gpu in _deployment_specs(params_path, push=True)]

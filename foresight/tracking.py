@@ -4,14 +4,26 @@ Stages run in separate processes (``dvc repro`` starts each stage's flow), and M
 is thread-local, so the parent run id travels explicitly: as an argument, or through the
 ``FORESIGHT_MLFLOW_PARENT_RUN_ID`` environment variable that the pipeline flow sets for ``dvc repro``.
 A stage run on its own (no parent) becomes a top-level run.
+
+Model weights live in DVC (workspace + cache, linked: ``.dvc/config``); MLflow gets, for every folder it logs, a
+``dvc-manifest.json`` that names each file by its md5 (the name of its object in DVC's cache) and the folder by
+the hash DVC gives it in ``dvc.lock`` (dvc_data's ``Tree.digest``: the md5 of the sorted ``[{"md5", "relpath"}]``
+JSON list, plus ``.dir``), and copies only the files up to ``tracking.large_file_mb``
+(``tracking.large_files: manifest``). A registered 8B policy is then a few kilobytes in MLflow that identify its
+16 GB of weights exactly, instead of a third copy of them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import json
 import os
+import posixpath
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -19,6 +31,8 @@ import pandas as pd
 from foresight.config import Config
 
 PARENT_RUN_ENV = "FORESIGHT_MLFLOW_PARENT_RUN_ID"
+MANIFEST = "dvc-manifest.json"
+"""The manifest's name in every folder logged to MLflow (not a name any stage writes)."""
 
 
 def _mlflow(cfg: Config):
@@ -96,7 +110,8 @@ def stage_run(cfg: Config, stage: str, sections: list[str], parent_run_id: str |
 def log_stage_outputs(cfg: Config, metrics: dict, tables: dict[str, pd.DataFrame], artifact_dirs: dict[str, Path],
                       curves: dict[str, list[float]] | None = None) -> None:
     """Log metrics, curves (a metric history per key, step = index + 1; NaN steps skipped), a preview of each
-    table, and whole folders (e.g. Data Docs) to the active run."""
+    table, and folders (model folders, Data Docs: each with its ``dvc-manifest.json``, its large files listed there
+    rather than copied under ``tracking.large_files: manifest``) to the active run."""
     import mlflow
     from mlflow.entities import Metric
 
@@ -116,14 +131,16 @@ def log_stage_outputs(cfg: Config, metrics: dict, tables: dict[str, pd.DataFrame
         mlflow.log_table(preview.astype(object).where(preview.notna(), None), artifact_file=f"tables/{name}.json")
     for name, folder in artifact_dirs.items():
         if Path(folder).is_dir():
-            mlflow.log_artifacts(str(folder), artifact_path=name)
+            _log_folder(cfg, Path(folder), name, mlflow.log_artifact, mlflow.log_artifacts)
 
 
 def register_models(cfg: Config, folders: dict[str, Path]) -> dict[str, int]:
     """Each folder of ``folders`` (name → trained artifact) that ``tracking.register_models`` names, as a logged model
-    of the active run (its files copied into MLflow's store) registered as ``<experiment>-<name>``: a new version
-    each run, linked to the run and tagged with the git commit. Returns the version numbers registered.
-    ``mlflow.artifacts.download_artifacts("models:/<experiment>-<name>/<version>")`` brings a version back."""
+    of the active run (its manifest and its files up to ``tracking.large_file_mb``, all of them under
+    ``large_files: copy``) registered as ``<experiment>-<name>``: a new version each run, linked to the run and
+    tagged with the git commit. Returns the version numbers registered.
+    ``mlflow.artifacts.download_artifacts("models:/<experiment>-<name>/<version>")`` brings a version back; its
+    ``dvc-manifest.json`` names the files left in DVC (``dvc checkout PATH`` in this clone)."""
     import mlflow
     from mlflow.entities import LoggedModelStatus
 
@@ -136,10 +153,63 @@ def register_models(cfg: Config, folders: dict[str, Path]) -> dict[str, int]:
             raise FileNotFoundError(f"model {name}: no folder {folder} to register")
         registered = f"{cfg.tracking.experiment}-{name}"
         model = mlflow.initialize_logged_model(name=registered, model_type=name, tags=tags)
-        client.log_model_artifacts(model.model_id, str(folder))
+        _log_folder(cfg, Path(folder), None, functools.partial(client.log_model_artifact, model.model_id),
+                    functools.partial(client.log_model_artifacts, model.model_id))
         mlflow.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
         versions[name] = int(mlflow.register_model(f"models:/{model.model_id}", registered).version)
     return versions
+
+
+def _md5(path: Path) -> str:
+    """A file's md5, read 16 MB at a time (a 16 GB policy never sits in memory)."""
+    digest = hashlib.md5()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def folder_manifest(cfg: Config, folder: Path) -> dict:
+    """What identifies ``folder``'s contents and where they are kept: its path (relative to the params file's
+    folder, the DVC root, when inside it), its DVC hash (``md5``, ``<hex>.dir``: what ``dvc.lock`` records when
+    the folder is a stage's output), ``size`` and ``nfiles`` as there, the git commit, and per file its relative
+    path, size and md5 (DVC's cache keeps it at ``.dvc/cache/files/md5/<md5[:2]>/<md5[2:]>``) and whether MLflow
+    holds a copy (``copied``: ``large_files: copy``, or at most ``large_file_mb``)."""
+    folder, limit = Path(folder), cfg.tracking.large_file_mb * 1e6
+    files = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        size = path.stat().st_size
+        files.append({"relpath": path.relative_to(folder).as_posix(), "size": size, "md5": _md5(path),
+                      "copied": cfg.tracking.large_files == "copy" or size <= limit})
+    # dvc_data.hashfile.tree.Tree.as_bytes: the entries sorted by relpath, keys sorted, json.dumps' default spacing
+    tree = json.dumps(sorted(({"md5": f["md5"], "relpath": f["relpath"]} for f in files),
+                             key=lambda entry: entry["relpath"]), sort_keys=True)
+    resolved, root = folder.resolve(), Path(cfg.root).resolve()
+    path = resolved.relative_to(root).as_posix() if resolved.is_relative_to(root) else str(resolved)
+    return {"path": path, "md5": hashlib.md5(tree.encode("utf-8")).hexdigest() + ".dir",
+            "size": sum(f["size"] for f in files), "nfiles": len(files),
+            "git_commit": run_tags(cfg).get("foresight.git_commit"),
+            "restore": f"dvc checkout {path}  (this clone's DVC cache; `dvc pull {path}` from a remote it was pushed "
+                       "to); files not copied here are DVC cache objects named by their md5",
+            "files": files}
+
+
+def _log_folder(cfg: Config, folder: Path, prefix: str | None, log_file: Callable[[str, str | None], None],
+                log_dir: Callable[[str, str | None], None]) -> None:
+    """Log ``folder``'s manifest (:func:`folder_manifest`) and the files it marks ``copied`` under the artifact path
+    ``prefix``: ``log_file(local_file, artifact_path)`` one by one, or ``log_dir(folder, prefix)`` at once when
+    every file is copied (MLflow's ``log_artifact``/``log_artifacts`` signatures)."""
+    manifest = folder_manifest(cfg, folder)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        log_file(str(Path(tmp) / MANIFEST), prefix)
+    if all(f["copied"] for f in manifest["files"]):
+        log_dir(str(folder), prefix)
+        return
+    for f in manifest["files"]:
+        if f["copied"]:
+            parent = posixpath.dirname(f["relpath"])
+            log_file(str(folder / f["relpath"]), "/".join(filter(None, (prefix, parent))) or None)
 
 
 def headline_metrics(stage_metrics: dict[str, dict], headlines: dict[str, tuple[str, ...]]) -> dict[str, float]:

@@ -61,7 +61,8 @@ def dvc_repo(tmp_path_factory, tiny_llama, tiny_armorm, prefect_server):
     params = tiny_params(repo, tiny_llama,
                          prompts={"num_train": NUM_TRAIN}, generate={"num_samples": NUM_SAMPLES},
                          label={"labeler": "armorm", "model": str(tiny_armorm), "device": "cpu", "batch_size": 4},
-                         validate={"min_response_chars": 0})
+                         validate={"min_response_chars": 0},
+                         tracking={"large_file_mb": 0.05})  # the tiny policies' weights (60-120 kB) are large
     # MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL: every second (default 10), for the tiny stages to have some
     env = dict(os.environ, PREFECT_API_URL=prefect_server, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -259,6 +260,18 @@ def test_pipeline_registers_models_and_puts_the_headlines_on_the_parent_run(dvc_
     mlflow.set_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}")
     heads = Path(mlflow.artifacts.download_artifacts("models:/test-medusa-heads/1"))
     assert (heads / "heads.safetensors").read_bytes() == (repo / "data/medusa/supervised/heads.safetensors").read_bytes()
+    # weights over tracking.large_file_mb stay in DVC: the DPO policy's version is its manifest (the folder's hash
+    # as dvc.lock records it) and its small files, and its weights are stored once, data/ linked to DVC's cache
+    dpo_out = next(o for o in yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["dpo"]["outs"]
+                   if o["path"] == "data/dpo")
+    policy = Path(mlflow.artifacts.download_artifacts("models:/test-dpo-policy/1"))
+    manifest = json.loads((policy / "dvc-manifest.json").read_text())
+    assert (manifest["path"], manifest["md5"], manifest["nfiles"]) == ("data/dpo", dpo_out["md5"], dpo_out["nfiles"])
+    assert (policy / "config.json").is_file() and not (policy / "model.safetensors").exists()
+    assert not list((repo / "mlruns").rglob("model.safetensors"))  # neither the DPO policy nor COrAL's model
+    weights = next(f for f in manifest["files"] if f["relpath"] == "model.safetensors")
+    cached = repo / ".dvc/cache/files/md5" / weights["md5"][:2] / weights["md5"][2:]
+    assert os.path.samefile(repo / "data/dpo/model.safetensors", cached)
 
     parent = client.get_run(pipeline_result["mlflow_run_id"])
     reward = json.loads((repo / "data/metrics/train_reward.json").read_text())

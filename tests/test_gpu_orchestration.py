@@ -83,7 +83,8 @@ def test_deployments_on_work_pools(prefect_server, tmp_path):
         assert deployment.work_pool_name == ("test-cpu-pool" if name in cpu_only else "test-gpu-pool"), name
         assert (GPU_TAG in deployment.tags) == (name not in cpu_only), name
         stage = name.replace("-", "_")
-        expected = {"params_path": str(params.resolve())}
+        # push: workers in their own clones share results through the DVC remote
+        expected = {"params_path": str(params.resolve()), "push": True}
         if name != "pipeline":  # a stage's deployment: that stage, in a temporary workspace
             expected |= {"targets": [stage], "isolated": True}
         assert deployment.parameters == expected, name
@@ -105,11 +106,12 @@ def _stop_group(proc) -> None:
         proc.wait(timeout=30)
 
 
-def test_workers_run_independent_branches_at_once_through_dvc(prefect_server, tmp_path, tiny_llama):
+def test_workers_run_two_deployments_at_once_through_dvc(prefect_server, tmp_path, tiny_llama):
     """Two real ``prefect worker start`` processes (``--limit 1`` each) on one process work pool, on loopback: the
-    ``prepare-prompts`` and ``prepare-policy`` deployments (two independent branches of the DAG), triggered at once
-    through the API (the UI's Run button), run at the same time, so on different workers, each through
-    ``dvc exp run --temp`` in its own temporary workspace; both are then recorded in the repository's ``dvc.lock``
+    ``prepare-prompts`` and ``prepare-policy`` deployments, triggered at once through the API (the UI's Run button),
+    run at the same time, so on different workers, each through ``dvc exp run --temp`` in its own temporary
+    workspace (prepare_prompts reads the policy's tokenizer, so its workspace runs prepare_policy first); both are
+    then recorded in the repository's ``dvc.lock``
     and pushed to the DVC remote with the run cache. A second clone of the repository, sharing only that remote,
     restores the stage from the remote's run cache instead of running it. The workers are stopped by PID."""
     import os
@@ -183,7 +185,7 @@ def test_workers_run_independent_branches_at_once_through_dvc(prefect_server, tm
     # another machine: a clone with the committed (empty) dvc.lock and only the remote in common
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(repo), str(clone)], env=env, check=True)
-    result = subprocess.run([sys.executable, "-m", "foresight.cli", "run", "prepare_prompts", "--no-push",
+    result = subprocess.run([sys.executable, "-m", "foresight.cli", "run", "prepare_prompts",
                              "--params", str(clone / "params.yaml")], cwd=clone, env=env, capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -206,6 +208,8 @@ def test_launch_command_uses_accelerate(tmp_path):
     assert command[command.index("--num_processes") + 1] == "4" and "--multi_gpu" in command
     assert command[command.index("-m", 3):][:4] == ["-m", "flows.stages", "--worker", "train_mtp"]
     assert command[-2:] == ['{"mtp.epochs": 1}', str(tmp_path / "result.json")]
-    cfg = parse_config({"launch": {"num_processes": 8, "accelerate_config": str(tmp_path / "fsdp.yaml")}})
+    (tmp_path / "multi_node.yaml").write_text("distributed_type: MULTI_GPU\nnum_machines: 2\n")  # read at validation
+    cfg = parse_config({"launch": {"num_processes": 8, "accelerate_config": str(tmp_path / "multi_node.yaml")}})
     command = launch_command(stage, cfg, "params.yaml", None, tmp_path / "result.json")
-    assert command[command.index("--config_file") + 1] == str(tmp_path / "fsdp.yaml") and "--multi_gpu" not in command
+    assert (command[command.index("--config_file") + 1] == str(tmp_path / "multi_node.yaml")
+            and "--multi_gpu" not in command)

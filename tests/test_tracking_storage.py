@@ -1,6 +1,7 @@
 """MLflow runs in a temporary store; atomic writes never leave half-written outputs."""
 
 import json
+from pathlib import Path
 
 import mlflow
 import pandas as pd
@@ -74,3 +75,42 @@ def test_atomic_folder_replace_and_formats(tmp_path):
     assert json.loads((tmp_path / "m.json").read_text()) == {"a": [1], "b": 1}
     with pytest.raises(FileNotFoundError, match="run the stage that produces it first"):
         read_table(tmp_path / "missing.parquet", "samples")
+
+
+@pytest.mark.parametrize("large_files", ["manifest", "copy"])
+def test_logged_folders_keep_large_files_in_dvc_and_name_them_in_a_manifest(tmp_path, monkeypatch, large_files):
+    """A registered model and an attached folder: MLflow gets each folder's ``dvc-manifest.json`` (path, DVC hash,
+    every file's size and md5) and the small files; a file over ``tracking.large_file_mb`` is only named there
+    (``large_files: manifest``), never copied — or copied too under ``large_files: copy``."""
+    import hashlib
+
+    from foresight.tracking import MANIFEST, register_models
+
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_config({"tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "t",
+                                     "large_files": large_files, "large_file_mb": 0.01}}, root=tmp_path)
+    model = tmp_path / "data" / "dpo"
+    (model / "sub").mkdir(parents=True)
+    weights = bytes(range(256)) * 80  # 20 kB: over the 10 kB limit
+    (model / "model.safetensors").write_bytes(weights)
+    (model / "config.json").write_text('{"hidden_size": 8}')
+    (model / "sub" / "tokenizer.json").write_text("{}")
+    copied = large_files == "copy"
+    with stage_run(cfg, "dpo", ["tracking"]) as run_id:
+        versions = register_models(cfg, {"dpo-policy": model})
+        log_stage_outputs(cfg, {}, {}, {"coral": model})
+    mlflow.set_tracking_uri(cfg.mlflow_uri())
+    for uri in (f"models:/t-dpo-policy/{versions['dpo-policy']}", f"runs:/{run_id}/coral"):
+        fetched = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "fetched" / uri[:4])))
+        manifest = json.loads((fetched / MANIFEST).read_text())
+        assert manifest["path"] == "data/dpo" and manifest["nfiles"] == 3 and manifest["size"] == len(weights) + 20
+        assert manifest["md5"].endswith(".dir")
+        files = {f["relpath"]: f for f in manifest["files"]}
+        assert files["model.safetensors"] == {"relpath": "model.safetensors", "size": len(weights),
+                                              "md5": hashlib.md5(weights).hexdigest(), "copied": copied}
+        assert files["sub/tokenizer.json"]["copied"] and files["config.json"]["copied"]
+        assert (fetched / "config.json").read_text() == '{"hidden_size": 8}'
+        assert (fetched / "sub" / "tokenizer.json").is_file()
+        assert (fetched / "model.safetensors").is_file() == copied, uri
+    stored = list((tmp_path / "mlruns").rglob("model.safetensors"))
+    assert len(stored) == (2 if copied else 0), stored
