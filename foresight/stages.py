@@ -124,12 +124,14 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="prepare_prompts",
-        description="Read the prompt source; write the train / held-out splits.",
+        description="Read the prompt source; write the train / held-out splits without over-long prompts.",
         task="tasks.data:prepare_prompts_task",
-        params=("prompts",),
-        code=(*TASK_CODE, "foresight/prompts.py", "models/labeling/answers.py"),
+        # the policy's tokenizer and context, the response budget and a reward model's length bound the prompts
+        params=("prompts", "policy.trust_remote_code", "generate.max_new_tokens", "label.labeler", "label.max_length"),
+        code=(*TASK_CODE, "foresight/prompts.py", "models/engine", "models/labeling/answers.py"),
+        inputs=("${paths.policy_dir}",),
         outputs=("${paths.prompts_dir}",),
-        headline=("num_train", "num_eval"),
+        headline=("num_train", "num_eval", "dropped_long_prompts"),
     ),
     Stage(
         name="generate",

@@ -108,7 +108,7 @@ def armorm(tiny_armorm):
 
 
 def native(model, tokenizer, questions=QUESTIONS, responses=RESPONSES):
-    enc = encode_conversations(tokenizer, questions, responses, MAX_LENGTH, gating_pattern(tokenizer))
+    enc, _ = encode_conversations(tokenizer, questions, responses, MAX_LENGTH, gating_pattern(tokenizer))
     with torch.no_grad():
         return enc, model(**enc)
 
@@ -135,7 +135,7 @@ def test_gating_positions_match_the_published_search(armorm):
     turns = [{"role": "user", "content": QUESTIONS[1]}, {"role": "assistant", "content": RESPONSES[1]},
              {"role": "user", "content": QUESTIONS[2]}, {"role": "assistant", "content": RESPONSES[2]}]
     multi = tokenizer.encode(tokenizer.apply_chat_template(turns, tokenize=False), add_special_tokens=False)
-    enc = encode_conversations(tokenizer, QUESTIONS, RESPONSES, MAX_LENGTH, pattern)
+    enc, _ = encode_conversations(tokenizer, QUESTIONS, RESPONSES, MAX_LENGTH, pattern)
     rows = [multi] + [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
     width = max(map(len, rows))
     input_ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])
@@ -264,12 +264,13 @@ def test_a_tokenizer_without_chat_template_is_refused(tiny_armorm, tmp_path):
         load_armorm(folder)
 
 
-def test_truncated_prompts_and_left_padding_are_refused(armorm):
+def test_prompts_without_room_and_left_padding_are_refused(armorm):
     model, tokenizer = armorm
-    # 40 tokens keep the first row's prompt (its pattern ends at token 17) and cut the others' (at 43 or later)
-    with pytest.raises(ArmoRMError, match=r"rows \[1, 2, 3\] hold no end-of-prompt pattern.*label\.max_length"):
+    # 40 tokens hold the first row's prompt (its pattern ends at token 17) but not the others' (43 or more): the
+    # response is cut, never the prompt, so such a prompt is an error naming the knob that drops it
+    with pytest.raises(ArmoRMError, match=r"a prompt of \d+ tokens.*max_length = 40.*prompts\.max_prompt_tokens"):
         encode_conversations(tokenizer, QUESTIONS, RESPONSES, 40, gating_pattern(tokenizer))
-    enc = encode_conversations(tokenizer, QUESTIONS, RESPONSES, MAX_LENGTH, gating_pattern(tokenizer))
+    enc, _ = encode_conversations(tokenizer, QUESTIONS, RESPONSES, MAX_LENGTH, gating_pattern(tokenizer))
     with pytest.raises(ArmoRMError, match="right-padded"):
         model(enc["input_ids"], enc["attention_mask"].flip(dims=[1]), enc["gating_positions"])
 
@@ -280,7 +281,7 @@ def test_bf16_on_cuda_matches_fp32_on_cpu(armorm, tiny_armorm):
     _, out = native(model, tokenizer)
     gpu_model, _ = load_armorm(tiny_armorm, dtype=torch.bfloat16, device="cuda")
     assert next(gpu_model.parameters()).dtype == torch.bfloat16
-    enc = encode_conversations(tokenizer, QUESTIONS, RESPONSES, MAX_LENGTH, gating_pattern(tokenizer))
+    enc, _ = encode_conversations(tokenizer, QUESTIONS, RESPONSES, MAX_LENGTH, gating_pattern(tokenizer))
     with torch.no_grad():
         gpu = gpu_model(**{k: v.cuda() for k, v in enc.items()})
     # bf16 on this spiky tiny model moves scores by ~0.08 (measured on CPU); they span ~4.7 across the rows

@@ -55,7 +55,7 @@ def test_armorm_labeler_scores_are_the_native_models_in_the_rows_order(tiny_armo
     scores, objectives = labeler.score_objectives(QUESTIONS, RESPONSES)
     assert labeler.score(QUESTIONS, RESPONSES, [None] * 4) == scores
     for question, response, score, rewards in zip(QUESTIONS, RESPONSES, scores, objectives):
-        enc = encode_conversations(labeler.tokenizer, [question], [response], cfg.max_length, labeler.pattern)
+        enc, _ = encode_conversations(labeler.tokenizer, [question], [response], cfg.max_length, labeler.pattern)
         with torch.no_grad():
             alone = labeler.model(**enc)
         assert score == pytest.approx(alone.score.item(), abs=1e-5)
@@ -89,7 +89,7 @@ def test_hf_classifier_uses_first_logit(tiny_classifier):
     labeler = build_labeler(cfg)
     scores = labeler.score(QUESTIONS, RESPONSES, [None] * 4)
     for i in range(4):
-        enc = labeler.encode(QUESTIONS[i : i + 1], RESPONSES[i : i + 1])
+        enc, _ = labeler.encode(QUESTIONS[i : i + 1], RESPONSES[i : i + 1])
         with torch.no_grad():
             assert scores[i] == pytest.approx(labeler.model(**enc).logits[0, 0].item(), abs=1e-5)
     assert len(set(scores)) == 4

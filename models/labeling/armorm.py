@@ -18,6 +18,10 @@ published code in three ways, none of which changes a score that code computes c
 - the reward is read at the last token of the attention mask (right padding), not before the first pad id:
   the published pooling lands mid-sequence when the pad id is also an end token that the chat template emits;
 - the gating pattern comes from the tokenizer's chat template (:func:`gating_pattern`), not hard-coded Llama-3 ids.
+
+The published code scores conversations untruncated; here one longer than ``label.max_length`` loses the tail of its
+response and keeps its prompt (the gating pattern) and its end of turn (where the reward is read):
+:mod:`models.labeling.conversations`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoTokenizer, LlamaConfig, LlamaModel, LlamaPreTrainedModel, PreTrainedTokenizerBase
+
+from models.labeling.conversations import ConversationError, conversation_ids
 
 log = logging.getLogger(__name__)
 
@@ -127,20 +133,21 @@ def gating_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor, patt
     missing = (~found.any(dim=-1)).nonzero().flatten().tolist()
     if missing:
         raise ArmoRMError(f"rows {missing} hold no end-of-prompt pattern {list(pattern)} (user turn end + assistant "
-                          "header), which ArmoRM gates on: truncated away? Raise label.max_length")
+                          "header), which ArmoRM gates on")
     return found.shape[1] - 1 - found.flip(dims=[-1]).int().argmax(dim=-1)
 
 
 def encode_conversations(tokenizer: PreTrainedTokenizerBase, questions: Sequence[str], responses: Sequence[str],
-                         max_length: int, pattern: Sequence[int]) -> dict[str, torch.Tensor]:
-    """(user, assistant) conversations in the tokenizer's chat template, truncated to ``max_length`` tokens and
-    right-padded: ``input_ids``, ``attention_mask`` (B, T) and ``gating_positions`` (B,)."""
-    if len(questions) != len(responses):
-        raise ArmoRMError(f"{len(questions)} questions but {len(responses)} responses")
+                         max_length: int, pattern: Sequence[int]) -> tuple[dict[str, torch.Tensor], list[bool]]:
+    """(user, assistant) conversations in the tokenizer's chat template, at most ``max_length`` tokens each (a
+    longer one loses the tail of its response, never its prompt nor its end of turn:
+    :func:`models.labeling.conversations.conversation_ids`), right-padded: the model's inputs ``input_ids``,
+    ``attention_mask`` (B, T) and ``gating_positions`` (B,), and per row whether its response was cut."""
     _require_chat_template(tokenizer)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": r}],
-                                           tokenize=False) for q, r in zip(questions, responses)]
-    rows = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
+    try:
+        rows, truncated = conversation_ids(tokenizer, questions, responses, max_length)
+    except ConversationError as err:
+        raise ArmoRMError(str(err)) from err
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise ArmoRMError(f"the tokenizer {tokenizer.name_or_path!r} has neither a pad nor an end token to pad with")
@@ -150,7 +157,7 @@ def encode_conversations(tokenizer: PreTrainedTokenizerBase, questions: Sequence
         input_ids[i, :len(row)] = torch.tensor(row)
         attention_mask[i, :len(row)] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask,
-            "gating_positions": gating_positions(input_ids, attention_mask, pattern)}
+            "gating_positions": gating_positions(input_ids, attention_mask, pattern)}, truncated
 
 
 def load_armorm(path: str | Path, dtype: torch.dtype = torch.float32,

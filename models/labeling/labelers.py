@@ -10,8 +10,9 @@
   its own code runs only with ``trust_remote_code`` set explicitly.
 
 Reward models see each (question, response) as a two-turn conversation through their own chat template,
-right-padded; rows are scored in batches of similar length (longest first, so an out-of-memory shows at once) and
-put back in their order. The label stage: docs/pipeline.md.
+right-padded, at most ``label.max_length`` tokens: a longer one loses the tail of its response, never its prompt
+nor its end of turn (:mod:`models.labeling.conversations`). Rows are scored in batches of similar length (longest
+first, so an out-of-memory shows at once) and put back in their order. The label stage: docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from models.engine.policy import resolve_device, resolve_dtype
 from models.labeling.answers import is_correct, is_missing, unreadable_references
 from models.labeling.config import LabelerSpec
+from models.labeling.conversations import conversation_ids
 
 OnBatch = Callable[[int, int], None]
 """Called after each batch with (rows scored so far, rows in all): progress bars and artifacts."""
@@ -37,6 +39,8 @@ class Labeler(Protocol):
     """Scores responses; higher is better."""
 
     name: str
+    truncated_responses: int
+    """Responses the last ``score`` call cut to fit the reward model (``label.max_length``); 0 for ``verifiable``."""
 
     def score(self, questions: Sequence[str], responses: Sequence[str], answers: Sequence[str | None],
               on_batch: OnBatch | None = None) -> list[float]:
@@ -47,6 +51,7 @@ class VerifiableLabeler:
     """1.0 when the response's final answer equals the reference answer, else 0.0."""
 
     name = "verifiable"
+    truncated_responses = 0
 
     def score(self, questions, responses, answers, on_batch=None):
         missing = sum(is_missing(a) for a in answers)
@@ -108,6 +113,7 @@ class ArmoRMLabeler:
         from models.labeling.armorm import ArmoRMError, gating_pattern, load_armorm
 
         self.cfg = cfg
+        self.truncated_responses = 0
         device = resolve_device(cfg.device)
         try:
             self.model, self.tokenizer = load_armorm(cfg.model, resolve_dtype(cfg.dtype, device), device)
@@ -117,12 +123,16 @@ class ArmoRMLabeler:
 
     @torch.no_grad()
     def score_objectives(self, questions, responses, on_batch=None) -> tuple[list[float], list[list[float]]]:
-        """The gated scores and, per row, the objective rewards they mix (ArmoRM's 19 rating dimensions)."""
+        """The gated scores and, per row, the objective rewards they mix (ArmoRM's 19 rating dimensions).
+        Conversations over ``max_length`` lose the tail of their response (:attr:`truncated_responses` counts them)."""
         from models.labeling.armorm import encode_conversations
 
+        self.truncated_responses = 0
+
         def score_batch(rows: list[int]) -> torch.Tensor:
-            enc = encode_conversations(self.tokenizer, [questions[i] for i in rows], [responses[i] for i in rows],
-                                       self.cfg.max_length, self.pattern)
+            enc, truncated = encode_conversations(self.tokenizer, [questions[i] for i in rows],
+                                                  [responses[i] for i in rows], self.cfg.max_length, self.pattern)
+            self.truncated_responses += sum(truncated)
             output = self.model(**{k: v.to(self.model.device) for k, v in enc.items()})
             return torch.cat([output.score[:, None], output.rewards], dim=1)  # (b, 1 + objectives)
 
@@ -143,6 +153,7 @@ class ClassifierLabeler:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.cfg = cfg
+        self.truncated_responses = 0
         self.device = resolve_device(cfg.device)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -178,22 +189,28 @@ class ClassifierLabeler:
         self.tokenizer.padding_side = "right"  # sequence classifiers pool the last non-pad token
 
     def encode(self, questions, responses):
-        """The (question, response) conversations as one right-padded batch on the model's device."""
+        """The (question, response) conversations as one right-padded batch on the model's device, and per row
+        whether its response was cut to ``max_length``: in the model's chat template, cut in the response
+        (:func:`models.labeling.conversations.conversation_ids`: the prompt and the end of turn stay); without one,
+        plain "question\n\nresponse" with the tokenizer's special tokens, cut at the end."""
         if getattr(self.tokenizer, "chat_template", None):
-            texts = [self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}, {"role": "assistant", "content": r}], tokenize=False)
-                for q, r in zip(questions, responses, strict=True)]
-            add_special = False
-        else:  # a classifier without a chat template: plain "question\n\nresponse"
-            texts = [f"{q}\n\n{r}" for q, r in zip(questions, responses, strict=True)]
-            add_special = True
-        return self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
-                              max_length=self.cfg.max_length, add_special_tokens=add_special).to(self.device)
+            rows, truncated = conversation_ids(self.tokenizer, questions, responses, self.cfg.max_length)
+        else:
+            rows = self.tokenizer([f"{q}\n\n{r}" for q, r in zip(questions, responses, strict=True)])["input_ids"]
+            truncated = [len(row) > self.cfg.max_length for row in rows]
+            rows = [row[: self.cfg.max_length] for row in rows]
+        width = max(map(len, rows), default=0)
+        input_ids = torch.tensor([row + [self.tokenizer.pad_token_id] * (width - len(row)) for row in rows])
+        attention_mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+        return {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}, truncated
 
     @torch.no_grad()
     def score(self, questions, responses, answers, on_batch=None):
+        self.truncated_responses = 0
+
         def score_batch(rows: list[int]) -> torch.Tensor:
-            enc = self.encode([questions[i] for i in rows], [responses[i] for i in rows])
+            enc, truncated = self.encode([questions[i] for i in rows], [responses[i] for i in rows])
+            self.truncated_responses += sum(truncated)
             return self.model(**enc).logits[:, :1]  # (b, 1)
 
         return score_in_batches(_conversation_lengths(questions, responses), self.cfg.batch_size, score_batch,
