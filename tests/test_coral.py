@@ -215,7 +215,7 @@ def test_two_stage_training_changes_the_right_parameters(tiny_llama):
     model = policy.model
     responses = pd.DataFrame({"prompt": ["<|im_start|>user\nBen has 4 apples<|im_end|>\n<|im_start|>assistant\n"] * 4,
                               "response": ["The answer is 6. Ivy has 3 cookies and gives 1 of them"] * 4})
-    sequences = sft_sequences(policy.tokenizer, responses, 64)
+    sequences = sft_sequences(policy.tokenizer, responses)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     last_names = {f"model.layers.{len(model.model.layers) - 1}.{n}" for n, _ in model.model.layers[-1].named_parameters()}
 

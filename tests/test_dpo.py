@@ -107,6 +107,59 @@ def test_responses_end_with_exactly_one_eos(policy, tmp_path):
         assert ours == {k: example[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
 
 
+def long_response(tokenizer, tokens: int) -> str:
+    """A response of exactly ``tokens`` tokens (without its end token) in ``tokenizer``."""
+    base = len(tokenizer("Ben has", add_special_tokens=False)["input_ids"])
+    text = "Ben has" + " apples" * (tokens - base)
+    assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) == tokens
+    return text
+
+
+def test_dpo_trains_on_the_ids_generation_decoded_from_with_one_bos(tiny_llama3_bos, tmp_path):
+    """A Llama-3-style tokenizer adds <|begin_of_text|> itself and its chat template writes it too: the ids TRL trains
+    on (each pair's chosen and rejected rows as its collator builds them) are the generate stage's prompt ids + the
+    response ids + the end token, with exactly one BOS; evaluation (tokenize_pair) scores the same ids."""
+    from models.engine.generation import encode_prompt
+
+    policy = load_pretrained(tiny_llama3_bos, PolicySpec(device="cpu", dtype="float32"))
+    tok = policy.tokenizer
+    assert tok("x")["input_ids"][0] == tok.bos_token_id  # the fixture adds a BOS, as Llama-3's tokenizer does
+    pairs = make_pairs(tok, 2)
+    trainer = build_trainer(policy, pairs, FAST, tmp_path / "unused")
+    for example, pair in zip(trainer.train_dataset, pairs.itertuples(), strict=True):
+        prompt_ids = encode_prompt(policy, pair.prompt)[0].tolist()  # what the policy decoded from
+        assert prompt_ids[0] == tok.bos_token_id
+        batch = trainer.data_collator([example])  # the chosen row, then the rejected row, right-padded
+        rows = [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)]
+        for row, response in zip(rows, (pair.chosen, pair.rejected), strict=True):
+            assert row == prompt_ids + tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            assert row.count(tok.bos_token_id) == 1
+        ours = tokenize_pair(tok, pair.prompt, pair.chosen, pair.rejected)
+        assert ours == {k: example[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
+
+
+def test_a_pair_too_long_for_max_length_is_dropped_and_counted_never_cut(policy, tmp_path):
+    """A 512-token response keeps its end token at a max_length that fits it; one token less and the pair is left
+    out and counted, where TRL would have cut the end token off one side only."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    tok = policy.tokenizer
+    pairs = make_pairs(tok, 3)
+    pairs.loc[0, "chosen"] = long_response(tok, 512)
+    prompt_ids = tok(pairs["prompt"][0], add_special_tokens=False)["input_ids"]
+    fitting = len(prompt_ids) + 512 + 1  # the prompt, the response and its end token
+    trainer = build_trainer(policy, pairs, replace(FAST, max_length=fitting), tmp_path / "unused")
+    example = trainer.train_dataset[0]
+    collate = DataCollatorForPreference(pad_token_id=tok.pad_token_id, max_length=fitting)  # TRL's own
+    chosen = collate([example])["input_ids"][0].tolist()
+    assert len(chosen) == fitting and chosen[-1] == tok.eos_token_id
+
+    metrics = train_dpo(policy, pairs, replace(FAST, max_length=fitting - 1, epochs=1), tmp_path / "dpo")
+    assert (metrics["num_pairs"], metrics["num_pairs_dropped_too_long"]) == (2, 1)
+    with pytest.raises(ValueError, match="longer than max_length"):  # evaluation never cuts either
+        pair_logps(policy.model, tok, pairs, max_length=fitting - 1)
+
+
 def test_preference_accuracy_of_the_untrained_policy_is_a_tie(policy):
     logps = pair_logps(policy.model, policy.tokenizer, make_pairs(policy.tokenizer, 3))
     result = preference_accuracy(logps, logps, beta=0.1)
@@ -148,6 +201,7 @@ def test_dpo_task_writes_the_folder_atomically_and_reports(tiny_llama, tmp_path)
     assert not [p for p in dpo_dir.parent.iterdir() if p.name.startswith(".")]
     m = result.metrics
     assert m["num_pairs"] == 6 and m["num_heldout"] == 2  # the shared split: round(8 × 0.25) held out
+    assert m["num_pairs_dropped_too_long"] == 0 and m["num_heldout_dropped_too_long"] == 0
     assert m["heldout_accuracy_before"] == 0.5 and m["heldout_margin_before"] == 0.0
     # every margin is 0 before training: a zero-width interval at 0.5, not significant
     assert (m["heldout_accuracy_before_low"], m["heldout_accuracy_before_high"]) == (0.5, 0.5)
@@ -177,7 +231,7 @@ def test_dpo_trains_on_best_worst_pairs_unless_all_are_asked_for(tiny_llama, tmp
         trained_on.append(train_pairs)
         policy.model.save_pretrained(out_dir)
         policy.tokenizer.save_pretrained(out_dir)
-        return {"num_pairs": len(train_pairs)}
+        return {"num_pairs": len(train_pairs), "num_pairs_dropped_too_long": 0}
 
     monkeypatch.setattr(models.sla.dpo, "train_dpo", fake_train_dpo)
     with disable_run_logger():

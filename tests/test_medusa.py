@@ -157,8 +157,7 @@ def test_self_distill_targets_and_states_match_a_plain_forward(policy, samples, 
 
     row, done = 0, 0
     for i, r in samples.iterrows():
-        ids, mask = tokenize_sequence(policy.tokenizer, r["prompt"], r["response"], cfg.max_length,
-                                      add_end=r["finish_reason"] == "eos")
+        ids, mask = tokenize_sequence(policy.tokenizer, r["prompt"], r["response"], add_end=r["finish_reason"] == "eos")
         first = mask.index(1)
         n = len(ids) - first  # response tokens; positions first−1 .. len−2 predict them
         out = policy.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
@@ -176,6 +175,26 @@ def test_self_distill_targets_and_states_match_a_plain_forward(policy, samples, 
         assert (data.rl_candidates[done : done + steps, 0] == probs.argmax(-1)).all()
         row, done = row + n, done + steps
     assert row == len(data.hidden) and done == len(data.rl_rows)
+
+
+def test_self_distill_drops_responses_longer_than_max_length_and_counts_them(policy, samples, tmp_path):
+    """A sequence longer than medusa.max_length gives no positions at all (the old rule kept its first tokens, cut
+    end and all); the others keep every position, with their row of the samples table; the cache counts the dropped."""
+    from models.common.sequences import tokenize_sequence
+    from models.medusa.training import too_long_responses
+
+    lengths = [len(tokenize_sequence(policy.tokenizer, r.prompt, r.response, add_end=r.finish_reason == "eos")[0])
+               for r in samples.itertuples()]
+    max_length = sorted(set(lengths))[-2]  # the longest sequences do not fit
+    cfg = MedusaTraining(num_heads=2, distill_batch_size=3, mixed_precision="no", max_length=max_length)
+    rl_cfg = RLMedusaCandidates(trajectory_tokens=4, top_candidates=2, top_pool=10, random_candidates=3)
+    data = self_distill(policy, samples, cfg, rl_cfg, tmp_path)
+    fitting = [i for i, length in enumerate(lengths) if length <= max_length]
+    assert 0 < len(fitting) < len(samples) and too_long_responses(tmp_path) == len(samples) - len(fitting)
+    assert sorted(set(data.sample.tolist())) == fitting
+    positions = {i: int((data.sample == i).sum()) for i in fitting}
+    prompt_lengths = [len(policy.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in samples["prompt"]]
+    assert positions == {i: lengths[i] - prompt_lengths[i] for i in fitting}  # whole responses
 
 
 def test_greedy_responses_are_the_policys_greedy_decoding(policy):
@@ -523,6 +542,7 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     assert all("The answer is N." in p for p in responses["prompt"][4:6])
     assert responses["prompt"][6].startswith("<|im_start|>user\n") and responses["prompt"][6].endswith("assistant\n")
     assert (trained.metrics["num_task_responses"], trained.metrics["num_general_responses"]) == (6, 3)
+    assert trained.metrics["num_responses_dropped_too_long"] == 0
     # the further prompts' responses are the heads' alone: COrAL and the MTP module fine-tune on the others
     assert sft_responses(cfg, "distilled", "coral.data")["prompt_id"].tolist() == (
         responses["prompt_id"][~responses["further_prompt"]].tolist())

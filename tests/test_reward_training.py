@@ -80,16 +80,26 @@ def test_tokenize_masks_exactly_the_response_and_end_token(policy):
             assert tok.decode([t for t, m in zip(ids, mask) if not m]) == pair["prompt"]
 
 
-def test_truncation_cuts_the_response_end_first(policy):
+def test_a_pair_is_dropped_whole_when_a_side_does_not_fit_never_cut(policy):
+    """A 512-token response keeps its end token at a max_length that fits it whole; at one token less the pair is
+    dropped and counted, where the old rule cut the end token off that side only (a biased comparison)."""
+    from tests.test_dpo import long_response
+
     tok = policy.tokenizer
-    pairs = toy_pairs(tok, 1)
+    pairs = toy_pairs(tok, 3)
+    pairs.loc[0, "chosen"] = long_response(tok, 512)
     prompt_len = len(tok(pairs["prompt"][0], add_special_tokens=False)["input_ids"])
-    item = tokenize_pairs(tok, pairs, max_length=prompt_len + 3)[0]
-    assert len(item["chosen_input_ids"]) == prompt_len + 3 and sum(item["chosen_response_mask"]) == 3
-    assert tok.eos_token_id not in item["chosen_input_ids"][prompt_len:]
-    # a prompt longer than max_length keeps its end and still scores one response token
-    short = tokenize_pairs(tok, pairs, max_length=16)[0]
-    assert len(short["rejected_input_ids"]) == 16 and short["rejected_response_mask"] == [0] * 15 + [1]
+    fitting = prompt_len + 512 + 1  # the prompt, the response and its end token
+    item = tokenize_pairs(tok, pairs, max_length=fitting)[0]
+    assert len(item["chosen_input_ids"]) == fitting and item["chosen_input_ids"][-1] == tok.eos_token_id
+    assert sum(item["chosen_response_mask"]) == 512 + 1
+    with pytest.raises(ValueError, match="longer than max_length"):
+        tokenize_pairs(tok, pairs, max_length=fitting - 1)
+    from models.sla.reward_training import fitting_pairs  # here: the old code fails above, not on this import
+
+    kept, dropped = fitting_pairs(tok, pairs, fitting - 1)
+    assert dropped == 1 and kept["prompt_id"].tolist() == ["p1", "p2"]
+    assert fitting_pairs(tok, pairs, fitting)[1] == 0
 
 
 def test_collate_right_pads_and_padding_leaves_rewards_unchanged(policy):
@@ -352,6 +362,7 @@ def test_task_writes_heads_curves_plots_and_metrics(reward_cfg):
         heads + ["curves.json", "history.json", "split.json", "autrc.png", "loss.png"])
     m = result.metrics
     assert (m["num_train_pairs"], m["num_eval_pairs"]) == (6, 2)  # eval_fraction 0.25 of 8 prompts
+    assert (m["num_train_pairs_dropped_too_long"], m["num_eval_pairs_dropped_too_long"]) == (0, 0)
     split = json.loads((out_dir / "split.json").read_text())  # what the SLA benchmark must not tune on
     assert len(split["train_prompt_ids"]) == 6 and len(split["held_out_prompt_ids"]) == 2
     assert not set(split["train_prompt_ids"]) & set(split["held_out_prompt_ids"])

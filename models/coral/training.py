@@ -256,9 +256,12 @@ PER_EPOCH = ("held_out_loss", "best_epoch")
 
 def train_coral(policy: Policy, sequences: Sequences, cfg: CoralTraining, accelerator: Accelerator | None = None,
                 on_step: Callable[[str, int, int, dict[str, float]], None] | None = None,
-                validation: Sequences = ()) -> dict[str, list]:
+                validation: Sequences = (),
+                on_trained: Callable[[int, nn.Module], None] | None = None) -> dict[str, list]:
     """Both stages on ``sequences``; ``policy.model`` ends trained (with ``lora_rank``: the adapters merged into
-    it, a plain model again), in its own dtype. Stage 1 runs on the trunk's cached outputs (:class:`TrunkCache`,
+    it, a plain model again), in its own dtype. ``on_trained(stage, model)`` runs after each stage's training with the
+    model it trained, before stage 2's adapters are merged away (what trained, and the adapters, are read there).
+    Stage 1 runs on the trunk's cached outputs (:class:`TrunkCache`,
     ``stage1_corruption_draws`` corruptions per sequence) and, given ``validation`` sequences (never trained on),
     stops early on their loss (``stage1_patience``), keeping its best epoch. Returns the history: per step, the
     stage, the learning rate, the loss and every offset's cross-entropy; with ``validation``,
@@ -279,8 +282,10 @@ def train_coral(policy: Policy, sequences: Sequences, cfg: CoralTraining, accele
         run = partial(_run_stage, stage=stage, data=data, cfg=cfg, accelerator=accelerator, pad_token_id=pad,
                       on_step=partial(on_step, f"stage {stage}") if on_step is not None else None)
         policy.model.requires_grad_(False)
-        policy.model, stage_history = (_train_last_layer(policy.model, sequences, validation, cfg, pad, accelerator, run)
-                                       if stage == 1 else _train_trunk(policy.model, cfg, run))
+        trained_hook = partial(on_trained, stage) if on_trained is not None else None
+        policy.model, stage_history = (
+            _train_last_layer(policy.model, sequences, validation, cfg, pad, accelerator, run, trained_hook)
+            if stage == 1 else _train_trunk(policy.model, cfg, run, trained_hook))
         history["stage"] += [stage] * len(stage_history["loss"])
         for key, values in stage_history.items():
             if key in PER_EPOCH:
@@ -293,7 +298,8 @@ def train_coral(policy: Policy, sequences: Sequences, cfg: CoralTraining, accele
 
 
 def _train_last_layer(model: nn.Module, sequences: Sequences, validation: Sequences, cfg: CoralTraining, pad: int,
-                      accelerator: Accelerator, run: Callable) -> tuple[nn.Module, dict[str, list[float]]]:
+                      accelerator: Accelerator, run: Callable,
+                      on_trained: Callable[[nn.Module], None] | None) -> tuple[nn.Module, dict[str, list[float]]]:
     """Stage 1: the last decoder layer's own weights, on the trunk's cached outputs; early stopping on
     ``validation`` (if any) with its own cache (one fixed corruption per sequence)."""
     cache = trunk_cache(model, sequences, cfg, range(cfg.stage1_corruption_draws), pad, accelerator)
@@ -305,10 +311,14 @@ def _train_last_layer(model: nn.Module, sequences: Sequences, validation: Sequen
     parameters = stage_parameters(model, 1)
     for p in parameters:
         p.requires_grad_(True)
-    return run(model, parameters=parameters, cache=cache, early_stopping=early_stopping)
+    model, history = run(model, parameters=parameters, cache=cache, early_stopping=early_stopping)
+    if on_trained is not None:
+        on_trained(model)
+    return model, history
 
 
-def _train_trunk(model: nn.Module, cfg: CoralTraining, run: Callable) -> tuple[nn.Module, dict[str, list[float]]]:
+def _train_trunk(model: nn.Module, cfg: CoralTraining, run: Callable,
+                 on_trained: Callable[[nn.Module], None] | None) -> tuple[nn.Module, dict[str, list[float]]]:
     """Stage 2: every other weight, or (``lora_rank`` > 0) adapters on every linear layer but the last decoder
     layer's, merged into the weights at the end; under gradient checkpointing if asked."""
     with memory_saving(model, cfg.lora_rank, cfg.gradient_checkpointing,
@@ -318,6 +328,8 @@ def _train_trunk(model: nn.Module, cfg: CoralTraining, run: Callable) -> tuple[n
                 p.requires_grad_(True)
         parameters = [p for p in trained.parameters() if p.requires_grad]  # with LoRA: the adapters alone
         trained, history = run(trained, parameters=parameters)
+        if on_trained is not None:
+            on_trained(trained)
     return merged(trained), history
 
 

@@ -57,6 +57,6 @@ class MedusaTraining:
     batch_size: int = 64  # positions per step
     warmup_ratio: float = 0.05
     distill_batch_size: int = 40  # sequences per batch of the frozen self-distillation pass
-    max_length: int = 512  # prompt + response tokens kept per sequence
+    max_length: int = 512  # longest prompt + response (+ end token); longer ones are dropped, not cut
     mixed_precision: MixedPrecision = "bf16"
     seed: int = 0  # initialisation, shuffling and the RL candidates

@@ -88,7 +88,7 @@ def fit_reward_model(hidden: HiddenStates | torch.Tensor, candidate_embeddings: 
     model, history = train(model, StateDataset(hidden, candidates, probs), step, model.parameters(),
                            partial(torch.optim.AdamW, lr=cfg.reward_learning_rate), accelerator=accelerator,
                            epochs=cfg.reward_epochs, batch_size=cfg.reward_batch_size, seed=cfg.seed,
-                           desc="reward model r(e, h)")
+                           desc="reward model r(e, h)", count_changes="RLMedusa reward model")
     return model.eval(), history["loss"]
 
 
@@ -193,5 +193,6 @@ def train_rl_head(heads: MedusaHeads, lm_head: nn.Module, reward_model: TokenRew
     heads, history = train(heads, StateDataset(hidden), step, trained,
                            partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=0.0),
                            accelerator=accelerator, epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed,
-                           desc="RL head (t+2)", show=("reward", "kl"), on_step=on_step)
+                           desc="RL head (t+2)", show=("reward", "kl"), on_step=on_step,
+                           count_changes="RLMedusa t+2 head")
     return heads.eval(), history

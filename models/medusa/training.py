@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from models.common.sequences import padding_id, right_pad, sft_sequences
+from models.common.sequences import fits, padding_id, right_pad, sft_sequences
 from models.common.training import train
 from models.engine.policy import Policy
 from models.medusa.config import MedusaTraining, RLMedusaCandidates
@@ -146,6 +146,12 @@ def load_distilled(folder: Path) -> DistilledStates:
     return DistilledStates(hidden, **tensors)
 
 
+def too_long_responses(folder: Path) -> int:
+    """How many responses :func:`self_distill` left out of the cache in ``folder`` as longer than ``max_length``."""
+    with safe_open(Path(folder) / INDEX_FILE, framework="pt") as index:
+        return int(index.metadata()["too_long"])
+
+
 def greedy_responses(policy: Policy, prompts: pd.DataFrame, max_new_tokens: int, batch_size: int,
                      system_prompt: str | None = None) -> pd.DataFrame:
     """The policy's greedy response to each prompt (``prompt_id``, ``question``), batched, in the shape of the
@@ -218,25 +224,29 @@ def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaTraining, rl_
 
     Under ``mixed_precision: bf16`` the pass runs in bfloat16 autocast (~2.5× faster on a CPU with bf16
     units); the heads then learn from states a rounding away from those they see when decoding.
+
+    A response whose whole sequence is longer than ``cfg.max_length`` gets no positions (dropped, never truncated:
+    models/common/sequences.py's length rule); :func:`too_long_responses` reads their count from the cache.
     """
     tok, model = policy.tokenizer, policy.model
     lm_head = model.get_output_embeddings()
     generator = torch.Generator().manual_seed(cfg.seed)  # on the CPU: the same RL candidates on any device
-    sequences = sft_sequences(tok, samples, cfg.max_length)
+    sequences = sft_sequences(tok, samples)
+    kept = [i for i, sequence in enumerate(sequences) if fits(sequence, cfg.max_length)]  # rows of ``samples``
     parts: dict[str, list[torch.Tensor]] = {name: [] for name in INDEX_FIELDS}
     rows_so_far = 0
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / HIDDEN_FILE, "wb") as cache:
-        for start in tqdm(range(0, len(sequences), cfg.distill_batch_size), desc="self-distillation pass",
-                          unit="batch"):
-            chunk = sequences[start : start + cfg.distill_batch_size]
+        for start in tqdm(range(0, len(kept), cfg.distill_batch_size), desc="self-distillation pass", unit="batch"):
+            chunk_rows = kept[start : start + cfg.distill_batch_size]
+            chunk = [sequences[i] for i in chunk_rows]
             batch = right_pad(chunk, padding_id(tok))  # (B, T) each
             with _autocast(policy, cfg):
                 hidden = model.base_model(input_ids=batch["input_ids"].to(policy.device),
                                           attention_mask=batch["attention_mask"].to(policy.device)
                                           ).last_hidden_state  # (B, T, H): the states the LM head reads
-            for row, (ids, mask) in enumerate(chunk):
+            for row, (sample_row, (ids, mask)) in enumerate(zip(chunk_rows, chunk, strict=True)):
                 positions = _response_positions(ids, mask)
                 if len(positions) == 0:
                     continue
@@ -247,7 +257,7 @@ def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaTraining, rl_
                 next_tokens = logits.argmax(-1).cpu() if cfg.targets == "greedy" else sampled
                 cache.write(states.to(lm_head.weight.dtype).cpu().contiguous().view(torch.uint8).numpy())
                 parts["targets"].append(_head_targets(next_tokens, cfg.num_heads))
-                parts["sample"].append(torch.full((len(positions),), start + row))
+                parts["sample"].append(torch.full((len(positions),), sample_row))
                 # trajectory states: t + 2 must still be a response token, so p(x_{t+2} | x_{≤t+1}) is logits[t + 1]
                 steps = min(rl_cfg.trajectory_tokens, len(positions) - 1)
                 if steps > 0:
@@ -259,10 +269,11 @@ def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaTraining, rl_
                     parts["rl_probs"].append(probs.gather(1, candidates).cpu())
                 rows_so_far += len(positions)
     if not parts["targets"]:
-        raise ValueError("no response tokens to learn from: every sample's response is empty")
+        raise ValueError(f"no response tokens to learn from: every sample's response is empty or longer than "
+                         f"medusa.max_length {cfg.max_length} tokens ({len(sequences) - len(kept)} of {len(sequences)})")
     save_file({name: torch.cat(values) for name, values in parts.items()}, folder / INDEX_FILE,
               metadata={"hidden_dtype": str(lm_head.weight.dtype).removeprefix("torch."),
-                        "hidden_size": str(lm_head.weight.shape[1])})
+                        "hidden_size": str(lm_head.weight.shape[1]), "too_long": str(len(sequences) - len(kept))})
     return load_distilled(folder)
 
 
@@ -291,7 +302,7 @@ def train_medusa_heads(policy: Policy, data: DistilledStates, cfg: MedusaTrainin
     return train(heads, StateDataset(data.hidden, data.targets), step, heads.parameters(),
                  partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=0.0), accelerator=accelerator,
                  epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed, warmup_ratio=cfg.warmup_ratio,
-                 desc="Medusa heads", on_step=on_step)
+                 desc="Medusa heads", on_step=on_step, count_changes="Medusa heads")
 
 
 @torch.no_grad()

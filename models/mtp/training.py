@@ -162,7 +162,7 @@ def train_mtp_module(policy: Policy, sequences: Sequences, hidden: Sequence[torc
         partial(torch.optim.AdamW, lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=0.0),
         accelerator=accelerator, epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed,
         warmup_ratio=cfg.warmup_ratio, collate_fn=collate, desc=f"MTP equip (K = {num_depths})", on_step=on_step,
-        early_stopping=early_stopping)
+        early_stopping=early_stopping, count_changes="MTP module")
     return module.eval().requires_grad_(False), history
 
 

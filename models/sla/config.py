@@ -22,7 +22,7 @@ class DPOTraining:
     learning_rate: float = 5e-6
     epochs: int = 1
     batch_size: int = 4  # pairs per optimizer step
-    max_length: int = 512  # prompt + response tokens kept
+    max_length: int = 512  # longest prompt + response + end token; longer pairs are dropped, not cut
     lora_rank: int = 0  # > 0: train PEFT LoRA adapters of this rank instead of the weights (models/common/lora.py)
     gradient_checkpointing: bool = False  # recompute the backbone's activations in the backward pass
     seed: int = 0
@@ -36,7 +36,7 @@ class RewardTraining:
     epochs: int = 2
     batch_size: int = 4  # pairs per optimizer step (2 × that many sequences per forward)
     warmup_ratio: float = 0.1
-    max_length: int = 512  # prompt + response tokens kept per sequence
+    max_length: int = 512  # longest prompt + response + end token; longer pairs are dropped, not cut
     curve_points: int = 100  # x = 1 … 100 % of the response for the token-level reward curve
     # the frozen policy's hidden states of every distinct training sequence, kept in memory when they fit in this many
     # GB: one policy forward per sequence instead of one per sequence, pair and epoch (else the forward runs per step)

@@ -19,11 +19,23 @@ same code trains on CPU, on one GPU, or on several under ``accelerate launch``.
 Sequence log-probabilities ``chosen_logps`` / ``rejected_logps`` are sums over the response tokens
 only (the prompt is context), and every response ends with the tokenizer's end token, so the policy
 is also taught where to stop.
+
+The token ids DPO trains on are the ones the policy decoded from. The pairs' ``prompt`` is already chat-templated,
+and the generate stage tokenized it without the tokenizer's special tokens (the template writes them: Llama-3's
+starts with ``<|begin_of_text|>``). TRL 1.16 tokenizes a standard-format ``prompt`` with them
+(trl/trainer/dpo_trainer.py ``_prepare_dataset`` → trl/data_utils.py ``_tokenize``: ``processing_class(text=...)``)
+and offers no switch for it, no pre-tokenized input (it always re-tokenizes ``prompt``) and, in its conversational
+format, re-renders the response through the chat template (which trims it and writes the template's end of turn).
+So the prompt handed to TRL is the templated text less the BOS text the tokenizer adds itself
+(:func:`trl_prompt`), checked to give exactly the generation ids; a BOS-less tokenizer (SmolLM2's) gets the prompt
+unchanged. A pair with a side longer than ``max_length`` is dropped, never truncated (:func:`fitting_pairs`;
+models/common/sequences.py's length rule), so TRL's own ``keep_start`` truncation never cuts an end token.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -34,13 +46,16 @@ import torch
 from torch import nn
 
 from models.common.files import atomic_path
-from models.common.lora import is_lora, merged, with_lora
+from models.common.lora import ADAPTER_DIR, Adapter, is_lora, merged, trained_weight_names, with_lora
+from models.common.training import check_update, weight_changes
 from models.engine.policy import Policy, cpu_has_bf16_units
 from models.sla.config import DPOTraining
 
 if TYPE_CHECKING:  # trl and datasets are imported where used: importing them costs seconds
     from datasets import Dataset
     from trl import DPOTrainer
+
+log = logging.getLogger(__name__)
 
 MIN_TRAIN_PAIRS = 2
 """Fewer pairs give no meaningful optimisation (one pair = one step, nothing to shuffle or average)."""
@@ -57,19 +72,35 @@ def with_eos(response: str, eos_token: str) -> str:
     return response if response.endswith(eos_token) else response + eos_token
 
 
-def preference_dataset(pairs: pd.DataFrame, eos_token: str) -> Dataset:
+def trl_prompt(tokenizer, prompt: str) -> str:
+    """The text whose tokenization with special tokens (TRL's) gives the ids of the templated ``prompt`` without
+    them (the generate stage's): the prompt itself where the tokenizer adds nothing, else the prompt less the BOS
+    text its template wrote (the tokenizer adds that BOS back). An error where neither gives those ids (a tokenizer
+    that appends tokens, or adds a BOS the template does not write)."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    for text in dict.fromkeys((prompt, prompt.removeprefix(tokenizer.bos_token or ""))):
+        if tokenizer(text)["input_ids"] == ids:
+            return text
+    added = tokenizer("")["input_ids"]
+    raise ValueError(f"the policy's tokenizer adds special tokens {tokenizer.convert_ids_to_tokens(added)} that its "
+                     "chat template does not write at the start of the prompt: TRL's DPO would train on other token "
+                     "ids than the policy decoded from. Use a tokenizer that adds no special tokens, or only the BOS "
+                     "its chat template writes")
+
+
+def preference_dataset(pairs: pd.DataFrame, tokenizer) -> Dataset:
     """Pairs as a ``datasets.Dataset`` in TRL's standard (non-conversational) preference format.
 
     ``prompt`` is the already chat-templated prompt (ending with the assistant header) exactly as the
-    policy saw it when sampling, so DPO trains on the same context; ``chosen`` / ``rejected`` are the
-    response texts with the end token.
+    policy saw it when sampling, less the BOS text TRL's tokenization adds back (:func:`trl_prompt`), so DPO trains
+    on the same context ids; ``chosen`` / ``rejected`` are the response texts with the end token.
     """
     from datasets import Dataset
 
     return Dataset.from_dict({
-        "prompt": pairs["prompt"].tolist(),
-        "chosen": [with_eos(r, eos_token) for r in pairs["chosen"]],
-        "rejected": [with_eos(r, eos_token) for r in pairs["rejected"]],
+        "prompt": [trl_prompt(tokenizer, p) for p in pairs["prompt"]],
+        "chosen": [with_eos(r, tokenizer.eos_token) for r in pairs["chosen"]],
+        "rejected": [with_eos(r, tokenizer.eos_token) for r in pairs["rejected"]],
     })
 
 
@@ -123,7 +154,7 @@ def build_trainer(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, o
         dataloader_num_workers=0,
     )
     return DPOTrainer(model=model, ref_model=reference, args=args,
-                      train_dataset=preference_dataset(train_pairs, policy.tokenizer.eos_token),
+                      train_dataset=preference_dataset(train_pairs, policy.tokenizer),
                       processing_class=policy.tokenizer)
 
 
@@ -152,17 +183,23 @@ def _first_last(history: list[dict], key: str, name: str) -> dict[str, float]:
 def train_dpo(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, out_dir: Path) -> dict:
     """Fine-tune a copy of ``policy`` with DPO on ``train_pairs``; save it with its tokenizer to ``out_dir``.
 
-    The folder is a plain Hugging Face model in the policy's dtype (LoRA adapters merged) and appears whole
-    or not at all (written to a temporary sibling and renamed). Under several processes (``accelerate
-    launch``: TRL's accelerator splits the batches and all-reduces the gradients) the state dict is gathered
-    collectively and only the main process writes. Returns metrics from the trainer's per-step logs: DPO
+    The folder is a plain Hugging Face model in the policy's dtype (LoRA adapters merged, and saved themselves in
+    ``adapter/``: an update the merge rounds away survives there) and appears whole or not at all (written to a
+    temporary sibling and renamed). Under several processes (``accelerate launch``: TRL's accelerator splits the
+    batches and all-reduces the gradients) the state dict is gathered collectively and only the main process writes;
+    it also adds ``weights_changed`` to the metrics: the share of the trained weights' elements that differ in the
+    saved files from the initial policy (:func:`models.common.training.check_update` warns when the update was
+    rounded away). Returns metrics from the trainer's per-step logs: DPO
     loss, ``rewards/accuracies`` (share of pairs with a positive implicit-reward margin) and
-    ``rewards/margins``, first and last step, plus wall time and counts.
+    ``rewards/margins``, first and last step, plus wall time and counts: ``num_pairs`` trained on and
+    ``num_pairs_dropped_too_long`` (:func:`fitting_pairs`: pairs longer than ``cfg.max_length`` are left out).
     """
     from accelerate.state import AcceleratorState
 
+    train_pairs, too_long = fitting_pairs(policy.tokenizer, train_pairs, cfg.max_length)
     if len(train_pairs) < MIN_TRAIN_PAIRS:
-        raise ValueError(f"DPO needs at least {MIN_TRAIN_PAIRS} training pairs, got {len(train_pairs)}: "
+        raise ValueError(f"DPO needs at least {MIN_TRAIN_PAIRS} training pairs, got {len(train_pairs)} "
+                         f"({too_long} dropped as longer than dpo.max_length {cfg.max_length}): raise dpo.max_length, "
                          "sample more prompts or samples per prompt, lower validate.min_score_gap or "
                          "reward.eval_fraction (the held-out share of the pairs)")
     # The Trainer creates its output_dir up front (nothing is saved there: save_strategy "no"); a scratch
@@ -174,11 +211,21 @@ def train_dpo(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, out_d
         train_seconds = time.perf_counter() - started
 
     accelerator = trainer.accelerator
+    unwrapped = accelerator.unwrap_model(trainer.model)
+    # before merging removes them: what trained, and the adapters themselves (saved beside the merged weights, where
+    # an update the merge rounds to nothing survives)
+    trained_names, adapter = trained_weight_names(unwrapped), Adapter.of(unwrapped)
     model, state_dict = trained_policy(trainer, policy.model)
+    changed = {}
     if accelerator.is_main_process:
         with atomic_path(Path(out_dir)) as tmp:
             model.save_pretrained(tmp, state_dict=state_dict)
             policy.tokenizer.save_pretrained(tmp)
+            if adapter is not None:
+                adapter.save(tmp / ADAPTER_DIR)
+        # the saved files against the initial policy (the caller's untouched object)
+        changes = weight_changes(Path(out_dir), policy.model.state_dict(), trained_names)
+        changed["weights_changed"] = check_update(changes, "dpo", cfg.learning_rate, policy.model.dtype, log)
     accelerator.wait_for_everyone()  # no process returns before the folder is whole
     # The Trainer's mixed precision lives in accelerate's process-wide AcceleratorState: an Accelerator made later in
     # this process without its own setting (the reward heads' one, say) would silently inherit bf16 autocast
@@ -187,12 +234,14 @@ def train_dpo(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, out_d
     history = trainer.state.log_history
     return {
         "num_pairs": len(train_pairs),
+        "num_pairs_dropped_too_long": too_long,
         "steps": trainer.state.global_step,
         "train_loss": float(result.training_loss),
         **_first_last(history, "loss", "loss"),
         **_first_last(history, "rewards/accuracies", "reward_accuracy"),
         **_first_last(history, "rewards/margins", "reward_margin"),
         "train_seconds": train_seconds,
+        **changed,
     }
 
 
@@ -205,6 +254,7 @@ def tokenize_pair(tokenizer, prompt: str, chosen: str, rejected: str) -> dict[st
     """
     from trl.data_utils import common_prefix_length
 
+    prompt = trl_prompt(tokenizer, prompt)  # the text TRL is given (preference_dataset)
     prompt_ids = tokenizer(prompt)["input_ids"]
     chosen_full = tokenizer(prompt + with_eos(chosen, tokenizer.eos_token))["input_ids"]
     rejected_full = tokenizer(prompt + with_eos(rejected, tokenizer.eos_token))["input_ids"]
@@ -212,22 +262,41 @@ def tokenize_pair(tokenizer, prompt: str, chosen: str, rejected: str) -> dict[st
     return {"prompt_ids": prompt_ids[:start], "chosen_ids": chosen_full[start:], "rejected_ids": rejected_full[start:]}
 
 
+def _pair_length(pair: dict[str, list[int]]) -> int:
+    """The longer side of a tokenized pair (:func:`tokenize_pair`), prompt included: what TRL's ``max_length`` cuts."""
+    return len(pair["prompt_ids"]) + max(len(pair["chosen_ids"]), len(pair["rejected_ids"]))
+
+
+def fitting_pairs(tokenizer, pairs: pd.DataFrame, max_length: int) -> tuple[pd.DataFrame, int]:
+    """The pairs whose chosen and rejected sequences, as TRL tokenizes them (:func:`tokenize_pair`), both fit
+    ``max_length`` whole (index reset), and how many were dropped. TRL would cut the longer ones at their end
+    (``keep_start``): the end token gone from one side only, a biased comparison."""
+    keep = [_pair_length(tokenize_pair(tokenizer, row.prompt, row.chosen, row.rejected)) <= max_length
+            for row in pairs.itertuples()]
+    return pairs[keep].reset_index(drop=True), len(keep) - sum(keep)
+
+
 @torch.no_grad()
 def pair_logps(model: nn.Module, tokenizer, pairs: pd.DataFrame, max_length: int | None = None,
                batch_size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """``(chosen_logps, rejected_logps)``: log π(y|x) summed over each response's tokens, end token included.
 
-    Batches go through TRL's preference collator (same right padding and ``keep_start`` truncation to
-    ``max_length`` as in training); log-probabilities are plain softmax over the model's logits.
+    Batches go through TRL's preference collator (same right padding as in training); log-probabilities are plain
+    softmax over the model's logits. Every pair must fit ``max_length`` whole (``None``: no limit): drop the others
+    with :func:`fitting_pairs` first, nothing is truncated.
     """
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    collate = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_length)
+    collate = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
     device = next(model.parameters()).device
     chosen_logps, rejected_logps = [], []
     for start in range(0, len(pairs), batch_size):
         examples = [tokenize_pair(tokenizer, row.prompt, row.chosen, row.rejected)
                     for row in pairs.iloc[start:start + batch_size].itertuples()]
+        too_long = [length for length in map(_pair_length, examples) if max_length is not None and length > max_length]
+        if too_long:
+            raise ValueError(f"pairs of {too_long} tokens are longer than max_length {max_length}: drop them with "
+                             "fitting_pairs first (pairs are never truncated)")
         batch = {k: v.to(device) for k, v in collate(examples).items()}  # rows: chosen..., rejected...
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
         labels = batch["input_ids"][:, 1:]

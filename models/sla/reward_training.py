@@ -9,8 +9,9 @@ baseline) learns, with the Bradley–Terry loss on the *mean* token reward of ea
 
 A sequence is the chat-templated prompt followed by the response and the end token; the end token
 belongs to the response (it is the action that ends the trajectory, and SLA scores it like any other),
-the prompt is masked. Adam, cosine schedule with linear warm-up, as in §5, in the shared loop of
-:mod:`models.common.training` (``accelerate``: a CPU, one GPU or several).
+the prompt is masked. A pair with a side longer than ``max_length`` is dropped, never truncated
+(:func:`fitting_pairs`, models/common/sequences.py's length rule). Adam, cosine schedule with linear warm-up, as in
+§5, in the shared loop of :mod:`models.common.training` (``accelerate``: a CPU, one GPU or several).
 
 Evaluation (§5.3). On held-out pairs: *pair accuracy* (the mean response reward ranks chosen above
 rejected) and the *token-level reward curve*: the paper defines AuTRC only in words and its code has
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from models.common.sequences import padding_id, right_pad, tokenize_sequence
+from models.common.sequences import fits, padding_id, right_pad, tokenize_sequence
 from models.common.training import train
 from models.engine.policy import Policy
 from models.sla.config import RewardTraining
@@ -61,15 +62,39 @@ TokenizedPair = dict[str, list[int]]
 """``chosen_input_ids``, ``chosen_response_mask``, ``rejected_input_ids``, ``rejected_response_mask``."""
 
 
-def tokenize_pairs(tokenizer, pairs: pd.DataFrame, max_length: int) -> list[TokenizedPair]:
-    """Token ids and response masks of each pair's chosen and rejected sequence (``prompt`` is already templated)."""
+def _pair_sequences(tokenizer, pairs: pd.DataFrame) -> list[TokenizedPair]:
+    """Whole token ids and response masks of each pair's chosen and rejected sequence (``prompt`` is templated)."""
     tokenized = []
     for prompt, chosen, rejected in zip(pairs["prompt"], pairs["chosen"], pairs["rejected"], strict=True):
         item: TokenizedPair = {}
         for side, response in (("chosen", chosen), ("rejected", rejected)):
-            item[f"{side}_input_ids"], item[f"{side}_response_mask"] = tokenize_sequence(
-                tokenizer, prompt, response, max_length)
+            item[f"{side}_input_ids"], item[f"{side}_response_mask"] = tokenize_sequence(tokenizer, prompt, response)
         tokenized.append(item)
+    return tokenized
+
+
+def _pair_fits(item: TokenizedPair, max_length: int | None) -> bool:
+    return all(fits((item[f"{side}_input_ids"], item[f"{side}_response_mask"]), max_length)
+               for side in ("chosen", "rejected"))
+
+
+def fitting_pairs(tokenizer, pairs: pd.DataFrame, max_length: int) -> tuple[pd.DataFrame, int]:
+    """The pairs whose chosen and rejected sequences both fit ``max_length`` whole (index reset), and how many were
+    dropped: a pair is compared on whole responses with their end tokens or not at all (models/common/sequences.py's
+    length rule; a cut side would lose its end and its conclusion, a biased comparison)."""
+    keep = [_pair_fits(item, max_length) for item in _pair_sequences(tokenizer, pairs)]
+    return pairs[keep].reset_index(drop=True), len(keep) - sum(keep)
+
+
+def tokenize_pairs(tokenizer, pairs: pd.DataFrame, max_length: int | None) -> list[TokenizedPair]:
+    """Token ids and response masks of each pair's chosen and rejected sequence (``prompt`` is already templated),
+    whole; an error if one is longer than ``max_length`` (``None``: no limit): drop those with :func:`fitting_pairs`
+    first, nothing is truncated."""
+    tokenized = _pair_sequences(tokenizer, pairs)
+    too_long = sum(not _pair_fits(item, max_length) for item in tokenized)
+    if too_long:
+        raise ValueError(f"{too_long} of {len(pairs)} pairs are longer than max_length {max_length} tokens: "
+                         "drop them with fitting_pairs first (pairs are never truncated)")
     return tokenized
 
 
@@ -119,7 +144,7 @@ def policy_states(policy: nn.Module, sequences: Sequence[Sequence[int]], batch_s
     return states
 
 
-def _pair_loader(tokenizer, pairs: pd.DataFrame, max_length: int, batch_size: int) -> DataLoader:
+def _pair_loader(tokenizer, pairs: pd.DataFrame, max_length: int | None, batch_size: int) -> DataLoader:
     """Batches of pairs in their order (for scoring)."""
     return DataLoader(tokenize_pairs(tokenizer, pairs, max_length), batch_size=batch_size,
                       collate_fn=partial(collate_pairs, pad_token_id=padding_id(tokenizer)))
@@ -140,7 +165,8 @@ def train_reward_heads(policy: Policy, train_pairs: pd.DataFrame, cfg: RewardTra
                        head_configs: dict[str, RewardHeadConfig], accelerator: Accelerator | None = None,
                        on_step: Callable[[int, int, dict[str, float]], None] | None = None,
                        ) -> tuple[dict[str, RewardTransformer], dict[str, dict[str, list[float]]]]:
-    """Fit reward heads on the frozen policy with the Bradley–Terry loss of eq. 17, all in one pass.
+    """Fit reward heads on the frozen policy with the Bradley–Terry loss of eq. 17, all in one pass. Every pair
+    must fit ``cfg.max_length`` whole (:func:`fitting_pairs` drops those that do not).
 
     The heads share nothing but the policy's states: the summed loss gives each head exactly the
     gradient of its own loss, and Adam is element-wise, so this equals training each head alone (same
@@ -213,10 +239,12 @@ def train_reward_heads(policy: Policy, train_pairs: pd.DataFrame, cfg: RewardTra
         partial(torch.optim.Adam, lr=cfg.learning_rate), accelerator=accelerator, epochs=cfg.epochs,
         batch_size=cfg.batch_size, seed=cfg.seed, warmup_ratio=cfg.warmup_ratio,
         collate_fn=partial(collate_pairs, pad_token_id=pad, states=states),
-        desc=f"reward heads ({', '.join(names)})", show=names, on_step=on_step, on_epoch_end=on_epoch_end)
+        desc=f"reward heads ({', '.join(names)})", show=names, on_step=on_step, on_epoch_end=on_epoch_end,
+        count_changes="reward heads")
     models = {name: RewardTransformer(policy.model, head_configs[name], head=model.head[name]) for name in names}
     histories = {name: {"loss": history[name], "learning_rate": list(history["learning_rate"]),
-                        "train_pair_accuracy": accuracies[name]} for name in names}
+                        "train_pair_accuracy": accuracies[name], "weights_changed": history["weights_changed"]}
+                 for name in names}
     return models, histories
 
 
@@ -239,13 +267,14 @@ class PairScores:
 
 
 @torch.no_grad()
-def score_pairs(model: RewardTransformer, tokenizer, pairs: pd.DataFrame, max_length: int,
+def score_pairs(model: RewardTransformer, tokenizer, pairs: pd.DataFrame, max_length: int | None,
                 batch_size: int = 8, logprobs: bool = False) -> PairScores:
     """One forward per batch of pairs (both sides batched): the per-prefix rewards of each chosen and rejected
     response, (T,) each, or (T, H) for :class:`StackedHeads`; with ``logprobs`` also the policy's token log-probs
     from the same forward (logits of the positions that predict a response token only; without, of one position).
 
-    Runs on the model's device in one process (held-out sets are small).
+    Runs on the model's device in one process (held-out sets are small). Every pair must fit ``max_length`` whole
+    (:func:`fitting_pairs`; ``None``: no limit).
     """
     device = next(model.head.parameters()).device
     scored = PairScores(PairRewards(chosen=[], rejected=[]), PairRewards(chosen=[], rejected=[]) if logprobs else None)
