@@ -22,6 +22,7 @@ import json
 import math
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pandas as pd
 
@@ -49,8 +50,10 @@ from tasks.data import (
 @gpu_task("train-coral")
 def train_coral_task(cfg: Config) -> StageResult:
     """Two-stage COrAL training of the base policy; writes the model folder with its curves and evaluation."""
-    from models.common.sequences import sft_sequences
+    from models.common.sequences import fitting_sft
     from models.coral.config import CoralTraining
+    from models.common.lora import Adapter, trained_weight_names
+    from models.common.training import check_update, weight_changes
     from models.coral.training import PER_EPOCH, train_coral
 
     logger = stage_logger()
@@ -58,10 +61,13 @@ def train_coral_task(cfg: Config) -> StageResult:
     c = cfg.coral
     training = component(CoralTraining, c)
     policy = load_stage_policy(cfg, "base", training=True)
-    responses = sft_responses(cfg, cfg.coral.data, "coral.data")
+    # rows too long for coral.max_length are dropped whole, never truncated (models/common/sequences.py)
+    responses, sequences, too_long = fitting_sft(policy.tokenizer, sft_responses(cfg, cfg.coral.data, "coral.data"),
+                                                 c.max_length, "coral.max_length")
+    if too_long:
+        logger.warning("dropped %d responses longer than coral.max_length %d tokens", too_long, c.max_length)
     train_rows, eval_rows = drafter_split(cfg, responses, c.eval_fraction, c.seed)
     fit_rows, validation_rows = validation_split(responses, train_rows, c.validation_fraction, c.seed)
-    sequences = sft_sequences(policy.tokenizer, responses, c.max_length)
     train, validation, held_out = ([sequences[i] for i in rows] for rows in (fit_rows, validation_rows, eval_rows))
     prompt_sets = responses["prompt_set"] if "prompt_set" in responses else pd.Series("task", index=responses.index)
     task = [i for i, row in enumerate(eval_rows.tolist()) if prompt_sets.iloc[row] == "task"]
@@ -75,28 +81,42 @@ def train_coral_task(cfg: Config) -> StageResult:
             logger.info("%s step %d/%d: loss %.4f (forward %.4f, backward %.4f)", stage, step, num_steps,
                         stats["loss"], stats["forward_loss"], stats.get("backward_loss", float("nan")))
 
+    # per stage, before stage 2's adapters are merged away: the names of the weights it trained, and its adapters
+    initial, trained_names, adapters = Path(policy.model.name_or_path), {}, {}
+
+    def on_trained(stage: int, model) -> None:
+        trained_names[stage], adapters[stage] = trained_weight_names(model), Adapter.of(model)
+
     accelerator = stage_accelerator(policy.device, c.mixed_precision)
     train_started = time.perf_counter()
-    history = train_coral(policy, train, training, accelerator, on_step, validation=validation)
+    history = train_coral(policy, train, training, accelerator, on_step, validation=validation, on_trained=on_trained)
     train_seconds = time.perf_counter() - train_started
     after = _held_out_accuracy(policy, held_out, task, training, "after")
     logger.info("held-out top-1 per offset after training: %s", json.dumps(after))
 
     out = cfg.path(cfg.paths.coral_dir)
+    changed = {}
     if accelerator.is_main_process:  # every process holds the same model; one writes it
         _write_coral_model(policy, out, history, {**before, **after, "num_train_sequences": len(train),
                                                   "num_eval_sequences": len(held_out),
-                                                  "num_eval_task_sequences": len(task), "data": c.data})
+                                                  "num_eval_task_sequences": len(task), "data": c.data},
+                           adapters.get(2))
+        # the saved files against the policy's own checkpoint files, one tensor at a time (no second 8B copy)
+        for stage, names in trained_names.items():
+            rate = c.stage1_learning_rate if stage == 1 else c.stage2_learning_rate
+            changed[f"stage{stage}_weights_changed"] = check_update(
+                weight_changes(out, initial, names), f"COrAL stage {stage}", rate, policy.model.dtype, logger)
     accelerator.wait_for_everyone()
     metrics = {"num_train_sequences": len(train), "num_validation_sequences": len(validation),
-               "num_eval_sequences": len(held_out), "train_seconds": train_seconds,
+               "num_eval_sequences": len(held_out), "num_sequences_dropped_too_long": too_long,
+               "train_seconds": train_seconds,
                "final_loss": history["loss"][-1] if history["loss"] else float("nan"),
                **{key: history[key][-1] for key in ("stage1_held_out_loss", "stage1_best_epoch") if key in history},
                "stage1_epochs_run": len(history.get("stage1_held_out_loss", [])),
                "stage1_steps": history["stage"].count(1), "next_token_weight": c.next_token_weight,
                **{f"{when}_{key}": value for when, accuracy in (*before.items(), *after.items())
                   for key, value in accuracy.items()},
-               "wall_seconds": time.perf_counter() - started}
+               **changed, "wall_seconds": time.perf_counter() - started}
     # per-step curves only: stage 1's per-epoch early-stopping entries are metrics (their last values) and history.json
     curves = {key: values for key, values in history.items()
               if key != "stage" and key.removeprefix("stage1_") not in PER_EPOCH}
@@ -124,11 +144,18 @@ def _offset_accuracy(hits, counts, columns) -> dict[str, float]:
     return accuracy
 
 
-def _write_coral_model(policy, out, history: dict[str, list], evaluation: dict) -> None:
-    """The trained model as a Hugging Face folder (in the policy's dtype), its evaluation, history and curves."""
+def _write_coral_model(policy, out, history: dict[str, list], evaluation: dict, adapter=None) -> None:
+    """The trained model as a Hugging Face folder (in the policy's dtype), its evaluation, history and curves; with
+    stage 2's LoRA ``adapter``, the adapter itself in ``adapter/`` (models/common/lora.py): what a bf16 merge may round
+    away survives there. Its base is the initial policy with this folder's last decoder layer (stage 1's; stage 2's
+    adapters leave that layer out)."""
+    from models.common.lora import ADAPTER_DIR
+
     with atomic_path(out) as tmp:
         policy.model.save_pretrained(tmp)
         policy.tokenizer.save_pretrained(tmp)
+        if adapter is not None:
+            adapter.save(tmp / ADAPTER_DIR)
         write_json(evaluation, tmp / "evaluation.json")
         (tmp / "history.json").write_text(json.dumps(history) + "\n")
         for prefix, name, what in (("ce_forward_", "loss.png", "forward prediction of m + k"),

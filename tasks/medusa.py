@@ -121,7 +121,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
     """
     from models.engine.speculative import likeliest_paths
     from models.medusa.config import MedusaTraining
-    from models.medusa.training import accuracy_by_rank, target_ranks, train_medusa_heads
+    from models.medusa.training import accuracy_by_rank, target_ranks, too_long_responses, train_medusa_heads
 
     logger = stage_logger()
     started = time.perf_counter()
@@ -174,10 +174,13 @@ def train_medusa_task(cfg: Config) -> StageResult:
                       "Medusa-1 training: cross-entropy per head", "step", "cross-entropy", tmp / "loss.png")
     accelerator.wait_for_everyone()
     metrics = {"num_responses": len(train_rows) + len(eval_rows),
+               # responses longer than medusa.max_length: dropped whole, never truncated (models/common/sequences.py)
+               "num_responses_dropped_too_long": too_long_responses(distilled_dir(cfg)),
                **{f"num_{name}_responses": int((prompt_sets == name).sum()) for name in sorted(set(prompt_sets))},
                "num_train_positions": len(train.hidden),
                "num_eval_positions": len(held_out.hidden), "distill_seconds": distill_seconds,
                "train_seconds": train_seconds, "final_loss": history["loss"][-1],
+               "weights_changed": history["weights_changed"][0],
                **_accuracy_metrics("", accuracy),
                **{key: value for name, a in by_set.items() for key, value in _accuracy_metrics(f"{name}_", a).items()},
                "wall_seconds": time.perf_counter() - started}
@@ -307,6 +310,7 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
                "reward_model_top1_ranked_first": reward_eval["top1_ranked_first"],
                **{f"rl_{init}_final_reward": histories[init]["reward"][-1] for init in r.inits},
                **{f"rl_{init}_final_kl": histories[init]["kl"][-1] for init in r.inits},
+               **{f"rl_{init}_weights_changed": histories[init]["weights_changed"][0] for init in r.inits},
                **{f"{name}_t2_{metric}": value for name, d in t2.items() for metric, value in d.items()},
                **{key: value for columns in (*t2_intervals.values(), *gains.values()) for key, value in columns.items()},
                "rl_beats_supervised_top1": float(winner != "supervised"), "wall_seconds": time.perf_counter() - started}

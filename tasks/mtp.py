@@ -75,7 +75,7 @@ def train_mtp_task(cfg: Config) -> StageResult:
     process of ``accelerate launch`` (batches split between them); the main process writes the outputs."""
     import torch
 
-    from models.common.sequences import sft_sequences
+    from models.common.sequences import fitting_sft
     from models.mtp.config import MTPTraining
     from models.mtp.training import chain_acceptance, frozen_states, train_mtp_module
 
@@ -86,10 +86,14 @@ def train_mtp_task(cfg: Config) -> StageResult:
     policy = load_stage_policy(cfg, "base", training=True)
     policy.model.requires_grad_(False).eval()
     accelerator = stage_accelerator(policy.device, m.mixed_precision)
-    responses = sft_responses(cfg, m.data, "mtp.data", further=m.further_prompts)
+    # rows too long for mtp.max_length are dropped whole, never truncated (models/common/sequences.py)
+    responses, sequences, too_long = fitting_sft(
+        policy.tokenizer, sft_responses(cfg, m.data, "mtp.data", further=m.further_prompts), m.max_length,
+        "mtp.max_length")
+    if too_long:
+        logger.warning("dropped %d responses longer than mtp.max_length %d tokens", too_long, m.max_length)
     train_rows, eval_rows = drafter_split(cfg, responses, m.eval_fraction, m.seed)
     fit_rows, validation_rows = validation_split(responses, train_rows, m.validation_fraction, m.seed)
-    sequences = sft_sequences(policy.tokenizer, responses, m.max_length)
     depths = [m.num_depths, *sorted(set(m.ablation_depths) - {m.num_depths})]
     modules, histories, evaluations, acceptance, seconds = {}, {}, {}, {}, {}
     # the frozen policy's states, on disk in its dtype: at 8B they would not fit in RAM
@@ -132,8 +136,10 @@ def train_mtp_task(cfg: Config) -> StageResult:
                for name in sorted(set(sets))} if sets is not None else {})
     history = histories[m.num_depths]
     metrics = {"num_train_sequences": len(train[0]), "num_validation_sequences": len(validation[0]),
-               "num_eval_sequences": len(held_out[0]), "final_loss": history["loss"][-1],
+               "num_eval_sequences": len(held_out[0]), "num_sequences_dropped_too_long": too_long,
+               "final_loss": history["loss"][-1],
                "optimizer_steps": len(history["loss"]), "best_epoch": history["best_epoch"][0],
+               "weights_changed": history["weights_changed"][0],
                "epochs_run": len(history["held_out_loss"]), "best_validation_loss": min(history["held_out_loss"]),
                **{f"held_out_{key}": value for key, value in evaluations[m.num_depths].items()},
                **{f"held_out_{name}_{key}": value for name, evaluation in by_set.items()
@@ -141,7 +147,8 @@ def train_mtp_task(cfg: Config) -> StageResult:
                **{f"ablation_k{k}_expected_tau{end}": evaluations[k][f"expected_tau{end}"] for k in depths
                   for end in ("", "_low", "_high")},
                "wall_seconds": time.perf_counter() - started}
-    curves = {key: values for key, values in history.items() if key not in ("held_out_loss", "best_epoch")}
+    curves = {key: values for key, values in history.items()
+              if key not in ("held_out_loss", "best_epoch", "weights_changed")}
     return StageResult(metrics=metrics, curves=curves, tables={"mtp_ablation": out / "ablation.csv"},
                        artifacts={"mtp": out}, models={"mtp-module": out / "module"})
 
@@ -288,6 +295,8 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
 
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
     from models.labeling.config import LabelerSpec
+    from models.common.lora import trained_weight_names
+    from models.common.training import check_update, weight_changes
     from models.labeling.labelers import build_labeler
     from models.mtp.config import MTPRLTraining
     from models.mtp.module import MTPModule, MTPModuleConfig
@@ -343,10 +352,11 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
         if progress is not None:
             progress(100.0 * bar.n / total_rollouts)
 
-    histories, after = {}, {}
+    histories, after, changed = {}, {}, {}
     for name in r.variants:
         var = variant(name, training)
         policy = load_stage_policy(cfg, "base")
+        initial, trained_names = Path(policy.model.name_or_path), []
         module = MTPModule.load(module_dir, policy.model) if var.drafts else None
 
         def on_step(step: int, record: dict, name: str = name) -> None:
@@ -356,7 +366,16 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
 
         histories[name] = train_variant(policy, module, var, rl_ids, train_prompts["question"].tolist(),
                                         reference_answers(train_prompts), labeler.score, training, weights, eos,
-                                        accelerator, on_step, on_rollout)
+                                        accelerator, on_step, on_rollout,
+                                        on_trained=lambda model: trained_names.extend(trained_weight_names(model)))
+        if main:  # nothing is saved: the weights evaluated below against their checkpoint files, tensor by tensor
+            changed[f"{name}.weights_changed"] = check_update(
+                weight_changes(policy.model.state_dict(), initial, trained_names), f"MTP-RL {name}: the policy",
+                r.learning_rate, policy.model.dtype, logger)
+            if var.trains_module:
+                changed[f"{name}.module_weights_changed"] = check_update(
+                    weight_changes(module.state_dict(), module_dir), f"MTP-RL {name}: the MTP module",
+                    r.mtp_learning_rate, next(module.parameters()).dtype, logger)
         after[name] = _held_out(policy, labeler, *eval_set)
         logger.info("%s: held-out greedy responses after RL: %s", name, _judged_text(after[name]))
         accelerator.free_memory()
@@ -407,7 +426,8 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     metrics |= {f"{curve_name}_curve.{row['decoder']}.batch{row['batch']}.{column}": row[column]
                 for curve_name, curve_rows in curves_by_batch.items() for row in curve_rows
                 for key in CURVE_METRICS for column in (key, f"{key}_low", f"{key}_high") if column in row}
-    metrics |= {"rl_prompts_kept": kept, "rl_prompts_dropped": dropped, "wall_seconds": time.perf_counter() - started}
+    metrics |= {"rl_prompts_kept": kept, "rl_prompts_dropped": dropped, **changed,
+                "wall_seconds": time.perf_counter() - started}
     curves = {f"{name}.per_step.{key}": [record[key] for record in history] for name, history in histories.items()
               for key in ("tau", "acceptance_rate", "tokens_per_forward", "rollout_seconds", "reward_seconds",
                           "reward", "nonzero_advantage_share")}

@@ -123,7 +123,7 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     the (identical) trained heads, and only the main process writes.
     """
     from models.sla.config import RewardTraining
-    from models.sla.reward_training import LOGPROB, evaluate_reward_heads, train_reward_heads
+    from models.sla.reward_training import LOGPROB, evaluate_reward_heads, fitting_pairs, train_reward_heads
     from models.sla.reward_transformer import RewardHeadConfig
 
     logger = stage_logger()
@@ -142,6 +142,16 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     # step instead of 2.7 s in float32 on the 2-core CPU), with float32 master weights (models/common/training.py)
     policy = load_stage_policy(cfg, policy_source)
     accelerator = stage_accelerator(policy.device)
+    # pairs too long for reward.max_length are dropped whole, never truncated (models/common/sequences.py)
+    split = _prompt_split(train_pairs, held_out)  # split_pairs' prompts: the benchmark never tunes on these
+    (train_pairs, train_too_long), (held_out, eval_too_long) = (
+        fitting_pairs(policy.tokenizer, side, cfg.reward.max_length) for side in (train_pairs, held_out))
+    if train_too_long or eval_too_long:
+        logger.warning("dropped %d training and %d held-out pairs longer than reward.max_length %d tokens",
+                       train_too_long, eval_too_long, cfg.reward.max_length)
+    if train_pairs.empty or held_out.empty:
+        raise ValueError(f"no {'training' if train_pairs.empty else 'held-out'} pair fits reward.max_length "
+                         f"{cfg.reward.max_length} tokens: raise it to the longest prompt + response + end token")
 
     heads = {"channel": RewardHeadConfig(kind="channel", hidden_size=cfg.reward.hidden_size)}
     # §5.3's adapters are as wide as the policy: "4K" parameters for 1 layer and 50.3M for 4 layers on
@@ -152,7 +162,9 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     logger.info("training %s on the %s policy (%s): %d train / %d held-out pairs", ", ".join(heads), policy_source,
                 policy.device, len(train_pairs), len(held_out))
 
-    metrics: dict = {"num_train_pairs": len(train_pairs), "num_eval_pairs": len(held_out)}
+    metrics: dict = {"num_train_pairs": len(train_pairs), "num_eval_pairs": len(held_out),
+                     "num_train_pairs_dropped_too_long": train_too_long,
+                     "num_eval_pairs_dropped_too_long": eval_too_long}
 
     def on_step(step: int, num_steps: int, losses: dict[str, float]) -> None:
         if step % max(1, num_steps // 10) == 0 or step == num_steps:
@@ -162,6 +174,8 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     training = component(RewardTraining, cfg.reward)
     models, histories = train_reward_heads(policy, train_pairs, training, heads, accelerator, on_step)
     metrics["train_seconds"] = time.perf_counter() - train_started
+    # all heads train together: the share of their elements that changed, as saved (models/common/training.py)
+    metrics["weights_changed"] = next(iter(histories.values()))["weights_changed"][0]
     curves: dict[str, dict] = {}
     prompt_ids = held_out["prompt_id"].tolist()
     # every process evaluates (a small held-out set), all heads in one pass: all return the metrics
@@ -187,7 +201,7 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     logger.info("the policy's mean token log-prob as the ranker: held-out pair accuracy %s",
                 cell(logprob, "pair_accuracy"))
     if accelerator.is_main_process:
-        _write_reward_heads(Path(out_dir), models, curves, histories, _prompt_split(train_pairs, held_out))
+        _write_reward_heads(Path(out_dir), models, curves, histories, split)
     accelerator.wait_for_everyone()  # no process returns before the folder is whole
     metrics["wall_seconds"] = time.perf_counter() - started
     # per head: the training loss by step, and the held-out token-level reward curve by point (AuTRC is its area)
@@ -228,7 +242,7 @@ def _write_reward_heads(out_dir: Path, models: dict, curves: dict[str, dict],
 def dpo_task(cfg: Config) -> StageResult:
     """Train the DPO policy into ``paths.dpo_dir`` (atomically) and evaluate it on the held-out pairs."""
     from models.sla.config import DPOTraining
-    from models.sla.dpo import pair_logps, preference_accuracy, train_dpo
+    from models.sla.dpo import fitting_pairs, pair_logps, preference_accuracy, train_dpo
 
     logger = stage_logger()
     started = time.perf_counter()
@@ -246,8 +260,15 @@ def dpo_task(cfg: Config) -> StageResult:
                 len(held_out), policy.device, training.beta)
     metrics = train_dpo(policy, train_pairs, training, cfg.path(cfg.paths.dpo_dir))
 
-    # The saved folder is what later stages load, so that is what gets evaluated, on every held-out pair (as
-    # the reward heads are); the untouched base policy is the reference.
+    # The saved folder is what later stages load, so that is what gets evaluated, on every held-out pair that fits
+    # dpo.max_length whole (as the reward heads are); the untouched base policy is the reference.
+    held_out, heldout_too_long = fitting_pairs(policy.tokenizer, held_out, training.max_length)
+    if held_out.empty:
+        raise ValueError(f"no held-out pair fits dpo.max_length {training.max_length} tokens: raise it to the longest "
+                         "prompt + response + end token")
+    if metrics["num_pairs_dropped_too_long"] or heldout_too_long:
+        logger.warning("dropped %d training and %d held-out pairs longer than dpo.max_length %d tokens",
+                       metrics["num_pairs_dropped_too_long"], heldout_too_long, training.max_length)
     tuned = load_stage_policy(cfg, "dpo", training=True)
     reference_logps, tuned_logps = (pair_logps(model, policy.tokenizer, held_out, training.max_length)
                                     for model in (policy.model, tuned.model))
@@ -256,6 +277,7 @@ def dpo_task(cfg: Config) -> StageResult:
                                     {"accuracy": "pair_outcomes"}) for logps in (reference_logps, tuned_logps))
     metrics.update({
         "num_heldout": len(held_out),
+        "num_heldout_dropped_too_long": heldout_too_long,
         "num_heldout_prompts": after["num_prompts"],
         **_interval_metrics(before, "accuracy", "heldout_accuracy_before"),
         "heldout_margin_before": before["margin"],
@@ -645,12 +667,9 @@ def _onpolicy_ranking(cfg: Config, base: tuple, outputs: pd.DataFrame, questions
     pairs = onpolicy_pairs(outputs, chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt))
     if pairs.empty:
         return {"onpolicy_pairs": 0}
-    # nothing cut: the longest prompt, the longest output (+ 16: decoded text may re-tokenize a little longer) and
-    # the end token the pair tokenizer appends
-    max_length = (max(len(policy.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in pairs["prompt"])
-                  + cfg.sla_benchmark.max_new_tokens + 16 + 1)
     metrics = {"onpolicy_pairs": len(pairs), "onpolicy_prompts": pairs["prompt_id"].nunique()}
-    scored = score_pairs(reward_model, policy.tokenizer, pairs, max_length, logprobs=True)  # both from one forward
+    # whole sequences (no max_length): the benchmark's own outputs, at most its max_new_tokens each
+    scored = score_pairs(reward_model, policy.tokenizer, pairs, None, logprobs=True)  # both from one forward
     for ranker, scores in (("channel", scored.rewards), ("logprob", scored.logprobs)):
         interval = statistics.clustered_mean_interval(pair_wins(scores), pairs["prompt_id"])
         metrics |= statistics.interval_columns(f"onpolicy_accuracy_{ranker}", interval, reference=0.5)

@@ -8,14 +8,29 @@ method compares against (DPO's, GRPO's KL) is the same model with its adapters s
 (:func:`adapters_disabled`), so no second copy of the policy is kept. Saved weights are the adapters merged
 back into the base model (:func:`merged`), in the policy's own dtype, so every later stage loads a plain
 Hugging Face folder.
+
+Merging can lose the update: the adapters train in float32, but ``W + (alpha/r)·B·A`` is rounded to the base's dtype,
+and in bfloat16 a delta below half a weight's spacing (2⁻¹⁴ ≈ 6e-5 for a weight near 0.015) rounds back to ``W``. So
+a stage that saves merged weights also saves the adapters themselves beside them (:class:`Adapter`, ``adapter/``, a
+PEFT adapter folder: ``PeftModel.from_pretrained(base, folder / "adapter")``), small and in float32, where the update
+survives whatever the merge rounded away; :func:`trained_weight_names` names the weights whose change
+:func:`models.common.training.weight_changes` then counts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import torch
 from torch import nn
+
+ADAPTER_DIR = "adapter"
+"""In a saved model folder whose weights have LoRA adapters merged in: the adapters themselves (a PEFT adapter
+folder)."""
 
 
 def with_lora(model: nn.Module, rank: int, exclude: Sequence[str] = ()) -> nn.Module:
@@ -49,6 +64,48 @@ def adapters_disabled(model: nn.Module):
 def merged(model: nn.Module) -> nn.Module:
     """The plain model with any adapters folded into its weights (what gets saved and decoded)."""
     return model.merge_and_unload() if is_lora(model) else model
+
+
+def trained_weight_names(model: nn.Module) -> list[str]:
+    """The state-dict names, in the plain (merged) model, of the weights that training ``model`` changes: with
+    adapters, the weight of every adapted layer (PEFT names it ``base_model.model.<name>.base_layer.weight`` while
+    wrapped, ``<name>.weight`` once merged); without, every parameter that requires a gradient."""
+    if not is_lora(model):
+        return [name for name, p in model.named_parameters() if p.requires_grad]
+    from peft.tuners.lora import LoraLayer
+
+    return [name.removeprefix("base_model.model.") + ".weight" for name, module in model.named_modules()
+            if isinstance(module, LoraLayer)]
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A trained PEFT LoRA adapter, copied off the model before merging (which removes it)."""
+
+    config: Any
+    """The adapter's ``peft.LoraConfig``."""
+    weights: dict[str, torch.Tensor]
+    """PEFT's adapter state dict (``get_peft_model_state_dict``), on the CPU in the adapters' own dtype."""
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Adapter | None:
+        """``model``'s active adapter (None without adapters); call before :func:`merged`."""
+        if not is_lora(model):
+            return None
+        from peft import get_peft_model_state_dict
+
+        weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        return cls(config=model.peft_config[model.active_adapter], weights=weights)
+
+    def save(self, folder: Path) -> None:
+        """Write a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``), as
+        ``PeftModel.save_pretrained`` does; ``PeftModel.from_pretrained(base, folder)`` loads it."""
+        from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(str(folder))
+        save_file(self.weights, str(folder / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
