@@ -120,7 +120,7 @@ def test_completion_logps_equal_a_full_forward_from_the_first_completion_positio
     batch = rollout_batch(Rollouts(prompts, completions, torch.zeros(2), 1.0, SpeculativeStats()),
                           padding_id(tok), policy.device)
     with torch.no_grad():
-        out, logps, first = completion_logps(policy.model, batch, temperature=0.8)
+        out, logps, first, _ = completion_logps(policy.model, batch, temperature=0.8)
         full = token_logps(policy.model(**{k: batch[k] for k in ("input_ids", "attention_mask")}).logits,
                            batch["input_ids"], 0.8)
     assert first == min(map(len, prompts)) - 1

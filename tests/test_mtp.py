@@ -247,7 +247,7 @@ def _distilled_sequences(tokenizer, count: int = 8):
     prompt = "<|im_start|>user\nBen has 4 apples.<|im_end|>\n<|im_start|>assistant\n"
     responses = pd.DataFrame({"prompt": [prompt] * count,
                               "response": ["The answer is 6. Ben has 4 apples and 2 more."] * count})
-    return sft_sequences(tokenizer, responses, 128)
+    return sft_sequences(tokenizer, responses)
 
 
 def test_equip_training_changes_only_the_module_and_lowers_the_loss(tiny_llama, tmp_path):
@@ -301,7 +301,7 @@ def test_equip_training_stops_on_the_validation_loss_and_keeps_the_best_module(t
     sequences = _distilled_sequences(policy.tokenizer)
     prompt = "<|im_start|>user\nIvy has 3 cookies.<|im_end|>\n<|im_start|>assistant\n"
     validation = sft_sequences(policy.tokenizer, pd.DataFrame({"prompt": [prompt] * 3, "response": [
-        "Ivy has 3 cookies and eats 1.", "The answer is 2.", "She has 2 cookies left."]}), 128)
+        "Ivy has 3 cookies and eats 1.", "The answer is 2.", "She has 2 cookies left."]}))
     hidden = frozen_states(policy, sequences, tmp_path / "train", batch_size=3)
     validation_hidden = frozen_states(policy, validation, tmp_path / "validation", batch_size=3)
     # a rate high enough to overshoot: the validation loss rises after a few epochs

@@ -1,5 +1,7 @@
 """Tree speculative decoding of several prompts in one batch: greedy-verified (lossless) or by speculative sampling
-(exact in distribution), row by row.
+(exact in distribution), every step's work batched over the rows: one tree forward, one verdict for all rows (the
+sampling draws: :func:`models.engine.speculative.draw_rows`, each row's own generator), and one host sync to read
+every row's kept tokens.
 
 The batch-B counterpart of :func:`models.engine.speculative.speculative_stream`, for Medusa's heads and MTP's
 chained drafts alike. Medusa §2.1.2 (tree attention) batched, as the same pipeline of small functions:
@@ -52,11 +54,13 @@ from models.engine.speculative import (
     Tree,
     accepted_paths,
     batch_candidates,
+    draw_rows,
     emitted,
     greedy_match,
+    last_hidden_forward,
     root_tree,
     temperature_probs,
-    verify_speculative_sampling,
+    verify_rows,
 )
 
 
@@ -73,9 +77,10 @@ class BatchDrafter(Protocol):
         """Every row's N + 1 tree tokens (B, N+1), root first, and the law each draft of a chain was drawn from
         (B, D, V) (None: drafts for greedy verification only)."""
 
-    def accept(self, hidden: Sequence[torch.Tensor], tokens: Sequence[Sequence[int]]) -> None:
-        """Each row's step: the final hidden states of the nodes it kept (a_b, H) and its a_b new tokens (the last
-        is the next root). A plain step kept the root alone."""
+    def accept(self, hidden: torch.Tensor, tokens: Sequence[Sequence[int]]) -> None:
+        """Each row's step: the final hidden states of the nodes it kept (B, D+1, H), root first, row b's first a_b
+        real (the rest filler), and its a_b new tokens (the last is the next root). A plain step kept the root
+        alone."""
 
     def keep(self, rows: torch.Tensor) -> None:
         """Only ``rows`` (indices into the current rows) go on decoding."""
@@ -117,24 +122,17 @@ class BatchSampling:
         self.temperature, self.generators = temperature, list(generators)
 
     def choose(self, logits: torch.Tensor, prompts: Sequence[int]) -> torch.Tensor:
-        probs = temperature_probs(logits, self.temperature)  # (B, V)
-        return torch.cat([torch.multinomial(probs[b], 1, generator=self.generators[p]) for b, p in enumerate(prompts)])
+        return draw_rows(temperature_probs(logits, self.temperature), [self.generators[p] for p in prompts])
 
     def __call__(self, tokens, probs, logits, tree, prompts):
         if len(tree.paths) != 1:
             raise ValueError(f"speculative sampling verifies a chain; this tree has {len(tree.paths)} paths")
         target = temperature_probs(logits, self.temperature)  # (B, N+1, V)
-        counts, roots = [], []
-        for b, prompt in enumerate(prompts):
-            drafts = tokens[b, 1:].tolist()
-            if drafts:
-                accepted, root = verify_speculative_sampling(drafts, probs[b], target[b], self.generators[prompt])
-            else:  # a plain step: a draw from the model at the root
-                accepted, root = 0, int(torch.multinomial(target[b, 0], 1, generator=self.generators[prompt]))
-            counts.append(accepted + 1)
-            roots.append(root)
+        if probs is None:  # a plain step: no drafts, a draw from the model at the root
+            probs = target.new_zeros(len(prompts), 0, target.shape[-1])  # (B, 0, V)
+        accepted, roots = verify_rows(tokens[:, 1:], probs, target, [self.generators[p] for p in prompts])
         nodes = torch.arange(tree.size, device=logits.device).expand(len(prompts), -1)  # (B, N+1) the chain
-        return nodes, torch.tensor(counts, device=logits.device), torch.tensor(roots, device=logits.device)
+        return nodes, accepted + 1, roots
 
 
 class HeadsDrafter:
@@ -152,7 +150,8 @@ class HeadsDrafter:
         return batch_candidates(roots, self.draft_logits(self.hidden, roots), self.tree), None
 
     def accept(self, hidden, tokens):
-        self.hidden = torch.stack([h[-1] for h in hidden])  # (B, H)
+        last = torch.tensor([len(step) - 1 for step in tokens], device=hidden.device)  # (B,) each row's last kept
+        self.hidden = hidden[torch.arange(len(tokens), device=hidden.device), last]  # (B, H)
 
     def keep(self, rows):
         self.hidden = self.hidden[rows]
@@ -178,6 +177,12 @@ def compact_cache(cache: DynamicCache, visible: torch.Tensor) -> torch.Tensor:
         index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])  # (B, heads, T', d)
         layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
     return torch.arange(width, device=visible.device)[None] < lengths[:, None]
+
+
+def too_much_junk(width: int, longest: int) -> bool:
+    """Whether a cache of ``width`` columns whose longest row has ``longest`` visible ones is worth compacting: when its
+    junk passes half the longest row, at least 64 columns (the module docstring's trade)."""
+    return width - longest > max(64, longest // 2)
 
 
 def keep_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
@@ -206,12 +211,12 @@ def _prefill(model, prompts: Sequence[Sequence[int]]) -> tuple[DynamicCache, tor
         input_ids[row, : len(prompt)] = torch.as_tensor(prompt, device=device)
     real = torch.arange(input_ids.shape[1], device=device)[None] < lengths[:, None]  # (B, P)
     cache = DynamicCache(config=model.config)
-    last = lengths - 1  # each row's last prompt position
-    kept = last.unique()  # the positions whose logits any row needs (the LM head skips the rest)
-    out = model(input_ids=input_ids, attention_mask=real.long(), past_key_values=cache, use_cache=True,
-                output_hidden_states=True, logits_to_keep=kept)
+    last = [len(p) - 1 for p in prompts]  # each row's last prompt position
+    kept = sorted(set(last))  # the positions whose logits any row needs (the LM head skips the rest)
+    out, hidden = last_hidden_forward(model, input_ids=input_ids, attention_mask=real.long(), past_key_values=cache,
+                                      use_cache=True, logits_to_keep=torch.tensor(kept, device=device))
     rows = torch.arange(len(prompts), device=device)
-    return cache, out.logits[rows, torch.searchsorted(kept, last)], out.hidden_states[-1]
+    return cache, out.logits[rows, torch.tensor([kept.index(n) for n in last], device=device)], hidden
 
 
 @torch.no_grad()
@@ -230,8 +235,8 @@ def batched_speculative_generate(model, drafter: BatchDrafter, verifier: BatchVe
                                   "(decode at batch 1)")
     device = model.device
     cache, logits, hidden = _prefill(model, prompts)
-    active = torch.arange(len(prompts), device=device)  # the prompt index of each cache row
-    roots = verifier.choose(logits, active.tolist())  # (B,)
+    active = list(range(len(prompts)))  # the prompt index of each cache row
+    roots = verifier.choose(logits, active)  # (B,)
     drafter.start(prompts, hidden, roots)
     adapter = AdaptiveDrafting(adaptation) if isinstance(adaptation, Adaptation) else adaptation
     if adapter is not None:
@@ -240,18 +245,18 @@ def batched_speculative_generate(model, drafter: BatchDrafter, verifier: BatchVe
 
     outputs: list[list[int]] = [[] for _ in prompts]
     stats = [SpeculativeStats(forwards=1) for _ in prompts]
-    going = _record(outputs, stats, active.tolist(), [[int(r)] for r in roots], max_new_tokens, eos_token_ids)
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    visible = torch.arange(hidden.shape[1], device=device)[None] < lengths[:, None]  # (B, T) the prompts' columns
+    going = _record(outputs, stats, active, [[r] for r in roots.tolist()], max_new_tokens, eos_token_ids)
+    lengths = [len(p) for p in prompts]  # each row's visible columns, counted on the host (no device sync)
+    visible = torch.arange(hidden.shape[1], device=device)[None] < torch.tensor(lengths, device=device)[:, None]
     while going:
         started = clock() if timed else 0.0
         if len(going) < len(active):  # rows ended: they leave the cache and the drafter
             keep = torch.tensor(going, device=device)
             keep_rows(cache, keep)
             drafter.keep(keep)
-            active, visible, roots = active[keep], visible[keep], roots[keep]
-        longest = int(visible.sum(dim=1).max())
-        if visible.shape[1] - longest > max(64, longest // 2):  # too much junk: move the real keys together
+            visible, roots = visible[keep], roots[keep]
+            active, lengths = [active[b] for b in going], [lengths[b] for b in going]
+        if too_much_junk(visible.shape[1], max(lengths)):  # move the real keys together
             visible = compact_cache(cache, visible)
         drafts = adapter is None or adapter.drafts()
         if drafts:
@@ -260,19 +265,21 @@ def batched_speculative_generate(model, drafter: BatchDrafter, verifier: BatchVe
         else:  # a plain step: each row's root alone
             tree, tokens, probs = root_tree(), roots[:, None], None
         positions, mask = batch_tree_inputs(tree, visible, model.dtype)
-        out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                    use_cache=True, output_hidden_states=True)
-        nodes, counts, roots = verifier(tokens, probs, out.logits, tree, active.tolist())  # (B, D+1), (B,), (B,)
+        out, hidden = last_hidden_forward(model, input_ids=tokens, position_ids=positions, attention_mask=mask,
+                                          past_key_values=cache, use_cache=True)
+        nodes, counts, roots = verifier(tokens, probs, out.logits, tree, active)  # (B, D+1), (B,), (B,)
         # the kept nodes' columns become visible; the rest of the tree stays behind as junk
         kept_nodes = torch.arange(nodes.shape[1], device=device)[None] < counts[:, None]  # (B, D+1)
         kept_index = torch.where(kept_nodes, nodes, nodes[:, :1])  # filler entries point at the root, kept anyway
         added = torch.zeros(len(active), tree.size, dtype=torch.bool, device=device).scatter(1, kept_index, True)
         visible = torch.cat([visible, added], dim=1)
-        kept = [nodes[b, : counts[b]] for b in range(len(active))]
-        steps = [tokens[b, kept[b][1:]].tolist() + [int(roots[b])] for b in range(len(active))]
-        going = _record(outputs, stats, active.tolist(), steps, max_new_tokens, eos_token_ids,
+        # one host sync per step: each row's count, its path's tokens and its next root (B, 1 + D+1 + 1)
+        host = torch.cat([counts[:, None], tokens.gather(1, nodes), roots[:, None]], dim=1).tolist()
+        steps = [row[2 : 1 + row[0]] + [row[-1]] for row in host]  # the kept drafts, then the next root
+        lengths = [n + len(step) for n, step in zip(lengths, steps, strict=True)]
+        going = _record(outputs, stats, active, steps, max_new_tokens, eos_token_ids,
                         drafted=tree.size - 1 if drafts else 0)
-        drafter.accept([out.hidden_states[-1][b, kept[b]] for b in range(len(active))], steps)
+        drafter.accept(hidden.gather(1, nodes[..., None].expand(-1, -1, hidden.shape[-1])), steps)  # (B, D+1, H)
         if adapter is not None:
             if timed and device.type == "cuda":
                 torch.cuda.synchronize(device)

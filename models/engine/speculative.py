@@ -8,6 +8,7 @@ attention, §2.3.1 typical acceptance), built as a pipeline of small pure functi
     draft (drafter)  →  candidates on a tree (:func:`tree_candidates`)
       →  tree forward (:func:`tree_forward`: position ids = cache length + depth, additive 4-D mask)
       →  evaluate (:func:`verify_greedy` lossless | :func:`verify_typical` lossy | :func:`verify_speculative_sampling`)
+        (:func:`verify_rows`: speculative sampling of a batch)
       →  update (:func:`keep_accepted`: gather the accepted nodes' keys/values into the cache)
 
 Sliding-window attention (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``). The cache comes from
@@ -276,9 +277,9 @@ def tree_forward(model, tokens: torch.Tensor, tree: Tree, cache: DynamicCache) -
     The cache grows by N + 1 positions (all nodes); :func:`keep_accepted` drops the rejected ones.
     """
     position_ids, mask = tree_masks(model, tree, cache)
-    out = model(input_ids=tokens.to(model.device)[None], position_ids=position_ids, attention_mask=mask,
-                past_key_values=cache, use_cache=True, output_hidden_states=True)
-    return out.logits[0], out.hidden_states[-1][0]
+    out, hidden = last_hidden_forward(model, input_ids=tokens.to(model.device)[None], position_ids=position_ids,
+                                      attention_mask=mask, past_key_values=cache, use_cache=True)
+    return out.logits[0], hidden[0]
 
 
 def accepted_paths(tree: Tree, match: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,21 +339,42 @@ def verify_speculative_sampling(draft_tokens: Sequence[int], draft_probs: torch.
     then distributed exactly as sampling from the model one token at a time.
 
     ``generator`` (optional) must be on ``target_probs``' device; ``draft_probs`` may be anywhere (drafts may
-    run elsewhere) and are moved there. Returns (accepted drafts, next token).
+    run elsewhere) and are moved there. Returns (accepted drafts, next token): :func:`verify_rows` of one row.
     """
     device = target_probs.device
-    _check_generator(generator, device)
-    draft_probs = draft_probs.to(device)
-    uniforms = torch.rand(len(draft_tokens), generator=generator, device=device)
-    for d, token in enumerate(draft_tokens):
-        p, q = target_probs[d], draft_probs[d]
-        if uniforms[d] * q[token] <= p[token]:  # u < p/q, without dividing by a zero q
-            continue
-        residual = (p - q).clamp(min=0)
-        total = residual.sum()
-        residual = residual / total if total > 0 else p  # p == q exactly: any draw from p is right
-        return d, int(torch.multinomial(residual, 1, generator=generator))
-    return len(draft_tokens), int(torch.multinomial(target_probs[-1], 1, generator=generator))
+    drafts = torch.as_tensor(list(draft_tokens), dtype=torch.long, device=device)[None]  # (1, D)
+    accepted, token = verify_rows(drafts, draft_probs[None], target_probs[None], [generator])
+    return tuple(torch.stack([accepted, token], dim=1)[0].tolist())  # one host sync
+
+
+def verify_rows(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify_speculative_sampling` of B chains at once, row b with ``generators[b]``: ``drafts`` (B, D),
+    ``draft_probs`` (B, D, V), ``target_probs`` (B, D+1, V) → accepted drafts (B,) and next tokens (B,), on
+    ``target_probs``' device, with no host sync (the accept tests are one comparison, the draws
+    :func:`draw_rows`). Each row consumes its generator as one row alone did: D uniforms, then one draw.
+    D = 0 (a plain step): a draw from the model at the root."""
+    device = target_probs.device
+    for generator in generators:
+        _check_generator(generator, device)
+    drafts, draft_probs = drafts.to(device), draft_probs.to(device)
+    batch, depth = drafts.shape
+    if depth:
+        uniforms = torch.stack([torch.rand(depth, generator=g, device=device) for g in generators])  # (B, D)
+        p = target_probs[:, :depth].gather(2, drafts[..., None])[..., 0]  # (B, D) p(draft)
+        q = draft_probs.gather(2, drafts[..., None])[..., 0]  # (B, D) q(draft)
+        passed = uniforms * q <= p  # u < p/q, without dividing by a zero q
+        accepted = passed.long().cumprod(dim=1).sum(dim=1)  # (B,) drafts before the first rejection
+    else:
+        accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    rows = torch.arange(batch, device=device)
+    p = target_probs[rows, accepted]  # (B, V) at the first rejection, or after the last draft (the bonus)
+    q = F.pad(draft_probs, (0, 0, 0, 1))[rows, accepted]  # (B, V) zero at the bonus position
+    residual = (p - q).clamp(min=0)
+    total = residual.sum(dim=-1, keepdim=True)
+    # the bonus draws from p itself; p == q exactly (total 0): any draw from p is right
+    law = torch.where((accepted < depth)[:, None] & (total > 0), residual / total, p)  # (B, V)
+    return accepted, draw_rows(law, generators)
 
 
 def _parents(tree: Tree) -> torch.Tensor:
@@ -439,6 +461,21 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from ``probs`` (V,); ``generator`` on ``probs``' device."""
     _check_generator(generator, probs.device)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def draw_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` (B, V), row b drawn with ``generators[b]`` exactly as
+    ``torch.multinomial(probs[b], 1, generator=generators[b])`` draws it — the same token, the same generator state
+    after — as one batched argmax with no host sync (each row's generator still draws its own noise; ``multinomial``
+    itself syncs twice per call to validate its input). torch's one-sample path is the exponential race: the argmax
+    of p / E, E ~ Exp(1) drawn by ``empty_like(p).exponential_(1, generator)`` (ATen native/Distributions.cpp,
+    ``multinomial``); tests pin the equality. Returns (B,) on ``probs``' device."""
+    for generator in generators:
+        _check_generator(generator, probs.device)
+    races = torch.empty_like(probs)  # (B, V)
+    for row, generator in zip(races, generators, strict=True):
+        row.exponential_(1, generator=generator)
+    return (probs / races).argmax(dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -691,10 +728,38 @@ def speculative_generate(model, drafter: Drafter, verifier: Verifier, input_ids:
     return tokens, stats
 
 
+def _decoder(model) -> torch.nn.Module:
+    """The decoder stack (``get_decoder()``: Llama's ``model.model``) of a causal LM, through the wrappers that hide
+    it (DDP's ``module``; PEFT forwards ``get_decoder`` itself)."""
+    inner = model
+    while not hasattr(inner, "get_decoder") and isinstance(getattr(inner, "module", None), torch.nn.Module):
+        inner = inner.module
+    return inner.get_decoder()
+
+
+def last_hidden_forward(model, **inputs) -> tuple[object, torch.Tensor]:
+    """``model(**inputs)`` and its final hidden states (B, T, H): what ``output_hidden_states=True`` returns as
+    ``hidden_states[-1]`` — the decoder's ``last_hidden_state``, after the final norm (transformers'
+    ``capture_outputs`` ties the two) — without keeping every layer's states. ``output_hidden_states`` holds all
+    L + 1 of them until the forward returns (at 8B, 40 prompts × 1,500 tokens: ~16 GiB in bf16) where the drafters
+    read only the last. A forward hook on the decoder takes its output, so the logits are the model's own forward's
+    (``logits_to_keep``, soft-capping and all) and the gradient flows through the state as through the tuple."""
+    captured: list[torch.Tensor] = []
+    handle = _decoder(model).register_forward_hook(lambda module, args, output: captured.append(output[0]))
+    try:
+        out = model(**inputs)
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise RuntimeError(f"{type(model).__name__}'s decoder ran {len(captured)} times in one forward; expected once")
+    return out, captured[0]
+
+
 def prefill(model, input_ids: torch.Tensor, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole prompt (1, L) into ``cache``: the logits after its last token (V,) and its final hidden states (L, H)."""
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    return out.logits[0, -1], out.hidden_states[-1][0]
+    out, hidden = last_hidden_forward(model, input_ids=input_ids, past_key_values=cache, use_cache=True,
+                                      logits_to_keep=1)
+    return out.logits[0, -1], hidden[0]
 
 
 DraftLogits = Callable[[torch.Tensor, int], torch.Tensor]

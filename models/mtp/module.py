@@ -25,7 +25,8 @@ k − 1 positions that still depend on drafts: the drafts equal a teacher-forced
 (tests compare them). :func:`mtp_generate` plugs it into the speculative loop of :mod:`models.engine.speculative`
 with greedy verification (lossless) or speculative sampling (exact in distribution), and can run plain steps
 while the drafts do not pay (:class:`models.engine.config.Adaptation`): no depth runs then, and the next draft
-catches every depth up over the skipped positions in one forward each.
+catches every depth up over the skipped positions in one forward each. :class:`MTPBatchDrafter` does the same for a
+batch of sequences with one forward per depth for all rows (batched rollouts, :mod:`models.engine.batched`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from models.common.files import atomic_path
+from models.engine.batched import compact_cache, keep_rows, too_much_junk
 from models.engine.config import Adaptation
 from models.engine.speculative import (
     AdaptiveDrafting,
@@ -56,6 +58,7 @@ from models.engine.speculative import (
     Verdict,
     chain_tree,
     draw,
+    draw_rows,
     prefill,
     root_tree,
     speculative_generate,
@@ -139,7 +142,12 @@ class MTPModule(nn.Module):
         past = cache.get_seq_length() if cache is not None else 0
         key_positions = torch.cat([torch.arange(past, device=positions.device), positions])
         mask = causal_additive_mask(positions, key_positions, inputs.dtype)
-        position_ids = positions[None]  # (1, Q)
+        return self.layer_step(base, inputs, positions[None], mask, cache)
+
+    def layer_step(self, base, inputs: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                   cache: DynamicCache | None) -> torch.Tensor:
+        """The shared decoder layer over (B, Q, H) inputs at ``position_ids`` (B or 1, Q) under the additive ``mask``
+        (B or 1, 1, Q, cached + Q); RoPE is applied to the keys it appends to ``cache`` at those positions."""
         rope = base.get_decoder().rotary_emb(inputs, position_ids)
         return self.layer(inputs, attention_mask=mask, position_ids=position_ids, use_cache=cache is not None,
                           position_embeddings=rope, **{self.cache_argument: cache})
@@ -344,47 +352,159 @@ class MTPDrafter:
 
 
 class MTPBatchDrafter:
-    """:class:`MTPDrafter` for a batch of sequences (:class:`models.engine.batched.BatchDrafter`): each row keeps its
-    own per-depth caches (rows accept different numbers of tokens), and each depth's LM head, most of a draft's
-    cost, runs once for the whole batch. ``generators``: each prompt's, drawing its drafts at
-    ``draft_temperature`` > 0 (None: top-1 drafts need none)."""
+    """:class:`MTPDrafter` for a batch of sequences (:class:`models.engine.batched.BatchDrafter`): each depth runs the
+    shared layer ONCE for the whole batch, its LM head once, and draws every row's draft in one
+    :func:`~models.engine.speculative.draw_rows` (each prompt's own generator, as at batch 1), with no host sync —
+    K forwards per draft, not B × K. ``generators``: each prompt's, drawing its drafts at ``draft_temperature``
+    (None: the default generator; top-1 drafts draw from a one-hot law, as :class:`MTPDrafter` does).
+
+    The layout is the batched engine's (models/engine/batched.py): depth k keeps one KV cache for every row, whose
+    row b holds keys of the positions < F_b^k (those whose inputs are final, :class:`MTPDrafter`'s bookkeeping)
+    among masked junk columns (a (B, T_k) visibility; keys carry their rotary positions, so a column's place never
+    matters). A draft runs, at depth k, the positions [F_b^k, L_b) of every row, *right-aligned* in Q_k = max_b
+    (L_b − F_b^k) columns: the last column is every row's position L_b − 1 (its draft's), the last k − 1 columns
+    read the same draft tokens in every row (positions past L_b − k), and rows with fewer positions are padded on
+    the left, masked and never read. Those last k − 1 columns' keys depend on the drafts and are cut off the cache
+    after the forward; the other new columns of a row become visible. Depth k + 1 reads depth k's states at
+    [F_b^{k+1}, L_b): this draft's, plus at most one final state of the last draft (F^{k+1} ≥ F^k − 1), kept per
+    depth as its ``tails``. The main model's states since the last draft wait right-aligned in ``pending``.
+    """
 
     def __init__(self, base, module: MTPModule, draft_temperature: float = 0.0,
                  generators: Sequence[torch.Generator | None] | None = None):
         self.base, self.module, self.draft_temperature = base, module, draft_temperature
-        self.generators = generators
-        self.tree = chain_tree(module.config.num_depths)
+        self.given_generators = generators
+        self.num_depths = module.config.num_depths
+        self.tree = chain_tree(self.num_depths)
+        self.dtype = base.get_output_embeddings().weight.dtype
 
     def start(self, prompts: Sequence[Sequence[int]], hidden: torch.Tensor, roots: torch.Tensor) -> None:
-        generators = self.generators or [None] * len(prompts)
-        self.rows = [MTPDrafter(self.base, self.module, self.draft_temperature, generator)
-                     for generator in generators]
-        for row, prompt, states, root in zip(self.rows, prompts, hidden, roots.tolist(), strict=True):
-            row.update(states[: len(prompt)], [*prompt[1:], root])
+        batch, device = len(prompts), hidden.device
+        self.generators = list(self.given_generators or [None] * batch)
+        self.tokens = [[*prompt[1:], root] for prompt, root in zip(prompts, roots.tolist(), strict=True)]
+        self.lengths = [len(prompt) for prompt in prompts]  # L_b: positions with the main model's final state
+        self.final = [[0] * batch for _ in range(self.num_depths)]  # F_b^k: positions cached at depth k
+        self.caches = [DynamicCache() for _ in range(self.num_depths)]
+        self.visible = [torch.zeros(batch, 0, dtype=torch.bool, device=device) for _ in range(self.num_depths)]
+        hidden_size = hidden.shape[-1]
+        self.tails = [torch.zeros(batch, hidden_size, dtype=self.dtype, device=device)
+                      for _ in range(self.num_depths - 1)]  # depth k's final state at F_b^{k+1} (< F_b^k)
+        self.pending = _append_right_aligned(hidden.new_zeros(batch, 0, hidden_size, dtype=self.dtype),
+                                             [0] * batch, hidden.to(self.dtype), self.lengths)
 
     @torch.no_grad()
     def propose(self, roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        previous = [row.hidden for row in self.rows]
-        drafts: list[list[int]] = [[] for _ in self.rows]
-        logits = []
-        for k in range(1, self.module.config.num_depths + 1):
-            previous = [row.depth_states(k, states, row_drafts)
-                        for row, states, row_drafts in zip(self.rows, previous, drafts, strict=True)]
-            step_logits = mtp_logits(self.base, torch.stack([states[-1] for states in previous]))  # (B, V)
-            probs = temperature_probs(step_logits, self.draft_temperature)
-            for b, row in enumerate(self.rows):
-                drafts[b].append(draw(probs[b], row.generator))
+        device, lengths = self.pending.device, self.lengths
+        batch = len(lengths)
+        # every depth's positions to run (Q_b^k = L_b − F_b^k) and its finals after this draft, on the host
+        counts = [[n - f for n, f in zip(lengths, final, strict=True)] for final in self.final]
+        finals = [[f + max(0, q - k + 1) for f, q in zip(final, count, strict=True)]
+                  for k, (final, count) in enumerate(zip(self.final, counts, strict=True), start=1)]
+        states, drafts, logits, tails = self.pending, [], [], []  # states: depth k − 1's, right-aligned
+        for k in range(1, self.num_depths + 1):
+            count = counts[k - 1]
+            if k > 1:  # depth k − 1's states of this draft, preceded where needed by its tail of the last draft
+                states = self._with_tails(states, counts[k - 2], self.tails[k - 2],
+                                          [a - b for a, b in zip(self.final[k - 2], self.final[k - 1], strict=True)])
+            width = max(count)
+            states = states[:, states.shape[1] - width:]  # (B, Q_k, H)
+            ahead = self._ahead_tokens(k, width, drafts, device)  # (B, Q_k): t_{j+k}
+            columns = torch.arange(width, device=device)
+            positions = (torch.tensor(lengths, device=device)[:, None] - width + columns).clamp(min=0)  # (B, Q_k)
+            inputs = self.module.depth_input(self.base, states, ahead)  # (B, Q_k, H)
+            mask = self._mask(k, count, width, inputs.dtype)
+            states = self.module.layer_step(self.base, inputs, positions, mask, self.caches[k - 1])  # (B, Q_k, H)
+            self._keep_final(k, count, width)
+            if k < self.num_depths:  # depth k's state at F_b^{k+1} after this draft, the next draft's tail
+                tail_columns = [width - n + f - 1 for n, f in zip(lengths, finals[k - 1], strict=True)]
+                tails.append(states[torch.arange(batch, device=device),
+                                    torch.tensor(tail_columns, device=device).clamp(min=0)])
+            step_logits = mtp_logits(self.base, states[:, -1])  # (B, V) every row's last position
+            drafts.append(draw_rows(temperature_probs(step_logits, self.draft_temperature), self.generators))
             logits.append(step_logits)
-        tokens = torch.tensor([[int(root), *row_drafts] for root, row_drafts in zip(roots, drafts, strict=True)],
-                              device=roots.device)  # (B, K+1)
+        self.final, self.tails = finals, tails
+        self.pending = self.pending[:, :0]
+        tokens = torch.cat([roots[:, None], torch.stack(drafts, dim=1).to(roots.device)], dim=1)  # (B, K+1)
         return tokens, temperature_probs(torch.stack(logits, dim=1), self.draft_temperature)  # (B, K, V)
 
-    def accept(self, hidden: Sequence[torch.Tensor], tokens: Sequence[Sequence[int]]) -> None:
-        for row, states, new in zip(self.rows, hidden, tokens, strict=True):
-            row.update(states, new)
+    def _with_tails(self, states: torch.Tensor, count: Sequence[int], tail: torch.Tensor, behind: Sequence[int]
+                    ) -> torch.Tensor:
+        """(B, Q + 1, H): ``states`` (B, Q, H), row b's last ``count[b]`` real, with ``tail`` (B, H) in the column just
+        before them where ``behind[b]`` (F_b^{k−1} − F_b^k) is 1."""
+        width = states.shape[1]
+        states = F.pad(states, (0, 0, 1, 0))  # (B, Q + 1, H)
+        where = [width - n if d else -1 for n, d in zip(count, behind, strict=True)]
+        put = torch.arange(width + 1, device=states.device)[None] == torch.tensor(where, device=states.device)[:, None]
+        return torch.where(put[..., None], tail[:, None], states)
+
+    def _ahead_tokens(self, k: int, width: int, drafts: Sequence[torch.Tensor], device) -> torch.Tensor:
+        """(B, Q_k): t_{j+k} at each right-aligned column (position j = L_b − Q_k + c): the row's final tokens up to
+        its root, then the drafts of depths < k in the last k − 1 columns (0 in padding columns)."""
+        known = width - k + 1  # columns whose token is final (position ≤ L_b − k)
+        final = [[row[i] if i >= 0 else 0 for i in range(len(row) - known, len(row))] for row in self.tokens]
+        drafted = drafts[max(0, -known):]  # the drafts these columns read (with few columns, not the earliest)
+        parts = [torch.tensor(final, dtype=torch.long, device=device).reshape(len(self.tokens), max(0, known))]
+        return torch.cat(parts + [d[:, None].to(device) for d in drafted], dim=1)
+
+    def _mask(self, k: int, count: Sequence[int], width: int, dtype: torch.dtype) -> torch.Tensor:
+        """(B, 1, Q_k, T_k + Q_k) additive: a row's real columns see its visible cached keys and its real columns up
+        to themselves; padding columns see themselves too (their states are never read)."""
+        device = self.visible[k - 1].device
+        columns = torch.arange(width, device=device)
+        first = width - torch.tensor(count, device=device)  # (B,) each row's first real column
+        new = (columns[None, None, :] <= columns[None, :, None]) & (
+            (columns[None, None, :] >= first[:, None, None]) | torch.eye(width, dtype=torch.bool, device=device))
+        cached = self.visible[k - 1][:, None, :].expand(-1, width, -1)  # (B, Q_k, T_k)
+        keys = torch.cat([cached, new], dim=2)  # (B, Q_k, T_k + Q_k)
+        return torch.where(keys, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+
+    def _keep_final(self, k: int, count: Sequence[int], width: int) -> None:
+        """After depth k's forward: cut the last k − 1 columns (positions past L_b − k read drafts) off its cache,
+        mark each row's other real columns visible, and move the visible keys together when junk piles up."""
+        cache, visible = self.caches[k - 1], self.visible[k - 1]
+        kept = max(0, width - k + 1)
+        for layer in cache.layers:
+            layer.keys = layer.keys[:, :, : visible.shape[1] + kept]
+            layer.values = layer.values[:, :, : visible.shape[1] + kept]
+        columns = torch.arange(kept, device=visible.device)
+        added = columns[None] >= width - torch.tensor(count, device=visible.device)[:, None]  # (B, kept)
+        visible = torch.cat([visible, added], dim=1)
+        longest = max(f + max(0, q - k + 1) for f, q in zip(self.final[k - 1], count, strict=True))
+        if too_much_junk(visible.shape[1], longest):
+            visible = compact_cache(cache, visible)
+        self.visible[k - 1] = visible
+
+    def accept(self, hidden: torch.Tensor, tokens: Sequence[Sequence[int]]) -> None:
+        waiting = [n - f for n, f in zip(self.lengths, self.final[0], strict=True)]
+        self.pending = _append_right_aligned(self.pending, waiting, hidden.to(self.dtype), [len(t) for t in tokens])
+        for row, new in zip(self.tokens, tokens, strict=True):
+            row += new
+        self.lengths = [n + len(new) for n, new in zip(self.lengths, tokens, strict=True)]
 
     def keep(self, rows: torch.Tensor) -> None:
-        self.rows = [self.rows[i] for i in rows.tolist()]
+        kept = rows.tolist()
+        self.generators = [self.generators[i] for i in kept]
+        self.tokens = [self.tokens[i] for i in kept]
+        self.lengths = [self.lengths[i] for i in kept]
+        self.final = [[final[i] for i in kept] for final in self.final]
+        self.pending = self.pending[rows]
+        self.tails = [tail[rows] for tail in self.tails]
+        self.visible = [visible[rows] for visible in self.visible]
+        for cache in self.caches:
+            keep_rows(cache, rows)
+
+
+def _append_right_aligned(old: torch.Tensor, old_counts: Sequence[int], new: torch.Tensor, new_counts: Sequence[int]
+                          ) -> torch.Tensor:
+    """(B, W, H) right-aligned: row b's last ``old_counts[b]`` states of ``old`` (B, W_o, H, right-aligned), then the
+    first ``new_counts[b]`` of ``new`` (B, W_n, H, left-aligned); W the longest row, shorter rows padded on the left
+    (with any state: padding is never read)."""
+    width = max(o + n for o, n in zip(old_counts, new_counts, strict=True))
+    old_width = old.shape[1]
+    index = [[0] * (width - o - n) + list(range(old_width - o, old_width)) + list(range(old_width, old_width + n))
+             for o, n in zip(old_counts, new_counts, strict=True)]
+    index = torch.tensor(index, device=old.device)[..., None].expand(-1, -1, old.shape[-1])  # (B, W, H)
+    return torch.cat([old, new], dim=1).gather(1, index)
 
 
 def mtp_generate(model, draft_base, module: MTPModule, input_ids: torch.Tensor, max_new_tokens: int,

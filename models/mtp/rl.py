@@ -22,8 +22,8 @@ the policy onto its module's worse predictions (docs/mtp.md, "MTP-RL's collapse"
 
 Rollouts are sampled as batches (a step's prompts × G rows, ``rollout_batch_size``), as RL systems sample them:
 vanilla by HF batched sampling, the drafting variants by the batched speculative engine
-(:mod:`models.engine.batched`: MTP's chained drafts per row, speculative sampling per row, each rollout with its
-own seeded stream, so every variant draws from the same streams).
+(:mod:`models.engine.batched`: MTP's chained drafts and speculative sampling batched over the rows, each rollout
+with its own seeded stream, so every variant draws from the same streams).
 
 Why a compact trainer rather than TRL's ``GRPOTrainer``: MTP-RL needs (a) rollouts from our own batched
 speculative sampler, timed per batch, with per-batch acceptance counters, and (b) a second model (the MTP
@@ -49,7 +49,7 @@ from models.common.sequences import padding_id, right_pad
 from models.common.training import float32_master_weights, half_dtype, step_precision
 from models.engine.config import Adaptation
 from models.engine.policy import Policy
-from models.engine.speculative import AdaptiveDrafting, SpeculativeStats
+from models.engine.speculative import AdaptiveDrafting, SpeculativeStats, last_hidden_forward
 from models.mtp.config import MTPRLTraining, VariantName
 from models.mtp.grpo import group_advantages, grpo_loss, token_logps, zero_std_groups
 from models.mtp.module import (
@@ -287,15 +287,18 @@ def first_completion_position(response_mask: torch.Tensor) -> int:
     return max(0, int(prompt_lengths.min()) - 1)
 
 
-def completion_logps(model, batch: dict[str, torch.Tensor], temperature: float, output_hidden_states: bool = False):
+def completion_logps(model, batch: dict[str, torch.Tensor], temperature: float, final_hidden: bool = False):
     """One forward over the batch with logits for the completion positions only (``logits_to_keep``): at 8B with a
     128k vocabulary the prompts' logits would be most of the activation memory. Returns the output, the token
-    log-probs (B, T) and the first position whose logits it holds."""
+    log-probs (B, T), the first position whose logits it holds, and with ``final_hidden`` the final hidden states
+    (B, T, H) the MTP module reads (else None) — the last layer's alone
+    (:func:`models.engine.speculative.last_hidden_forward`: ``output_hidden_states`` would keep every layer's)."""
     input_ids = batch["input_ids"]
     first = first_completion_position(batch["response_mask"])
-    out = model(input_ids=input_ids, attention_mask=batch["attention_mask"], output_hidden_states=output_hidden_states,
-                logits_to_keep=input_ids.shape[1] - first)
-    return out, token_logps(out.logits, input_ids, temperature, first), first
+    inputs = {"input_ids": input_ids, "attention_mask": batch["attention_mask"],
+              "logits_to_keep": input_ids.shape[1] - first}
+    out, hidden = last_hidden_forward(model, **inputs) if final_hidden else (model(**inputs), None)
+    return out, token_logps(out.logits, input_ids, temperature, first), first, hidden
 
 
 @dataclass(frozen=True)
@@ -342,7 +345,7 @@ def mtp_rl_step_loss(model, base, module, batch: dict[str, torch.Tensor], advant
     ``totals``: the global batch's counts when ``batch`` is one process's share (the loss and its numbers are
     then that share); default: this batch's own."""
     input_ids, response_mask = batch["input_ids"], batch["response_mask"]  # (B, T); response: completion tokens
-    out, logps, first = completion_logps(model, batch, cfg.temperature, output_hidden_states=var.trains_module)
+    out, logps, first, hidden = completion_logps(model, batch, cfg.temperature, final_hidden=var.trains_module)
     old = logps.detach() if old_logps is None else old_logps
     advantages = advantages.to(input_ids.device)
     loss, stats = grpo_loss(logps, old, advantages, predicts_completion(response_mask), cfg.epsilon_low,
@@ -350,7 +353,7 @@ def mtp_rl_step_loss(model, base, module, batch: dict[str, torch.Tensor], advant
     if not var.trains_module:
         backward(loss)
         return logps.detach(), stats
-    hidden, main_logits = out.hidden_states[-1], out.logits
+    main_logits = out.logits
     if not var.backprop_into_policy:  # the RL loss alone reaches the policy; L_Adv only the module
         backward(loss)
         hidden, main_logits = hidden.detach(), main_logits.detach()
@@ -425,13 +428,14 @@ def train_variant(policy: Policy, module: MTPModule | None, var: Variant, prompt
                   questions: Sequence[str], answers: Sequence[str | None], reward_fn: RewardFunction,
                   cfg: MTPRLTraining, weights: Sequence[float], eos_token_ids: set[int],
                   accelerator: Accelerator | None = None, on_step: Callable[[int, dict], None] | None = None,
-                  on_rollout: Callable[[], None] | None = None) -> list[dict]:
+                  on_rollout: Callable[[], None] | None = None,
+                  on_trained: Callable[[torch.nn.Module], None] | None = None) -> list[dict]:
     """``cfg.steps`` RL steps of one variant on ``prompts`` (``cfg.prompts_per_step`` per step, in order; each
     process rolls out its share and scores it with ``reward_fn``). ``questions`` / ``answers``: each prompt's
     question text and known answer (None: none), what ``reward_fn`` reads. ``weights``: λ_1 … λ_K of the
     module's CE and KL. The policy (and the module, when the variant trains it) are updated in place, back in
-    their own dtypes at the end (with ``lora_rank`` > 0 the adapters are merged into the policy). Returns one
-    dict per step, over every process."""
+    their own dtypes at the end (with ``lora_rank`` > 0 the adapters are merged into the policy). ``on_trained``
+    gets the trained policy (its LoRA wrapper) before the merge. Returns one dict per step, over every process."""
     from accelerate import Accelerator
 
     if not len(prompts) == len(questions) == len(answers):
@@ -448,6 +452,8 @@ def train_variant(policy: Policy, module: MTPModule | None, var: Variant, prompt
     with memory_saving(policy.model, cfg.lora_rank, cfg.gradient_checkpointing) as trained:
         history = _train(trained, policy.tokenizer, module, var, prompts, questions, answers, reward_fn, cfg, weights,
                          eos_token_ids, accelerator, share, on_step, on_rollout)
+        if on_trained is not None:
+            on_trained(trained)
     policy.model = merged(trained).requires_grad_(False).eval()
     if module is not None:
         module.requires_grad_(False).eval()
