@@ -9,7 +9,8 @@
 - ``foresight check``: validate ``params.yaml`` and print the resolved configuration.
 - ``foresight dvc-yaml``: print ``dvc.yaml`` as the stage table (``foresight/stages.py``) declares it.
 - ``foresight plan``: each stage's estimated peak GPU memory against the GPUs, and the knob that makes a stage
-  fit that does not (``foresight/memory.py``); exit code 1 when one does not fit.
+  fit that does not, then each stage's disk footprint and the run's total against the free disk
+  (``foresight/memory.py``); exit code 1 when a stage or the total does not fit.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ def _pipeline(args) -> int:
     from flows.pipeline import pipeline_flow
     from foresight.stages import STAGES
 
+    if Path(args.params).name != "params.yaml":
+        # the stages' commands (dvc.yaml) read params.yaml beside dvc.yaml; another file would plan one run and
+        # execute another
+        print(f"foresight {args.command}: DVC's stages read params.yaml, not {args.params}; use it as the run's "
+              f"params with: cp {args.params} params.yaml (foresight plan and check take --params FILE as it is)",
+              file=sys.stderr)
+        return 2
     cfg = load_config(args.params)
     targets = getattr(args, "stages", [])
     unknown = sorted(set(targets) - {stage.name for stage in STAGES})
@@ -35,7 +43,7 @@ def _pipeline(args) -> int:
               file=sys.stderr)
         return 2
     result = pipeline_flow(params_path=str(Path(args.params).resolve()), targets=targets, force=args.force,
-                           push=not args.no_push, isolated=args.isolated)
+                           push=args.push, isolated=args.isolated)
     print("\n" + "=" * 72)
     print(f"Foresight {'pipeline' if not targets else ' '.join(targets)} finished. Stages:")
     for row in result["stages"]:
@@ -156,7 +164,8 @@ def _deploy(args) -> int:
 
 
 def _plan(args) -> int:
-    from foresight.memory import Shapes, labeler_shape, model_shape, plan, policy_config, render, visible_gpus
+    from foresight.memory import (Shapes, disk_plan, labeler_shape, model_shape, plan, policy_config, render,
+                                  render_disk, visible_gpus)
 
     cfg = load_config(args.params)
     visible = visible_gpus()
@@ -168,9 +177,12 @@ def _plan(args) -> int:
     gpus = args.gpus or len(visible) or 1
     source = "--gpu-memory" if args.gpu_memory is not None else "visible GPUs, torch.cuda.mem_get_info"
     policy = model_shape(policy_config(cfg))
-    plans = plan(cfg, capacity, gpus, shapes=Shapes(policy, labeler_shape(cfg, policy)))
+    shapes = Shapes(policy, labeler_shape(cfg, policy))
+    plans = plan(cfg, capacity, gpus, shapes=shapes)
+    disk = disk_plan(cfg, shapes, args.disk)
     print(render(plans, policy, cfg, capacity, gpus, source))
-    return 0 if all(p.fits for p in plans) else 1
+    print("\n" + render_disk(disk))
+    return 0 if all(p.fits for p in plans) and disk.fits else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "run":
             runner.add_argument("stages", nargs="+", metavar="STAGE", help="stage names (foresight/stages.py)")
         runner.add_argument("--force", action="store_true", help="re-run stages even if up to date")
-        runner.add_argument("--no-push", action="store_true", help="do not push outputs to the DVC remote")
+        runner.add_argument("--push", action="store_true",
+                            help="push the outputs and the run cache to the default DVC remote (dvc push --run-cache)")
         runner.add_argument("--isolated", action="store_true",
                             help="run in a temporary workspace (dvc exp run --temp), then record the results here "
                                  "from the run cache: runs of independent branches can go at once")
@@ -211,10 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     command("claims", "judge each paper's central claims on the stage metrics on disk (a markdown table)", _claims)
     command("check", "validate params.yaml and print it resolved", _check)
     command("dvc-yaml", "print dvc.yaml from the stage table (foresight dvc-yaml > dvc.yaml)", _dvc_yaml)
-    planner = command("plan", "estimate each stage's peak GPU memory and the knobs that make it fit", _plan)
+    planner = command("plan", "estimate each stage's peak GPU memory (and the knobs that make it fit) and disk "
+                              "footprint", _plan)
     planner.add_argument("--gpu-memory", type=float, metavar="GiB",
                          help="memory of each GPU to plan for (default: the visible GPUs')")
     planner.add_argument("--gpus", type=int, metavar="N", help="GPUs to plan for (default: the visible ones)")
+    planner.add_argument("--disk", type=float, metavar="GiB",
+                         help="disk to plan for (default: the free space of the checkout's filesystem)")
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -178,6 +178,13 @@ class PromptsConfig(_Section):
     none. Prompts without a reference (UltraFeedback) never get it."""
     system_prompt: str | None = None
     """Optional system message placed before the user turn in the chat template."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Longest prompt kept, in tokens of the policy's chat template as generation tokenises it (system prompt
+    included); ``prepare_prompts`` drops longer rows from both splits, counts them and reports the counts. ``null``
+    = automatic: the policy's context (``max_position_embeddings`` of its config.json) minus
+    ``generate.max_new_tokens``, and with a reward model (``label.labeler`` armorm / hf-classifier) at most
+    ``label.max_length`` minus ``generate.max_new_tokens``, so that the reward model sees the whole response. A value
+    above the policy's context minus ``generate.max_new_tokens`` is an error."""
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
     """Settings of the arithmetic source."""
     dataset: DatasetSourceConfig | None = None
@@ -211,21 +218,43 @@ class GenerateConfig(_Section):
     """New tokens per ``generate`` call: after each call the rows that have ended drop out and the rest go on
     from their KV cache, so finished rows stop costing compute (≥ ``max_new_tokens`` = one call per batch)."""
     seed: int = Sampling.seed
-    """Sampling seed; batch b is seeded with seed + b (vLLM: prompt i with seed + i), so outputs are reproducible
-    and a resumed run draws what an uninterrupted one does."""
+    """Sampling seed; batch b is seeded with seed + b (vLLM: prompt i with seed + i·num_samples, its sample s with
+    + s), so outputs are reproducible and a resumed run draws what an uninterrupted one does."""
     engine: SamplingEngineName = Sampling.engine
-    """``hf`` (Hugging Face ``generate``: the CPU default and the reference) or ``vllm`` (the optional extra, GPU
-    machines: paper-scale jobs). Both write the same table, batch by batch, resuming after a crash
-    (docs/pipeline.md#generation-engines)."""
+    """``hf`` (Hugging Face ``generate``: the CPU default and the reference) or ``vllm`` (GPU machines: paper-scale
+    jobs; a worker process in vLLM's own venv, ``vllm_python``). Both write the same table, batch by batch, resuming
+    after a crash (docs/pipeline.md#generation-engines)."""
     tensor_parallel_size: int = Field(Sampling.tensor_parallel_size, ge=1)
     """``vllm``: GPUs one copy of the model is split over (vLLM's own workers); 1 with ``hf``. Data parallelism:
     ``launch.num_processes`` processes, each with its own copy on its own GPUs."""
+    vllm_python: str | None = Sampling.vllm_python
+    """``vllm``: the python of a separate venv holding vLLM (``~/vllm-env/bin/python``; ``~`` is expanded), which
+    runs the worker script. vLLM cannot be installed beside the pipeline (docs/pipeline.md#generation-engines)."""
 
     @model_validator(mode="after")
     def _parallel_needs_vllm(self) -> GenerateConfig:
         if self.engine == "hf" and self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs engine: vllm (the hf engine "
                              "runs one model per process)")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_python_runs(self) -> GenerateConfig:
+        # checked now, not when the stage reaches the worker after loading prompts and tokenizer
+        if self.engine != "vllm":
+            return self
+        hint = ("the python of a separate venv holding vLLM, e.g. python3 -m venv ~/vllm-env && ~/vllm-env/bin/pip "
+                "install vllm==0.33.0, then generate.vllm_python: ~/vllm-env/bin/python "
+                "(docs/pipeline.md#generation-engines)")
+        if not self.vllm_python:
+            raise ValueError(f"generate.engine: vllm needs generate.vllm_python: {hint}")
+        python = Path(self.vllm_python).expanduser()
+        if not python.is_absolute():
+            raise ValueError(f"generate.vllm_python '{self.vllm_python}' must be an absolute path or start with ~: "
+                             f"{hint}")
+        if not python.is_file() or not os.access(python, os.X_OK):
+            raise ValueError(f"generate.vllm_python '{self.vllm_python}' is not an executable file: {hint}")
+        self.vllm_python = str(python)
         return self
 
 
@@ -242,7 +271,9 @@ class LabelConfig(_Section):
     batch_size: int = Field(LabelerSpec.batch_size, ge=1)
     """Responses scored per forward pass."""
     max_length: int = Field(LabelerSpec.max_length, ge=16)
-    """Truncate (prompt + response) to this many tokens before scoring."""
+    """Longest (prompt + response) scored, in tokens: a longer conversation loses the tail of its response (the
+    prompt and the end of the assistant turn are kept; ``truncated_responses`` in the stage's metrics counts them);
+    a prompt that leaves no room for a response is an error (``prompts.max_prompt_tokens`` drops such prompts)."""
     dtype: DtypeName = LabelerSpec.dtype
     """Reward model dtype (``auto`` = bfloat16 on CUDA and on a CPU with native bf16 units, else float32)."""
     device: DeviceName = LabelerSpec.device
@@ -280,6 +311,10 @@ class ValidateConfig(_Section):
     ``min_score_gap`` (with the answer check: every (correct, incorrect) pair); ``best_worst`` = the best and the
     worst response only. Every pair carries ``best_worst`` (true for the prompt's best–worst pair) so DPO can keep
     to one pair per prompt (``dpo.pairs``)."""
+    max_pairs_per_prompt: int | None = Field(None, ge=1)
+    """``pairing: all``: keep at most this many pairs per prompt, the widest score gaps first (ties: the lower
+    chosen, then rejected, sample index), so the best–worst pair always stays; ``null`` = no cap. Continuous scores
+    (ArmoRM) make C(n, 2) pairs of n samples; ``num_pairs_uncapped`` in the stage's metrics counts them before."""
 
 
 class RewardConfig(_Section):
@@ -298,7 +333,9 @@ class RewardConfig(_Section):
     eval_fraction: float = Field(0.25, gt=0.0, lt=1.0)
     """Share of the pairs held out (by prompt, deterministically) for pair accuracy and AuTRC."""
     max_length: int = Field(RewardTraining.max_length, ge=16)
-    """Truncate prompt + response to this many tokens."""
+    """Longest prompt + response + end token, in tokens, of either side of a pair: a longer pair is dropped, never
+    truncated, and counted in the stage's ``*_dropped_too_long`` metrics (training and held-out pairs apart). Fit it
+    to the data: the longest templated prompt + ``generate.max_new_tokens`` + 1."""
     curve_points: int = Field(RewardTraining.curve_points, ge=2)
     """Points x = 1..100 % of the response at which the token-level reward curve is evaluated."""
     state_cache_gb: float = Field(RewardTraining.state_cache_gb, ge=0.0)
@@ -324,7 +361,9 @@ class DPOConfig(_Section):
     batch_size: int = Field(DPOTraining.batch_size, ge=1)
     """Pairs per optimizer step."""
     max_length: int = Field(DPOTraining.max_length, ge=16)
-    """Truncate prompt + response to this many tokens."""
+    """Longest prompt + response + end token, in tokens, of either side of a pair: a longer pair is dropped, never
+    truncated, and counted in the stage's ``*_dropped_too_long`` metrics (training and held-out pairs apart). Fit it
+    to the data: the longest templated prompt + ``generate.max_new_tokens`` + 1."""
     lora_rank: int = Field(DPOTraining.lora_rank, ge=0)
     """0: train the policy in full. > 0: train PEFT LoRA adapters of this rank on every linear layer instead
     (alpha = 2 × rank); the frozen reference is the same model with its adapters disabled (no second copy), and
@@ -474,7 +513,8 @@ class MedusaConfig(_Section):
     distill_batch_size: int = Field(MedusaTraining.distill_batch_size, ge=1)
     """Sequences per batch of the greedy generation and of the frozen self-distillation pass."""
     max_length: int = Field(MedusaTraining.max_length, ge=8)
-    """Longest prompt + response sequence (longer ones lose their end)."""
+    """Longest prompt + response (+ end token) sequence, in tokens: a longer one is dropped, never truncated, and
+    counted in the stage's ``*_dropped_too_long`` metrics."""
     mixed_precision: MixedPrecision = MedusaTraining.mixed_precision
     """bfloat16 autocast for the frozen self-distillation pass and head training (``accelerate``); ~2.5× faster
     on CPUs with AVX-512 BF16."""
@@ -637,7 +677,8 @@ class CoralConfig(_Section):
     warmup_ratio: float = Field(CoralTraining.warmup_ratio, ge=0.0, lt=1.0)
     """Linear warm-up share of each stage's steps (cosine decay after)."""
     max_length: int = Field(256, ge=8)
-    """Prompt + response tokens kept per sequence."""
+    """Longest prompt + response (+ end token) sequence, in tokens: a longer one is dropped, never truncated, and
+    counted in the stage's ``*_dropped_too_long`` metrics."""
     eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     """Share of prompts held out for the per-offset accuracy with ``data: correct``; ``distilled`` responses take
     ``train_medusa``'s split, so that every drafter is measured on the same held-out sequences."""
@@ -730,7 +771,8 @@ class MTPConfig(_Section):
     warmup_ratio: float = Field(MTPTraining.warmup_ratio, ge=0.0, lt=1.0)
     """Linear warm-up share of the steps (cosine decay after)."""
     max_length: int = Field(256, ge=8)
-    """Prompt + response tokens kept per sequence."""
+    """Longest prompt + response (+ end token) sequence, in tokens: a longer one is dropped, never truncated, and
+    counted in the stage's ``*_dropped_too_long`` metrics."""
     eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     """Share of prompts held out for early stopping, the per-depth accuracy and the expected acceptance length, with
     ``data: correct``; ``distilled`` responses take ``train_medusa``'s split, so that every drafter is measured on
@@ -875,8 +917,11 @@ class LaunchConfig(_Section):
     outputs and the flow's process does the Prefect and MLflow bookkeeping. Training results depend on it (the data
     order; generation's do not), so DVC re-runs those stages when it changes."""
     accelerate_config: Path | None = None
-    """An ``accelerate config`` file for the launch (multi-node, DeepSpeed, FSDP…); ``None``: accelerate's
-    defaults for ``num_processes`` processes on this machine."""
+    """An ``accelerate config`` file (YAML or JSON) for the launch, e.g. DDP over several machines; ``None``:
+    accelerate's defaults for ``num_processes`` processes on this machine. Its ``distributed_type`` must be one of
+    ``ACCELERATE_DISTRIBUTED_TYPES`` (data parallel: every process holds whole parameters). FSDP, DeepSpeed and the
+    other sharding back-ends are refused when the config is read (:func:`check_accelerate_config`): the stages merge
+    LoRA adapters, take state dicts and evaluate on whole parameters, which those back-ends shard."""
 
 
 RegisteredModelName = Literal["reward-channel", "reward-channel-dpo", "medusa-heads", "mtp-module", "dpo-policy"]
@@ -895,7 +940,18 @@ class TrackingConfig(_Section):
     register_models: list[RegisteredModelName] = Field(default_factory=lambda: list(get_args(RegisteredModelName)))
     """Trained artifacts logged as MLflow models and registered (``<experiment>-<name>``, a new version per run):
     ``reward-channel`` (and ``reward-channel-dpo``), ``medusa-heads``, ``mtp-module``, ``dpo-policy`` (a whole
-    policy: 0.5 GB for the embedded model, 16 GB for an 8B one; leave it out to save the copy)."""
+    policy: 0.5 GB for the embedded model, 16 GB for an 8B one: under ``large_files: manifest`` only its manifest
+    and small files are stored)."""
+    large_files: Literal["manifest", "copy"] = "manifest"
+    """What MLflow stores of the files over ``large_file_mb`` in every folder it logs (registered models, attached
+    model folders, reports): ``manifest``: only their entries in the folder's ``dvc-manifest.json`` (path in the
+    repository, size, md5 — the name of the file's object in DVC's cache — and the folder's DVC hash, as
+    ``dvc.lock`` records it), so a version names its weights exactly and ``dvc checkout``/``dvc pull`` brings them
+    back, without a second copy of every model (16 GB per 8B policy) beside DVC's; ``copy``: the files themselves
+    too (the registry then works without the DVC repository). Smaller files are always copied."""
+    large_file_mb: float = Field(64.0, gt=0)
+    """Size (MB) above which a logged file is large (``large_files``). 64: every adapter, head, tokenizer and config
+    of the default run is copied, its 0.5 GB policies are not; at 8B the heads (0.1–0.5 GB) are not either."""
     system_metrics: bool = True
     """MLflow's system metrics on every stage run (CPU, memory, disk, network; GPU utilisation and memory where
     ``nvidia-ml-py`` is installed)."""
@@ -1048,6 +1104,49 @@ def apply_overrides(data: dict, overrides: dict[str, Any] | None) -> dict:
     return data
 
 
+ACCELERATE_DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU")
+"""The ``distributed_type`` values of an accelerate config file that the stages support: one process, or DDP (one
+whole copy of the model per process, on one machine or several)."""
+
+SHARDING_SECTIONS = ("fsdp_config", "deepspeed_config", "megatron_lm_config", "parallelism_config")
+"""Sections of an accelerate config file that shard parameters (accelerate's ``ClusterConfig``); ``accelerate
+config`` writes them empty for a DDP setup, so only a non-empty one is refused."""
+
+
+def check_accelerate_config(cfg: Config) -> None:
+    """Refuse an accelerate config file whose launch would shard parameters (FSDP, DeepSpeed ZeRO, Megatron-LM,
+    tensor/context parallelism) or that does not exist: a LoRA merge (PEFT ``merge_and_unload``), a state dict taken
+    for saving and every evaluation between updates would run on shards. Read the way ``accelerate launch`` reads it
+    (accelerate/commands/config/config_args.py: JSON by a ``.json`` suffix, YAML otherwise)."""
+    import json
+
+    if cfg.launch.accelerate_config is None:
+        return
+    path = cfg.path(cfg.launch.accelerate_config)
+    key = "launch.accelerate_config"
+    supported = (f"supported: one process (launch.num_processes 1), DDP over launch.num_processes GPUs or CPU "
+                 f"processes, or an accelerate config file whose distributed_type is one of "
+                 f"{', '.join(ACCELERATE_DISTRIBUTED_TYPES)} (e.g. DDP over several machines)")
+    if not path.is_file():
+        raise ConfigError(f"{key}: accelerate config file {path} does not exist ({supported})")
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as err:
+        raise ConfigError(f"{key}: {path} is not a valid accelerate config file: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key}: {path} is not a valid accelerate config file (expected a mapping of keys)")
+    distributed = data.get("distributed_type")
+    if distributed not in ACCELERATE_DISTRIBUTED_TYPES:
+        raise ConfigError(f"{key}: {path} sets distributed_type {distributed!r}, which this pipeline does not "
+                          f"support: LoRA merges, state dicts and evaluations need whole parameters, and FSDP / "
+                          f"DeepSpeed shard them; {supported}")
+    for section in SHARDING_SECTIONS:
+        if data.get(section):
+            raise ConfigError(f"{key}: {path} has a non-empty {section} (parameters sharded): LoRA merges, state "
+                              f"dicts and evaluations need whole parameters; {supported}")
+
+
 def parse_config(data: dict | None, root: Path = Path("."), source: str = "params") -> Config:
     """Validate a params dict; raise :class:`ConfigError` naming every bad key."""
     data = data or {}
@@ -1062,6 +1161,7 @@ def parse_config(data: dict | None, root: Path = Path("."), source: str = "param
             msg += "\n" + "\n".join(hints)
         raise ConfigError(msg) from None
     cfg.root = root.resolve()
+    check_accelerate_config(cfg)
     return cfg
 
 

@@ -17,24 +17,43 @@ total, the embedding, the LM head (0 when tied) and, for LoRA, Σ (in + out) ove
 - full-vocabulary logits sequences × tokens × V × 4 B where a stage materialises them (training losses over
   the vocabulary; generation keeps the last position only);
 - the KV cache of generation: rows × tokens × layers × 2 × kv_heads × head_dim × dtype bytes, prompts assumed
-  ``PROMPT_TOKENS`` long;
+  ``prompts.max_prompt_tokens`` long (the longest kept), ``PROMPT_TOKENS`` when that is unset;
 - a forward without gradients holds one layer's working set: sequences × tokens × (2 hidden + 2 intermediate)
   × dtype bytes;
-- the labeler (``label.model``) counted from its config when it is on disk, else assumed the policy's size, where
-  a stage runs it: ``label``, ``benchmark_sla``, and ``train_mtp_rl`` (its reward, beside the policy);
+- the labeler (``label.model``) counted from its config when it is on disk (ArmoRM as its native module: the Llama
+  backbone and its heads, no LM head), else assumed the policy's size, where a stage runs it: ``label``,
+  ``benchmark_sla``, and ``train_mtp_rl`` (its reward, beside the policy);
 - under ``launch.num_processes`` N data-parallel processes each process holds a full replica and its own
   ``batch_size`` (accelerate's default ``split_batches=False``): more processes add no memory per GPU unless
   they outnumber the GPUs, and save none either. Inference stages run in one process on one GPU.
 
+Hidden states a forward returns besides its logits: every layer's (``output_hidden_states=True``, L + 1 tensors
+of sequences × tokens × hidden) only where the SLA reward channel reads them — ``train_reward``,
+``train_reward_dpo`` and the SLA prefill of ``benchmark_sla``; the last layer's elsewhere (the engine's, Medusa's and
+MTP's prefills: ``models.engine.speculative.last_hidden_forward``, ``base_model(...).last_hidden_state``). A training
+forward's returned states are the layer inputs its backward keeps anyway (counted in its activations).
+
 Small modules (reward channels, Medusa heads, MTP module) are counted from their configured shapes. An
 estimate, not a measurement: CUDA context, allocator fragmentation and temporary buffers add a few GiB, so a
 stage is flagged from ``HEADROOM`` of the GPU's memory up.
+
+Disk, per stage (:data:`DISK_ESTIMATORS`): what the stage leaves on disk — its DVC outputs (the model folders:
+the DPO policy and the COrAL model in full, the reward heads, Medusa heads and their self-distillation cache of
+final hidden states, the MTP module; the tables), the Hugging Face cache's copy of a hub policy
+(``prepare_policy``) and of the labeler (``label``) — and its scratch, removed when it ends (``train_mtp``'s
+frozen final hidden states, in ``$TMPDIR``). Hidden states are stored in the policy's dtype; a table takes at most
+``TEXT_BYTES_PER_TOKEN`` per token of its texts. Each artifact is counted once: DVC's cache *links* the
+workspace's files (``cache.type`` hardlink / symlink), MLflow registers a manifest of a large file instead of a
+copy, and nothing is pushed to a DVC remote in the checkout. A run's total is every stage's outputs plus the
+largest scratch, compared against the free space of the checkout's filesystem (``foresight plan --disk`` sets
+another budget).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +69,15 @@ TRAINED_BYTES = {"fp32 grads": 4, "AdamW moments": 8}
 """Bytes per trained parameter besides its weight and fp32 master copy."""
 LORA_RANK = 16
 """The rank ``plan`` proposes when full fine-tuning does not fit."""
+TEXT_BYTES_PER_TOKEN = 4
+"""Bytes a table holds per token of text (about 4 characters of English per token, UTF-8, before parquet's
+compression): a bound on the tables' size."""
+
+
+def prompt_tokens(cfg) -> int:
+    """Assumed prompt length (chat template included): ``prompts.max_prompt_tokens`` (every longer prompt is dropped
+    by ``prepare_prompts``), else :data:`PROMPT_TOKENS`."""
+    return cfg.prompts.max_prompt_tokens or PROMPT_TOKENS
 
 
 @dataclass(frozen=True)
@@ -68,18 +96,30 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     note: str = ""  # where the shape came from, when not from the model's own config
+    checkpoint_bytes: int | None = None  # per weight in its checkpoint (config.json's dtype); None: not said
 
 
-def model_shape(config, note: str = "") -> ModelShape:
-    """Count ``config``'s parameters on the meta device (no memory, no weights)."""
+CHECKPOINT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per weight of a checkpoint by the dtype its config.json names."""
+
+
+def _checkpoint_bytes(config) -> int | None:
+    """Bytes per weight of the checkpoint ``config`` describes (``dtype``; ``torch_dtype`` in older files)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return CHECKPOINT_BYTES.get(str(dtype).removeprefix("torch.")) if dtype is not None else None
+
+
+def model_shape(config, note: str = "", backbone_only: bool = False) -> ModelShape:
+    """Count ``config``'s parameters on the meta device (no memory, no weights). ``backbone_only``: the decoder
+    stack without an LM head (a reward model's backbone)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = (AutoModel if backbone_only else AutoModelForCausalLM).from_config(config)
     text = config.get_text_config(decoder=True)
     embedding = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
+    head = embedding if backbone_only else model.get_output_embeddings().weight
     decoder_layers = model.get_decoder().layers
     lora_in_out = sum(m.in_features + m.out_features for m in decoder_layers.modules()
                       if isinstance(m, torch.nn.Linear))
@@ -92,7 +132,8 @@ def model_shape(config, note: str = "") -> ModelShape:
         layer_parameters=sum(p.numel() for p in decoder_layers[-1].parameters()),
         hidden=text.hidden_size, intermediate=text.intermediate_size, layers=text.num_hidden_layers,
         vocab=text.vocab_size, kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, note=note)
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, note=note,
+        checkpoint_bytes=_checkpoint_bytes(config))
 
 
 def policy_config(cfg):
@@ -115,6 +156,18 @@ def policy_config(cfg):
                                       trust_remote_code=spec.trust_remote_code)
 
 
+def armorm_heads(config) -> int:
+    """Parameters of ArmoRM's heads over its Llama backbone, as :class:`models.labeling.armorm.ArmoRM` builds them
+    from ``config`` (not imported: this module runs in every stage's process, which must not load other stages'
+    code): the regression layer H → K (no bias), the frozen K × K reward transform, the gating network's
+    ``gating_n_hidden`` layers H → D → … → D and its D → K output (with biases), and its logit scale."""
+    objectives = getattr(config, "num_objectives", 19)
+    width = getattr(config, "gating_hidden_dim", 1024)
+    widths = [config.hidden_size] + [width] * getattr(config, "gating_n_hidden", 3) + [objectives]
+    gating = sum(a * b + b for a, b in zip(widths, widths[1:])) + 1
+    return config.hidden_size * objectives + objectives * objectives + gating
+
+
 def labeler_shape(cfg, policy: ModelShape) -> ModelShape | None:
     """The labeler's shape: none for the verifiable labeler; from ``label.model``'s config when it is on disk;
     else the policy's, said so."""
@@ -124,7 +177,11 @@ def labeler_shape(cfg, policy: ModelShape) -> ModelShape | None:
     from transformers import AutoConfig
 
     try:
-        return model_shape(AutoConfig.from_pretrained(label.model, trust_remote_code=label.trust_remote_code))
+        config = AutoConfig.from_pretrained(label.model, trust_remote_code=label.trust_remote_code)
+        if label.labeler == "armorm":
+            backbone = model_shape(config, backbone_only=True)
+            return ModelShape(**{**backbone.__dict__, "parameters": backbone.parameters + armorm_heads(config)})
+        return model_shape(config)
     except (OSError, ValueError, KeyError) as err:  # not downloaded, or no causal-LM class for its config
         assumed = f"label.model {label.model} not countable here ({type(err).__name__}): assumed the policy's size"
         return ModelShape(**{**policy.__dict__, "note": assumed})
@@ -181,6 +238,17 @@ def kv_cache(shape: ModelShape, rows: int, tokens: int, nbytes: int) -> float:
 def forward_working_set(shape: ModelShape, sequences: int, tokens: int, nbytes: int) -> float:
     """One layer's transient tensors in a forward without gradients."""
     return sequences * tokens * (2 * shape.hidden + 2 * shape.intermediate) * nbytes
+
+
+def all_layer_states(shape: ModelShape, sequences: int, tokens: int, nbytes: int) -> float:
+    """``output_hidden_states=True``: the embeddings' output and every layer's, L + 1 tensors (what the SLA reward
+    channel reads)."""
+    return sequences * tokens * shape.hidden * (shape.layers + 1) * nbytes
+
+
+def last_layer_states(shape: ModelShape, sequences: int, tokens: int, nbytes: int) -> float:
+    """The final hidden states alone (what Medusa heads, the MTP module and the drafters read)."""
+    return sequences * tokens * shape.hidden * nbytes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -255,10 +323,10 @@ def _no_gpu(stage: str, cfg, shapes: Shapes, nbytes: int) -> Estimate:
 
 def _generate(stage, cfg, shapes, nbytes):
     g, shape = cfg.generate, shapes.policy
-    rows = g.batch_size * g.num_samples
+    rows, prompt = g.batch_size * g.num_samples, prompt_tokens(cfg)
     return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
-                            "KV cache": kv_cache(shape, rows, PROMPT_TOKENS + g.max_new_tokens, nbytes),
-                            "prefill": forward_working_set(shape, g.batch_size, PROMPT_TOKENS, nbytes)},
+                            "KV cache": kv_cache(shape, rows, prompt + g.max_new_tokens, nbytes),
+                            "prefill": forward_working_set(shape, g.batch_size, prompt, nbytes)},
                     (halve("generate.batch_size"),))
 
 
@@ -273,11 +341,10 @@ def _train_reward(stage, cfg, shapes, nbytes):
     """The frozen policy's per-layer hidden states of both responses of each pair feed a small trained channel."""
     r, shape = cfg.reward, shapes.policy
     sequences = 2 * r.batch_size
-    width = shape.hidden + r.hidden_size
-    channel = shape.hidden * r.hidden_size + shape.layers * width * r.hidden_size + width
+    channel = _channel_parameters(shape, r)
     return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
                             "forward": forward_working_set(shape, sequences, r.max_length, nbytes),
-                            "hidden states": sequences * r.max_length * shape.hidden * (shape.layers + 1) * nbytes,
+                            "hidden states (all layers)": all_layer_states(shape, sequences, r.max_length, nbytes),
                             "channel + optimizer": channel * 16},
                     (halve("reward.batch_size"), halve("reward.max_length")))
 
@@ -296,10 +363,15 @@ def _dpo(stage, cfg, shapes, nbytes):
 
 def _benchmark_sla(stage, cfg, shapes, nbytes):
     s, b, shape = cfg.sla, cfg.sla_benchmark, shapes.policy
+    prompt = prompt_tokens(cfg)
     # untimed decoding: batch_size prompts at a time, each num_beams rows (beam search) or k^d (an SLA tree)
     rows = b.batch_size * max(b.num_beams, s.width ** max(s.depth, 1))
+    # SLA's prefill runs the batch's prompts through the reward channel, which reads every layer's states
+    # (models.sla.search.prefill); beam search prefills num_beams copies of each prompt
     return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
-                            "KV cache": kv_cache(shape, rows, PROMPT_TOKENS + b.max_new_tokens + s.step, nbytes),
+                            "KV cache": kv_cache(shape, rows, prompt + b.max_new_tokens + s.step, nbytes),
+                            "prefill": forward_working_set(shape, b.batch_size * b.num_beams, prompt, nbytes),
+                            "hidden states (all layers)": all_layer_states(shape, b.batch_size, prompt, nbytes),
                             **_labeler_parts(cfg, shapes)},
                     (halve("sla_benchmark.batch_size"), halve("sla.width"), halve("label.batch_size")),
                     _labeler_note(shapes))
@@ -310,8 +382,9 @@ def _train_medusa(stage, cfg, shapes, nbytes):
     m, shape = cfg.medusa, shapes.policy
     heads = m.num_heads * (m.num_layers * (shape.hidden ** 2 + shape.hidden) + (shape.lm_head or shape.embedding)
                            * m.untie)
-    distill = kv_cache(shape, m.distill_batch_size, m.max_length, nbytes) + forward_working_set(
-        shape, m.distill_batch_size, m.max_length, nbytes)
+    distill = (kv_cache(shape, m.distill_batch_size, m.max_length, nbytes)
+               + forward_working_set(shape, m.distill_batch_size, m.max_length, nbytes)
+               + last_layer_states(shape, m.distill_batch_size, m.max_length, nbytes))
     training = heads * 16 + logits(shape, m.batch_size * m.num_heads, 1)  # fp32 heads, grads, AdamW
     return Estimate(stage, {"weights": weights(shape.parameters, nbytes), "distillation or heads": max(
         distill, training)}, (halve("medusa.distill_batch_size"), halve("medusa.batch_size")))
@@ -329,10 +402,12 @@ def _benchmark_medusa(stage, cfg, shapes, nbytes):
     b, m, shape = cfg.medusa_benchmark, cfg.medusa, shapes.policy
     heads = m.num_heads * m.num_layers * (shape.hidden ** 2 + shape.hidden)
     nodes = b.tree_size + 1 if b.tree == "auto" else len(b.tree) + 1
+    prompt = prompt_tokens(cfg)
     # the greedy reference and the batched tree decoding hold a batch's cache, more than one tree at batch 1
     parts = {"weights": weights(shape.parameters, nbytes), "heads": heads * nbytes,
-             "KV cache": kv_cache(shape, b.batch_size, PROMPT_TOKENS + b.max_new_tokens + nodes, nbytes),
-             "prefill": forward_working_set(shape, b.batch_size, PROMPT_TOKENS, nbytes),
+             "KV cache": kv_cache(shape, b.batch_size, prompt + b.max_new_tokens + nodes, nbytes),
+             "prefill": forward_working_set(shape, b.batch_size, prompt, nbytes),
+             "hidden states (last layer)": last_layer_states(shape, b.batch_size, prompt, nbytes),
              "batched tree logits": logits(shape, b.batch_size, nodes)}
     fixes = [halve("medusa_benchmark.batch_size"), halve("medusa_benchmark.tree_size")]
     if b.float32_recheck and nbytes < 4:  # a float32 copy of the policy scores the divergences from greedy
@@ -373,7 +448,7 @@ def _benchmark_coral(stage, cfg, shapes, nbytes):
     b, c, shape = cfg.coral_benchmark, cfg.coral, shapes.policy
     nodes = b.block_size + b.tree_size + 1
     return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
-                            "KV cache": kv_cache(shape, 1, PROMPT_TOKENS + b.max_new_tokens + nodes, nbytes),
+                            "KV cache": kv_cache(shape, 1, prompt_tokens(cfg) + b.max_new_tokens + nodes, nbytes),
                             "tree logits": logits(shape, nodes * _coral_offsets(c), 1)},
                     (halve("coral_benchmark.block_size"),))
 
@@ -388,6 +463,7 @@ def _train_mtp(stage, cfg, shapes, nbytes):
     module = _mtp_module(shape)
     return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
                             "forward": forward_working_set(shape, m.batch_size, m.max_length, nbytes),
+                            "hidden states (last layer)": last_layer_states(shape, m.batch_size, m.max_length, nbytes),
                             "module + optimizer": module * nbytes + optimizer_state(module, nbytes),
                             "module activations": activations(shape, m.batch_size * m.num_depths, m.max_length,
                                                               nbytes, False, layers=1),
@@ -416,7 +492,8 @@ def _train_mtp_rl(stage, cfg, shapes, nbytes):
     r, shape = cfg.mtp_rl, shapes.policy
     rows = r.prompts_per_step * r.group_size
     update_rows = min(r.update_batch_size or rows, rows)  # the update's micro-batch
-    tokens = PROMPT_TOKENS + r.max_new_tokens
+    prompt = prompt_tokens(cfg)
+    tokens = prompt + r.max_new_tokens
     parts = _policy_training(cfg, shape, nbytes, "mtp_rl", update_rows, tokens, reference=r.kl_beta > 0,
                              vocab_rows=update_rows)
     module = _mtp_module(shape)
@@ -427,6 +504,8 @@ def _train_mtp_rl(stage, cfg, shapes, nbytes):
     # longest row (at least 64 columns) before it compacts, and appends a tree of K + 1 nodes per step
     decoded = max(r.rollout_batch_size or rows, r.eval_batch_size, max(r.curve_batch_sizes, default=0))
     parts["KV cache"] = kv_cache(shape, decoded, tokens + max(64, tokens // 2) + cfg.mtp.num_depths + 1, nbytes)
+    # the batched speculative engine's prefill returns the final hidden states the MTP module drafts from
+    parts["hidden states (last layer)"] = last_layer_states(shape, decoded, prompt, nbytes)
     parts |= _labeler_parts(cfg, shapes)
     knobs = (lora("mtp_rl"), checkpointing("mtp_rl"), _smaller_update_batches, halve("mtp_rl.eval_batch_size"),
              _smaller_rollout_batches, halve("mtp_rl.group_size"))
@@ -441,6 +520,274 @@ ESTIMATORS: dict[str, Callable] = {
     "benchmark_medusa": _benchmark_medusa, "train_coral": _train_coral, "benchmark_coral": _benchmark_coral,
     "train_mtp": _train_mtp, "train_mtp_rl": _train_mtp_rl,
 }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# disk: what each stage leaves on disk, and its scratch
+
+
+@dataclass
+class Footprint:
+    """One stage's disk: bytes it leaves (its outputs, a Hugging Face cache copy) and bytes of scratch it removes
+    when it ends, by part."""
+
+    stage: str
+    writes: dict[str, float] = field(default_factory=dict)
+    scratch: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def written(self) -> float:
+        return sum(self.writes.values())
+
+    @property
+    def scratch_total(self) -> float:
+        return sum(self.scratch.values())
+
+
+def _text(rows: float, tokens: float) -> float:
+    """A table of ``rows`` rows of ``tokens`` tokens of text each."""
+    return rows * tokens * TEXT_BYTES_PER_TOKEN
+
+
+def _local_folder(model: str) -> bool:
+    return Path(model).expanduser().is_dir()
+
+
+def _cache_copy(model: str, shape: ModelShape, fallback_bytes: int, what: str) -> tuple[dict[str, float], str]:
+    """A hub model's weights in the Hugging Face cache (in its checkpoint's dtype); a local folder is read in place."""
+    if _local_folder(model):
+        return {}, f"{what} {model} is a local folder: read in place"
+    return {f"HF cache copy of the {what}": shape.parameters * (shape.checkpoint_bytes or fallback_bytes)}, ""
+
+
+def _pairs_per_prompt(cfg) -> int:
+    """The most pairs ``validate`` builds per prompt: C(n, 2) with ``pairing: all`` (every score distinct), one with
+    ``best_worst``, at most ``max_pairs_per_prompt``."""
+    v, n = cfg.validate_, cfg.generate.num_samples
+    most = 1 if v.pairing == "best_worst" else n * (n - 1) // 2
+    return min(most, v.max_pairs_per_prompt or most)
+
+
+def _distilled(cfg) -> tuple[int, int, int]:
+    """``train_medusa``'s self-distilled responses: their count, the further task prompts' among them (the heads'
+    alone) and the longest response, in tokens (tasks/medusa.py ``_distillation_data``)."""
+    m, p = cfg.medusa, cfg.prompts
+    if m.data == "greedy":
+        further = max(0, m.task_prompts - p.num_train)
+        return p.num_train + further + m.general_prompts, further, m.max_new_tokens
+    count = p.num_train * min(m.samples_per_prompt, cfg.generate.num_samples) + m.general_prompts
+    return count, 0, max(cfg.generate.max_new_tokens, m.max_new_tokens)
+
+
+def _channel_parameters(shape: ModelShape, r) -> int:
+    """The SLA reward channel: the input projection, one (H + h) → h projection per layer and the head."""
+    width = shape.hidden + r.hidden_size
+    return shape.hidden * r.hidden_size + shape.layers * width * r.hidden_size + width
+
+
+def _adapter_parameters(shape: ModelShape, r, layers: int) -> int:
+    """models.sla.reward_transformer.FinalStateAdapter: ``layers`` − 1 SiLU layers H → h → … → h, then one
+    to a scalar."""
+    widths = [shape.hidden] + [r.hidden_size] * (layers - 1) + [1]
+    return sum(a * b + b for a, b in zip(widths, widths[1:]))
+
+
+def _medusa_heads(cfg, shape: ModelShape) -> int:
+    m = cfg.medusa
+    return m.num_heads * (m.num_layers * (shape.hidden ** 2 + shape.hidden) + (shape.lm_head or shape.embedding)
+                          * m.untie)
+
+
+def _disk_prepare_policy(stage, cfg, shapes, nbytes):
+    from models.engine.policy import EMBEDDED_MODELS
+
+    shape = shapes.policy
+    if cfg.policy.model in EMBEDDED_MODELS:  # de-quantised once into the policy folder, in float32
+        return Footprint(stage, {"float32 weights converted from the GGUF": shape.parameters * 4})
+    writes, note = _cache_copy(cfg.policy.model, shape, nbytes, "policy")
+    return Footprint(stage, writes, note=note)
+
+
+def _disk_prepare_prompts(stage, cfg, shapes, nbytes):
+    p = cfg.prompts
+    return Footprint(stage, {"prompt tables": _text(p.num_train + p.num_eval, 2 * prompt_tokens(cfg))})
+
+
+def _sample_rows(cfg) -> tuple[int, int]:
+    """The samples table: its rows and each row's tokens of text (question, prompt, response)."""
+    g = cfg.generate
+    return cfg.prompts.num_train * g.num_samples, 2 * prompt_tokens(cfg) + g.max_new_tokens
+
+
+def _disk_generate(stage, cfg, shapes, nbytes):
+    return Footprint(stage, {"samples table": _text(*_sample_rows(cfg))})
+
+
+def _disk_label(stage, cfg, shapes, nbytes):
+    writes = {"scores table": _text(*_sample_rows(cfg))}
+    note = ""
+    if shapes.labeler is not None:
+        copy, note = _cache_copy(cfg.label.model, shapes.labeler, dtype_bytes(cfg.label.dtype), "labeler")
+        writes |= copy
+    return Footprint(stage, writes, note=note)
+
+
+def _disk_validate(stage, cfg, shapes, nbytes):
+    pairs = cfg.prompts.num_train * _pairs_per_prompt(cfg)
+    return Footprint(stage, {"pairs table": _text(pairs, 2 * prompt_tokens(cfg) + 2 * cfg.generate.max_new_tokens)})
+
+
+def _disk_train_reward(stage, cfg, shapes, nbytes):
+    r, shape = cfg.reward, shapes.policy
+    adapters = sum(_adapter_parameters(shape, r, layers) for layers in r.adapter_layers)
+    return Footprint(stage, {"reward channel": _channel_parameters(shape, r) * nbytes,
+                             "adapter baselines": adapters * nbytes})
+
+
+def _disk_dpo(stage, cfg, shapes, nbytes):
+    # models.sla.dpo saves the whole trained policy (LoRA adapters merged), in the policy's dtype
+    return Footprint(stage, {"DPO policy": shapes.policy.parameters * nbytes})
+
+
+def _outputs(cfg, rows: int, new_tokens: int) -> dict[str, float]:
+    """A benchmark's outputs table: ``rows`` decoded prompts (prompt and output text)."""
+    return {"outputs tables": _text(rows, prompt_tokens(cfg) + new_tokens)}
+
+
+def _disk_benchmark_sla(stage, cfg, shapes, nbytes):
+    b = cfg.sla_benchmark
+    rows = b.num_prompts * (len(b.decoders) + len(b.dpo_decoders)) + b.tuning_prompts * len(b.tuning_grid)
+    return Footprint(stage, _outputs(cfg, rows, b.max_new_tokens))
+
+
+def _disk_train_medusa(stage, cfg, shapes, nbytes):
+    m, r, shape = cfg.medusa, cfg.rlmedusa, shapes.policy
+    responses, _, longest = _distilled(cfg)
+    positions = responses * longest  # response tokens, at most
+    candidates = 1 + r.top_candidates + r.random_candidates  # ids (int64) and probabilities (float32) each
+    trajectories = responses * r.trajectory_tokens
+    return Footprint(stage, {
+        "Medusa heads": _medusa_heads(cfg, shape) * nbytes,
+        "final hidden states (distillation cache)": last_layer_states(shape, positions, 1, nbytes),
+        "targets and RL candidates": positions * (m.num_heads + 1) * 8 + trajectories * (candidates * 12 + 8),
+        "responses table": _text(responses, 2 * prompt_tokens(cfg) + longest)})
+
+
+def _disk_train_rlmedusa(stage, cfg, shapes, nbytes):
+    r, shape = cfg.rlmedusa, shapes.policy
+    width = r.reward_width
+    reward = (2 * shape.hidden) * width + width + width * width + width + width + 1 + 4 * shape.hidden  # + norms
+    return Footprint(stage, {"RL heads": len(r.inits) * _medusa_heads(cfg, shape) * nbytes,
+                             "reward model r(e, h) (float32)": reward * 4})
+
+
+def _disk_benchmark_medusa(stage, cfg, shapes, nbytes):
+    b = cfg.medusa_benchmark
+    return Footprint(stage, _outputs(cfg, (b.num_prompts + b.general_prompts) * len(b.decoders), b.max_new_tokens))
+
+
+def _disk_train_coral(stage, cfg, shapes, nbytes):
+    # tasks/coral.py saves the whole model (stage 1's last layer, stage 2's adapters merged), in the policy's dtype
+    return Footprint(stage, {"COrAL model": shapes.policy.parameters * nbytes})
+
+
+def _disk_benchmark_coral(stage, cfg, shapes, nbytes):
+    b = cfg.coral_benchmark
+    return Footprint(stage, _outputs(cfg, b.num_prompts * (2 + len(b.ablations)), b.max_new_tokens))
+
+
+def _disk_train_mtp(stage, cfg, shapes, nbytes):
+    """The MTP module; the frozen policy's final hidden states of every training sequence (prompt and response,
+    ``mtp.max_length`` at most), in a scratch folder of ``$TMPDIR`` removed when the stage ends (tasks/mtp.py)."""
+    m, shape = cfg.mtp, shapes.policy
+    if m.data == "distilled":
+        responses, further, longest = _distilled(cfg)
+        sequences = responses - (0 if m.further_prompts else further)
+    else:  # the samples labeled correct, at most every sample
+        sequences, longest = cfg.prompts.num_train * cfg.generate.num_samples, cfg.generate.max_new_tokens
+    tokens = min(m.max_length, prompt_tokens(cfg) + longest)
+    return Footprint(stage, {"MTP module": _mtp_module(shape) * nbytes},
+                     {"final hidden states (in $TMPDIR)": last_layer_states(shape, sequences, tokens, nbytes)})
+
+
+def _disk_train_mtp_rl(stage, cfg, shapes, nbytes):
+    return Footprint(stage, note="histories and tables only (no model is saved)")
+
+
+DISK_ESTIMATORS: dict[str, Callable] = {
+    "prepare_policy": _disk_prepare_policy, "prepare_prompts": _disk_prepare_prompts, "generate": _disk_generate,
+    "label": _disk_label, "validate": _disk_validate, "train_reward": _disk_train_reward, "dpo": _disk_dpo,
+    "train_reward_dpo": _disk_train_reward, "benchmark_sla": _disk_benchmark_sla,
+    "train_medusa": _disk_train_medusa, "train_rlmedusa": _disk_train_rlmedusa,
+    "benchmark_medusa": _disk_benchmark_medusa, "train_coral": _disk_train_coral,
+    "benchmark_coral": _disk_benchmark_coral, "train_mtp": _disk_train_mtp, "train_mtp_rl": _disk_train_mtp_rl,
+}
+
+
+@dataclass
+class DiskPlan:
+    """Every stage's footprint, the run's total (all outputs + the largest scratch) against a budget."""
+
+    footprints: list[Footprint]
+    budget: float  # bytes
+    source: str  # where the budget came from
+
+    @property
+    def outputs(self) -> float:
+        return sum(f.written for f in self.footprints)
+
+    @property
+    def largest_scratch(self) -> Footprint:
+        return max(self.footprints, key=lambda f: f.scratch_total)
+
+    @property
+    def total(self) -> float:
+        return self.outputs + self.largest_scratch.scratch_total
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+    def biggest(self, count: int = 3) -> list[Footprint]:
+        return sorted(self.footprints, key=lambda f: f.written + f.scratch_total, reverse=True)[:count]
+
+
+def disk_plan(cfg, shapes: Shapes, budget_gib: float | None = None, stages: Iterable | None = None) -> DiskPlan:
+    """Each stage's disk footprint against ``budget_gib`` (default: the free space of the checkout's filesystem,
+    the folder of the params file)."""
+    from foresight.stages import STAGES
+
+    footprints = []
+    for stage in STAGES if stages is None else stages:
+        if stage.name not in DISK_ESTIMATORS:
+            raise KeyError(f"foresight plan has no disk model for stage {stage.name!r} (foresight/memory.py)")
+        footprints.append(DISK_ESTIMATORS[stage.name](stage.name, cfg, shapes, dtype_bytes(cfg.policy.dtype)))
+    if budget_gib is not None:
+        return DiskPlan(footprints, budget_gib * GIB, "--disk")
+    return DiskPlan(footprints, shutil.disk_usage(cfg.root).free, f"free on the filesystem of {cfg.root}")
+
+
+def render_disk(disk: DiskPlan) -> str:
+    """The disk plan as a text table, the run's total and the verdict."""
+    header = f"{'stage':<18} {'written':>8} {'scratch':>8}  breakdown (GiB)"
+    lines = ["Disk (GiB), each artifact counted once: DVC's cache linked to the workspace (cache.type hardlink / "
+             "symlink), MLflow registering a manifest of each large file instead of a copy, no push to a DVC remote "
+             "in the checkout", header, "-" * len(header)]
+    for f in disk.footprints:
+        parts = {**f.writes, **f.scratch}
+        breakdown = ", ".join(f"{name} {size / GIB:.1f}" for name, size in parts.items())
+        breakdown = "; ".join(part for part in (breakdown, f.note) if part)
+        lines.append(f"{f.stage:<18} {f.written / GIB:>8.1f} {f.scratch_total / GIB:>8.1f}  {breakdown}")
+    scratch = disk.largest_scratch
+    verdict = "fits" if disk.fits else ("DOES NOT FIT; the biggest stages: " + ", ".join(
+        f"{f.stage} {(f.written + f.scratch_total) / GIB:.1f}" for f in disk.biggest()))
+    lines += ["", f"Run total: {disk.total / GIB:.1f} GiB (outputs {disk.outputs / GIB:.1f} + the largest scratch "
+              f"{scratch.scratch_total / GIB:.1f}, {scratch.stage}) against {disk.budget / GIB:.1f} GiB "
+              f"({disk.source}): {verdict}",
+              f"Text tables at {TEXT_BYTES_PER_TOKEN} B per token; a re-run of a stage with other params keeps the "
+              "old outputs in DVC's cache until `dvc gc`."]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -538,7 +885,9 @@ def render(plans: list[StagePlan], shape: ModelShape, cfg, capacity_gib: float, 
     lines += ["", "Assumptions: weights in the policy dtype; trained parameters + fp32 master (4 B) + fp32 grads (4 B) "
               "+ AdamW (8 B); full-FT references a second copy (LoRA: adapters disabled); activations 34 B (2 B "
               "checkpointed) per token × hidden × layer (Korthikanti et al. 2022); fp32 vocabulary logits where "
-              f"materialised; KV cache at {PROMPT_TOKENS} prompt tokens + new tokens; per-process batch = batch_size."]
+              f"materialised; hidden states of every layer only where the SLA reward channel reads them, else the last "
+              f"layer's; KV cache at {prompt_tokens(cfg)} prompt tokens (prompts.max_prompt_tokens, else "
+              f"{PROMPT_TOKENS}) + new tokens; per-process batch = batch_size."]
     return "\n".join(lines)
 
 

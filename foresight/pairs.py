@@ -4,7 +4,11 @@ Per prompt, with ``pairing: all`` (the default): every (chosen, rejected) pair o
 by more than ``min_score_gap`` — under the verifiable labeler, every (correct, incorrect) pair, so 2 right and 2
 wrong answers give 4 pairs where best–worst gives 1, and the reward channel trains on all of them. With
 ``pairing: best_worst``: the highest-scoring sample against the lowest only. Either way the prompt's best–worst
-pair is flagged (``best_worst``), so DPO can keep to one pair per prompt (``dpo.pairs``). A prompt whose best
+pair is flagged (``best_worst``), so DPO can keep to one pair per prompt (``dpo.pairs``). ``max_pairs_per_prompt``
+caps ``all``: continuous scores (a reward model's) are all distinct, so n samples give C(n, 2) pairs (every pair
+one forward of each response per reward-training epoch); the cap keeps the widest score gaps, ties broken by the
+chosen, then the rejected sample's index, which puts the best–worst pair first (its gap is the widest, and its
+samples are the lowest-indexed best and worst), so it always stays. A prompt whose best
 and worst scores differ by no more than ``min_score_gap`` (all equal, a single sample, all right or all wrong
 under the verifiable labeler) carries no preference and is dropped and counted. Ties for best or worst are
 broken by sample index, so the result is deterministic.
@@ -32,16 +36,19 @@ Pairing = Literal["all", "best_worst"]
 """Which pairs of a prompt's samples :func:`make_pairs` builds (``validate.pairing``)."""
 
 
-def make_pairs(scores: pd.DataFrame, min_score_gap: float = 0.0,
-               pairing: Pairing = "all") -> tuple[pd.DataFrame, dict]:
+def make_pairs(scores: pd.DataFrame, min_score_gap: float = 0.0, pairing: Pairing = "all",
+               max_pairs_per_prompt: int | None = None) -> tuple[pd.DataFrame, dict]:
     """The (chosen, rejected) pairs of every prompt with a score spread; returns the pairs and their counts.
 
     Rows are grouped by prompt, chosen then rejected in sample order; exactly one row per paired prompt has
-    ``best_worst`` true. ``pair_yield`` is the share of prompts that give at least one pair.
+    ``best_worst`` true. ``pair_yield`` is the share of prompts that give at least one pair; ``num_pairs_uncapped``
+    counts the pairs before ``max_pairs_per_prompt`` (None: no cap) kept the widest gaps of each prompt.
     """
+    if max_pairs_per_prompt is not None and max_pairs_per_prompt < 1:
+        raise ValueError(f"max_pairs_per_prompt must be at least 1 (or None: no cap), got {max_pairs_per_prompt}")
     rows = []
     dropped = {"single_sample": 0, "no_spread": 0}
-    paired_prompts = 0
+    paired_prompts = uncapped = 0
     ordered = scores.sort_values(["prompt_id", "sample_index"], kind="stable").reset_index(drop=True)
     for prompt_id, group in ordered.groupby("prompt_id", sort=True):
         if len(group) < 2:
@@ -57,6 +64,11 @@ def make_pairs(scores: pd.DataFrame, min_score_gap: float = 0.0,
             (i, j) for i in group.index for j in group.index
             if group.loc[i, "score"] - group.loc[j, "score"] > min_score_gap
         ]
+        uncapped += len(candidates)
+        if max_pairs_per_prompt is not None and len(candidates) > max_pairs_per_prompt:
+            gap = {(i, j): group.loc[i, "score"] - group.loc[j, "score"] for i, j in candidates}
+            kept = set(sorted(candidates, key=lambda ij: (-gap[ij], *ij))[:max_pairs_per_prompt])
+            candidates = [pair for pair in candidates if pair in kept]  # still in sample order
         for i, j in candidates:
             chosen, rejected = group.loc[i], group.loc[j]
             rows.append({
@@ -71,6 +83,7 @@ def make_pairs(scores: pd.DataFrame, min_score_gap: float = 0.0,
     stats = {
         "num_prompts": num_prompts,
         "num_pairs": len(rows),
+        "num_pairs_uncapped": uncapped,
         "dropped_single_sample": dropped["single_sample"],
         "dropped_no_spread": dropped["no_spread"],
         "pair_yield": paired_prompts / num_prompts if num_prompts else 0.0,

@@ -293,12 +293,32 @@ def prepare_policy_task(cfg: Config) -> StageResult:
 
 @task(name="prepare-prompts", cache_policy=NO_CACHE)
 def prepare_prompts_task(cfg: Config) -> StageResult:
-    """Read the prompt source and write the deterministic train / eval splits."""
-    from foresight.prompts import load_prompts
+    """Read the prompt source and write the deterministic train / eval splits without the prompts longer than
+    ``prompts.max_prompt_tokens`` in the policy's chat template (:func:`foresight.prompts.drop_long_prompts`; the
+    policy's tokenizer and config.json are read, not its weights)."""
+    from transformers import AutoTokenizer
+
+    from foresight.prompts import drop_long_prompts, load_prompts, policy_context_length, resolve_max_prompt_tokens
+    from models.engine.policy import policy_path
     from models.labeling.answers import unreadable_references
 
     started = time.perf_counter()
+    logger = get_run_logger()
+    policy = policy_path(cfg.path(cfg.paths.policy_dir))
+    trust_remote_code = cfg.policy.trust_remote_code
+    reward_model_length = cfg.label.max_length if cfg.label.labeler != "verifiable" else None
+    limit = resolve_max_prompt_tokens(cfg.prompts.max_prompt_tokens, policy_context_length(policy, trust_remote_code),
+                                      cfg.generate.max_new_tokens, reward_model_length)
     train, held_out = load_prompts(cfg.prompts, cfg.root)
+    tokenizer = AutoTokenizer.from_pretrained(policy, trust_remote_code=trust_remote_code)
+    kept, counts = drop_long_prompts({"train": train, "eval": held_out}, tokenizer, cfg.prompts.system_prompt, limit)
+    dropped = {split: [n for n in split_counts if n > limit] for split, split_counts in counts.items()}
+    if any(dropped.values()):
+        logger.warning("dropped %d prompt(s) longer than prompts.max_prompt_tokens = %d tokens in the policy's chat "
+                       "template (%d training, %d held-out; the longest %d tokens)",
+                       sum(map(len, dropped.values())), limit, len(dropped["train"]), len(dropped["eval"]),
+                       max(max(d, default=0) for d in dropped.values()))
+    train, held_out = kept["train"], kept["eval"]
     paths = {split: _prompt_split_path(cfg, split) for split in ("train", "eval")}
     write_table(train, paths["train"])
     write_table(held_out, paths["eval"])
@@ -308,10 +328,16 @@ def prepare_prompts_task(cfg: Config) -> StageResult:
         "num_eval": len(held_out),
         "with_answer": float(train["answer"].notna().mean()),
         "unparseable_references": len(unreadable),
+        "max_prompt_tokens": limit,
+        "longest_prompt_tokens": max((n for split_counts in counts.values() for n in split_counts if n <= limit),
+                                     default=0),
+        "dropped_long_prompts": sum(map(len, dropped.values())),
+        "dropped_long_train": len(dropped["train"]),
+        "dropped_long_eval": len(dropped["eval"]),
         "wall_seconds": time.perf_counter() - started,
     }
-    logger = get_run_logger()
-    logger.info("prompts: %d train, %d eval from source '%s'", len(train), len(held_out), cfg.prompts.source)
+    logger.info("prompts: %d train, %d eval from source '%s' (at most %d tokens each in the policy's chat template)",
+                len(train), len(held_out), cfg.prompts.source, limit)
     if len(unreadable):
         logger.warning("%d reference answer(s) have no answer the verifiable labeler can read (a number, '#### X', "
                        "'\\boxed{X}', 'The answer is N'), e.g. %s; with label.labeler: verifiable the label stage "
@@ -334,11 +360,12 @@ def generate_task(cfg: Config) -> StageResult:
     started = time.perf_counter()
     prompts_df = read_prompts(cfg, "train")
     sampling = component(Sampling, cfg.generate)
-    sampler, tokenizer, device = _sampler(cfg, sampling)
+    engine, tokenizer, device = _sampler(cfg, sampling, logger)
     prompts = chat_prompts(tokenizer, prompts_df["question"].tolist(), cfg.prompts.system_prompt)
     output = cfg.path(cfg.paths.samples)
     # what decides the shards' contents: another value of any of these makes old shards useless
-    spec = {"generate": cfg.generate.model_dump(), "policy": cfg.policy.model_dump(),
+    # (not where vLLM's venv lives: a path on this machine, not a setting of the draws)
+    spec = {"generate": cfg.generate.model_dump(exclude={"vllm_python"}), "policy": cfg.policy.model_dump(),
             "policy_manifest": _policy_manifest(cfg), "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest()}
     # under `accelerate launch` (launch.num_processes) each process samples every N-th batch: a batch's draws
     # depend on its index only, so the table is the one process's, row for row
@@ -357,13 +384,14 @@ def generate_task(cfg: Config) -> StageResult:
     bar = tqdm(total=len(batches), initial=len(resumed), desc="generate", unit="batch",
                disable=not accelerator.is_local_main_process)
     new_tokens, seconds = 0, 0.0
-    for b, completions, batch_seconds in sample_batches(sampler, prompts, sampling.batch_size,
-                                                        skip=set(batches) - mine):
-        shards.write(b, _sample_rows(cfg, sampling, prompts_df, prompts, completions))
-        new_tokens += sum(c.response_tokens for c in completions)
-        seconds += batch_seconds
-        bar.update(min(accelerator.num_processes, bar.total - bar.n))  # the others advance alike
-        progress(100.0 * bar.n / len(batches))
+    with engine as sampler:  # vLLM: its worker process lives while this process samples
+        for b, completions, batch_seconds in sample_batches(sampler, prompts, sampling.batch_size,
+                                                            skip=set(batches) - mine):
+            shards.write(b, _sample_rows(cfg, sampling, prompts_df, prompts, completions))
+            new_tokens += sum(c.response_tokens for c in completions)
+            seconds += batch_seconds
+            bar.update(min(accelerator.num_processes, bar.total - bar.n))  # the others advance alike
+            progress(100.0 * bar.n / len(batches))
     bar.close()
     totals = accelerator.reduce(torch.tensor([new_tokens, seconds], dtype=torch.float64, device=accelerator.device))
     new_tokens, seconds = int(totals[0]), float(totals[1]) / accelerator.num_processes  # processes run side by side
@@ -390,15 +418,18 @@ def generate_task(cfg: Config) -> StageResult:
     return StageResult(metrics=metrics, tables={"samples": out})
 
 
-def _sampler(cfg: Config, sampling):
-    """The configured engine (:class:`models.engine.generation.Sampler`), the policy's tokenizer and the device it
-    runs on. vLLM loads the weights itself: the HF model is never loaded beside it."""
+def _sampler(cfg: Config, sampling, logger):
+    """The configured engine, a context manager that gives its :class:`models.engine.generation.Sampler`; the
+    policy's tokenizer; the device it runs on. vLLM loads the weights itself, in its worker process (its own venv,
+    ``generate.vllm_python``; entering starts it, leaving stops it): the HF model is never loaded beside it."""
+    from contextlib import nullcontext
+
     from models.engine.config import PolicySpec
     from models.engine.generation import HFSampler
 
     if sampling.engine == "hf":
         policy = load_stage_policy(cfg, "base")
-        return HFSampler(policy, sampling), policy.tokenizer, policy.device
+        return nullcontext(HFSampler(policy, sampling)), policy.tokenizer, policy.device
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from models.engine.generation import generation_end_token_ids
@@ -413,8 +444,9 @@ def _sampler(cfg: Config, sampling):
     except OSError:  # no generation_config.json: the model config's end tokens
         generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
     eos = generation_end_token_ids(generation_config, tokenizer)
-    return VLLMSampler(path, spec, sampling, tokenizer, eos, sampling.tensor_parallel_size), tokenizer, resolve_device(
-        spec.device)
+    sampler = VLLMSampler(sampling.vllm_python, path, spec, sampling, tokenizer, eos, sampling.tensor_parallel_size,
+                          logger)
+    return sampler, tokenizer, resolve_device(spec.device)
 
 
 def _policy_manifest(cfg: Config) -> str:
@@ -486,8 +518,13 @@ def label_task(cfg: Config) -> StageResult:
     if objectives is not None:
         table["objective_rewards"] = objectives
     out = write_table(table, cfg.path(cfg.paths.scores))
+    if labeler.truncated_responses:
+        logger.warning("%d of %d responses were cut to fit label.max_length = %d tokens (the prompt and the end of "
+                       "turn kept): their scores judge a response's beginning", labeler.truncated_responses,
+                       len(labeled), cfg.label.max_length)
     metrics = {"num_scored": len(labeled), "mean_reward": float(labeled["score"].mean()),
-               "unparseable_references": unreadable, "seconds_per_1k_samples": 1000 * scoring_seconds / len(labeled),
+               "unparseable_references": unreadable, "truncated_responses": labeler.truncated_responses,
+               "seconds_per_1k_samples": 1000 * scoring_seconds / len(labeled),
                "wall_seconds": time.perf_counter() - started}
     known = labeled["correct"].dropna()
     if len(known):
@@ -508,7 +545,8 @@ def validate_task(cfg: Config) -> StageResult:
     started = time.perf_counter()
     samples = read_table(cfg.path(cfg.paths.samples), "samples")
     scores = read_table(cfg.path(cfg.paths.scores), "scores")
-    pairs, pair_stats = make_pairs(scores, cfg.validate_.min_score_gap, cfg.validate_.pairing)
+    pairs, pair_stats = make_pairs(scores, cfg.validate_.min_score_gap, cfg.validate_.pairing,
+                                   cfg.validate_.max_pairs_per_prompt)
     docs_dir = cfg.path(cfg.paths.reports_dir) / "datadocs"
     summary = validate_tables(
         {
@@ -519,8 +557,9 @@ def validate_task(cfg: Config) -> StageResult:
         docs_dir,
     )
     out = write_table(pairs, cfg.path(cfg.paths.pairs))
-    logger.info("validation passed; %d pairs (%s) from %d prompts (Data Docs: %s)", pair_stats["num_pairs"],
-                cfg.validate_.pairing, pair_stats["num_prompts"], summary["docs_index"])
+    logger.info("validation passed; %d pairs (%s, %d before validate.max_pairs_per_prompt) from %d prompts (Data "
+                "Docs: %s)", pair_stats["num_pairs"], cfg.validate_.pairing, pair_stats["num_pairs_uncapped"],
+                pair_stats["num_prompts"], summary["docs_index"])
     metrics = dict(pair_stats)
     for name, suite in summary["suites"].items():
         metrics[f"{name}_expectations_passed"] = suite["successful"]

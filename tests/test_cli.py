@@ -77,3 +77,12 @@ def test_ui_serves_mlflow_and_prefect_on_loopback_and_stops_both(tmp_path):
     for url in (f"http://127.0.0.1:{mlflow_port}/health", f"http://127.0.0.1:{prefect_port}/api/health"):
         with pytest.raises(OSError):
             urllib.request.urlopen(url, timeout=2)
+
+
+def test_pipeline_refuses_a_params_file_its_stages_would_not_read(tmp_path, capsys):
+    """``dvc repro``'s stages read params.yaml: a preset given to ``pipeline``/``run`` must be copied there, not
+    planned from one file and run from another (``plan``/``check`` take it as it is)."""
+    preset = Path(__file__).resolve().parents[1] / "configs" / "llama3-8b.yaml"
+    assert main(["pipeline", "--params", str(preset)]) == 2
+    assert main(["run", "generate", "--params", str(preset)]) == 2
+    assert f"cp {preset} params.yaml" in capsys.readouterr().err

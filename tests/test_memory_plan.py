@@ -1,5 +1,6 @@
 """``foresight plan`` (foresight/memory.py): parameters counted on the meta device from a config.json alone, each
-stage's peak GPU memory, the knob that makes a stage fit, and the CLI's table and exit code.
+stage's peak GPU memory, the knob that makes a stage fit, each stage's disk footprint against a budget, and the
+CLI's tables and exit code.
 
 References: Llama-3-8B-Instruct's published config and size (8.03 B parameters), SmolLM2-135M's (~135 M).
 """
@@ -11,7 +12,8 @@ import yaml
 
 from foresight.cli import main
 from foresight.config import parse_config
-from foresight.memory import GIB, PROMPT_TOKENS, Shapes, labeler_shape, model_shape, plan, policy_config
+from foresight.memory import (GIB, PROMPT_TOKENS, Shapes, disk_plan, labeler_shape, model_shape, plan,
+                              policy_config)
 from foresight.stages import STAGES
 
 LORA_EVERYWHERE = {section: {"lora_rank": 16} for section in ("dpo", "coral", "mtp_rl")}
@@ -166,7 +168,7 @@ def test_the_cli_exits_0_when_every_stage_fits(tmp_path, smollm_135m, capsys):
     """The default params (full fine-tuning, fp32 weights) with a 135M policy fit a 24 GiB GPU."""
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump({"policy": {"model": str(smollm_135m)}}))
-    assert main(["--params", str(path), "plan", "--gpu-memory", "24", "--gpus", "1"]) == 0
+    assert main(["--params", str(path), "plan", "--gpu-memory", "24", "--gpus", "1", "--disk", "64"]) == 0
     out = capsys.readouterr().out
     assert "0.13 B parameters" in out and " NO " not in out
 
@@ -216,3 +218,98 @@ def test_the_grpo_kv_cache_counts_the_largest_batch_decoded_and_its_junk(tmp_pat
         "group_size": 32, "eval_batch_size": 8, "rollout_batch_size": 16}})
     rl = _by_stage(plan(cfg, 40, 1, shapes=llama3_shapes))["train_mtp_rl"]
     assert not rl.fits and rl.fix["mtp_rl.update_batch_size"] < 256 and "mtp_rl.group_size" not in rl.fix, rl.fix
+
+
+def test_every_layers_hidden_states_only_where_the_reward_channel_reads_them(tmp_path, llama3_8b, llama3_shapes):
+    """The SLA reward channel reads all L + 1 hidden states (training on pairs, SLA's prefill); the engine's, Medusa's
+    and MTP's prefills keep the last layer's. By hand, bf16, hidden 4096, 33 tensors for 32 layers; prompts at
+    prompts.max_prompt_tokens (1024 here)."""
+    cfg = _cfg(tmp_path, llama3_8b, **{
+        **LORA_EVERYWHERE, "prompts": {"max_prompt_tokens": 1024}, "reward": {"batch_size": 4, "max_length": 1600},
+        "sla_benchmark": {"batch_size": 8}, "medusa_benchmark": {"batch_size": 16},
+        "mtp": {"batch_size": 8, "max_length": 1600},
+        "mtp_rl": {"lora_rank": 16, "prompts_per_step": 4, "group_size": 8, "eval_batch_size": 8}})
+    plans = _by_stage(plan(cfg, 80, 1, shapes=llama3_shapes))
+    parts = {name: p.estimate.parts for name, p in plans.items()}
+    all_layers = {name for name, p in parts.items() if "hidden states (all layers)" in p}
+    assert all_layers == {"train_reward", "train_reward_dpo", "benchmark_sla"}
+    assert parts["train_reward"]["hidden states (all layers)"] == 2 * 4 * 1600 * 4096 * 33 * 2  # both responses
+    assert parts["benchmark_sla"]["hidden states (all layers)"] == 8 * 1024 * 4096 * 33 * 2  # the batch's prompts
+    assert parts["benchmark_medusa"]["hidden states (last layer)"] == 16 * 1024 * 4096 * 2
+    assert parts["train_mtp"]["hidden states (last layer)"] == 8 * 1600 * 4096 * 2
+    assert parts["train_mtp_rl"]["hidden states (last layer)"] == 32 * 1024 * 4096 * 2  # a step's 4 × 8 rollouts
+    # the KV caches count prompts.max_prompt_tokens, not the 256-token default
+    per_token = 32 * 2 * 8 * 128 * 2
+    g = cfg.generate
+    assert parts["generate"]["KV cache"] == g.batch_size * g.num_samples * (1024 + g.max_new_tokens) * per_token
+
+
+def test_armorm_is_counted_as_its_native_module(tmp_path, llama3_8b, llama3_shapes):
+    """ArmoRM's config.json (vocab 128257 with [PAD] inside, 19 objectives, 3 gating layers of 1024): the backbone
+    and its heads, no LM head — 7,511,320,957 parameters (the native module's count, the hub's 7.51 B); in the
+    checkpoint's bf16."""
+    import torch
+    from transformers import LlamaConfig
+
+    from models.labeling.armorm import ArmoRM
+
+    config = LlamaConfig(vocab_size=128257, pad_token_id=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=False, dtype="bfloat16")
+    config.num_objectives, config.gating_temperature, config.gating_hidden_dim, config.gating_n_hidden = 19, 10, 1024, 3
+    config.save_pretrained(tmp_path / "armorm")
+    cfg = _cfg(tmp_path, llama3_8b, label={"labeler": "armorm", "model": str(tmp_path / "armorm")})
+    shape = labeler_shape(cfg, llama3_shapes.policy)
+    with torch.device("meta"):
+        native = sum(p.numel() for p in ArmoRM(config).parameters())
+    assert shape.parameters == native == 7_511_320_957 and shape.checkpoint_bytes == 2 and not shape.note
+
+
+def test_disk_per_stage_by_hand_and_the_run_total(tmp_path, llama3_8b, llama3_shapes):
+    """A local policy folder is read in place; DPO and COrAL save whole bf16 models; Medusa's distillation cache
+    holds each response position's final state; train_mtp's states of whole sequences are scratch. Defaults: 96
+    training prompts, Medusa on 384 task + 64 general prompts (64 new tokens), MTP at 256 tokens."""
+    cfg = _cfg(tmp_path, llama3_8b, **LORA_EVERYWHERE)
+    disk = _by_stage_disk(disk_plan(cfg, llama3_shapes, budget_gib=64))
+    params = llama3_shapes.policy.parameters
+    assert disk["prepare_policy"].writes == {} and "read in place" in disk["prepare_policy"].note
+    assert disk["dpo"].writes == {"DPO policy": 2 * params}
+    assert disk["train_coral"].writes == {"COrAL model": 2 * params}
+    responses = 384 + 64
+    assert disk["train_medusa"].writes["final hidden states (distillation cache)"] == responses * 64 * 4096 * 2
+    assert disk["train_mtp"].scratch == {"final hidden states (in $TMPDIR)": responses * 256 * 4096 * 2}
+    # the samples table: 96 prompts × 4 samples, each question + prompt (256 tokens each) + response (64), 4 B a token
+    assert disk["generate"].writes == {"samples table": 96 * 4 * (2 * 256 + 64) * 4}
+    # verifiable labels: pairs of right and wrong answers, at most C(4, 2) = 6 per prompt
+    assert disk["validate"].writes == {"pairs table": 96 * 6 * (2 * 256 + 2 * 64) * 4}
+    plan_ = disk_plan(cfg, llama3_shapes, budget_gib=64)
+    assert plan_.total == sum(f.written for f in plan_.footprints) + responses * 256 * 4096 * 2
+    capped = _cfg(tmp_path, llama3_8b, validate={"max_pairs_per_prompt": 2})
+    assert _by_stage_disk(disk_plan(capped, llama3_shapes, 64))["validate"].writes["pairs table"] == 96 * 2 * 640 * 4
+
+
+def _by_stage_disk(disk):
+    return {f.stage: f for f in disk.footprints}
+
+
+def test_the_disk_budget_defaults_to_the_free_space_of_the_checkout(tmp_path, llama3_8b, llama3_shapes):
+    import shutil
+
+    disk = disk_plan(_cfg(tmp_path, llama3_8b), llama3_shapes)
+    assert disk.budget == pytest.approx(shutil.disk_usage(tmp_path).free, rel=0.01)
+    assert str(tmp_path.resolve()) in disk.source
+
+
+def test_the_cli_exits_1_and_names_the_biggest_stages_when_the_disk_does_not_fit(tmp_path, llama3_8b, capsys):
+    """Every stage fits the GPU (LoRA); the run's ~32 GiB (two 15 GiB models: DPO and COrAL) fit a 64 GiB budget and
+    not a 20 GiB one."""
+    params = _params(tmp_path, llama3_8b, **LORA_EVERYWHERE)
+    assert main(["--params", params, "plan", "--gpu-memory", "80", "--gpus", "1", "--disk", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "each artifact counted once: DVC's cache linked" in out and "against 64.0 GiB (--disk): fits" in out
+    assert next(line for line in out.splitlines() if line.startswith("dpo ") and "DPO policy 15.0" in line)
+    assert main(["--params", params, "plan", "--gpu-memory", "80", "--gpus", "1", "--disk", "20"]) == 1
+    out = capsys.readouterr().out
+    total = float(out.split("Run total: ")[1].split(" GiB")[0])
+    assert 30 < total < 40
+    assert "against 20.0 GiB (--disk): DOES NOT FIT; the biggest stages: dpo 15.0, train_coral 15.0" in out

@@ -22,8 +22,8 @@ def test_best_and_worst_are_paired():
     a = pairs.set_index("prompt_id").loc["a"]
     assert (a.chosen, a.rejected, a.chosen_score, a.rejected_score) == ("r a 1", "r a 2", 0.9, -0.5)
     assert a.score_gap == 0.9 - (-0.5) and a.chosen_sample_id == "a/1"
-    assert stats == {"num_prompts": 2, "num_pairs": 2, "dropped_single_sample": 0, "dropped_no_spread": 0,
-                     "pair_yield": 1.0, "pairs_per_prompt": 1.0}
+    assert stats == {"num_prompts": 2, "num_pairs": 2, "num_pairs_uncapped": 2, "dropped_single_sample": 0,
+                     "dropped_no_spread": 0, "pair_yield": 1.0, "pairs_per_prompt": 1.0}
 
 
 def test_all_pairs_of_right_and_wrong_answers():
@@ -50,6 +50,30 @@ def test_all_pairs_with_real_valued_scores_and_a_gap():
         ["r/2", "r/1"]]
     assert stats["dropped_no_spread"] == 1 and stats["pair_yield"] == 0.5 and stats["pairs_per_prompt"] == 5.0
     assert (pairs["chosen_score"] > pairs["rejected_score"]).all()
+
+
+def test_a_cap_keeps_the_widest_gaps_of_each_prompt_and_counts_what_it_dropped():
+    """Continuous scores: 5 distinct samples give C(5, 2) = 10 pairs. Prompt c: scores 0.9, 0.1, 0.5, -0.3, 0.5+.
+    Gaps by hand, widest first: (0, 3) 1.2, (4, 3) 0.81, (0, 1) 0.8, (2, 3) 0.8, (4, 1) 0.41, ... — a cap of 3 keeps
+    (0, 3), (4, 3) and, of the two 0.8 gaps, (0, 1) (lower chosen index: 0 < 2). Prompt d (2 samples, 1 pair) is
+    under the cap; prompt e's 3 tied-gap pairs keep the lowest (chosen, rejected) indices."""
+    frame = scores_frame([("c", 0, 0.9), ("c", 1, 0.1), ("c", 2, 0.5), ("c", 3, -0.3), ("c", 4, 0.51),
+                          ("d", 0, 0.0), ("d", 1, 1.0),
+                          ("e", 0, 1.0), ("e", 1, 1.0), ("e", 2, 0.0), ("e", 3, 0.0)])
+    uncapped, before = make_pairs(frame)
+    assert before["num_pairs"] == before["num_pairs_uncapped"] == 10 + 1 + 4
+    pairs, stats = make_pairs(frame, max_pairs_per_prompt=3)
+    kept = list(zip(pairs["prompt_id"], pairs["chosen_sample_id"], pairs["rejected_sample_id"]))
+    # in sample order (chosen, then rejected), as without the cap
+    assert kept == [("c", "c/0", "c/1"), ("c", "c/0", "c/3"), ("c", "c/4", "c/3"), ("d", "d/1", "d/0"),
+                    ("e", "e/0", "e/2"), ("e", "e/0", "e/3"), ("e", "e/1", "e/2")]
+    assert stats["num_pairs"] == 7 and stats["num_pairs_uncapped"] == 15 and stats["pairs_per_prompt"] == 7 / 3
+    # every prompt keeps its best–worst pair: the widest gap, lowest indices first
+    assert pairs.loc[pairs["best_worst"], "chosen_sample_id"].tolist() == ["c/0", "d/1", "e/0"]
+    assert pairs.loc[pairs["best_worst"], "rejected_sample_id"].tolist() == ["c/3", "d/0", "e/2"]
+    one, _ = make_pairs(frame, max_pairs_per_prompt=1)
+    assert one.drop(columns="best_worst").equals(make_pairs(frame, pairing="best_worst")[0].drop(columns="best_worst"))
+    assert make_pairs(frame, max_pairs_per_prompt=100)[0].equals(uncapped)
 
 
 def test_ties_single_samples_and_all_equal():
