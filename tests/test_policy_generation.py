@@ -1,6 +1,8 @@
 """Policy resolution (alias, folder, hub id) and batched sampling."""
 
+import importlib.metadata
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -49,8 +51,12 @@ def test_missing_folder_and_offline_hub_id_fail_clearly(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(PolicyNotFoundError, match="no config.json"):
         prepare_policy(PolicySpec(model=str(tmp_path / "empty")), tmp_path / "p")
-    with pytest.raises(PolicyNotFoundError, match=r"not in the Hugging Face cache.*huggingface-cli download"):
+    with pytest.raises(PolicyNotFoundError, match=r"not in the Hugging Face cache.*`hf download") as err:
         prepare_policy(PolicySpec(model="nobody/not-a-real-model-xyz"), tmp_path / "p")
+    # the commands the hint names are ones the installed huggingface_hub ships (2.4 dropped huggingface-cli)
+    shipped = {e.name for e in importlib.metadata.distribution("huggingface_hub").entry_points
+               if e.group == "console_scripts"}
+    assert set(re.findall(r"`([\w-]+) ", str(err.value))) <= shipped
     with pytest.raises(PolicyNotFoundError, match="run the prepare_policy stage first"):
         load_policy(PolicySpec(), tmp_path / "never-prepared")
 

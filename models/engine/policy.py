@@ -163,8 +163,9 @@ def _hub_snapshot(model_id: str, revision: str | None) -> Path:
         raise PolicyNotFoundError(
             f"policy.model '{model_id}' is not a local folder and is not in the Hugging Face cache, and the hub "
             "cannot be reached (offline or HF_HUB_OFFLINE=1). Provide it by either: running once with network "
-            f"access (`huggingface-cli download {model_id}`), copying the model folder here and setting "
-            "policy.model to its path, or using the embedded 'smollm2-135m-instruct'."
+            f"access (`hf download {model_id}`; a gated model such as Llama-3 needs `hf auth login` first), copying "
+            "the model folder here and setting policy.model to its path, or using the embedded "
+            "'smollm2-135m-instruct'."
         ) from None
     except HfHubHTTPError as err:
         raise PolicyNotFoundError(f"policy.model '{model_id}' could not be fetched from the hub: {err}") from None
