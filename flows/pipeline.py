@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.stages import metrics_path, run_streaming
 from foresight.claims import claims_markdown, claims_table, write_claims
 from foresight.config import Config, load_config
-from foresight.stages import STAGES
+from foresight.stages import STAGES, sync_dvc_yaml
 from foresight.tracking import PARENT_RUN_ENV, headline_metrics, pipeline_run
 
 
@@ -96,13 +97,23 @@ def stage_metrics(cfg: Config) -> dict[str, dict]:
             for stage in STAGES}
 
 
-def stage_table(every: dict[str, dict], ran: list[str]) -> list[dict]:
+def stale_stages(root: Path) -> set[str]:
+    """The stages ``dvc status`` finds out of date (changed deps, params or outputs, or never run)."""
+    proc = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"dvc status failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return set(json.loads(proc.stdout or "{}"))
+
+
+def stage_table(every: dict[str, dict], ran: list[str], stale: set[str]) -> list[dict]:
     """One row per stage, in pipeline order, from ``every`` stage's metrics (:func:`stage_metrics`): whether it ran
-    now, its wall time and headline metrics."""
+    now, is up to date or is ``stale`` (``dvc status``: its metrics are those of an older run, or none), its wall
+    time and headline metrics."""
     rows = []
     for stage in STAGES:
         metrics = every[stage.name]
-        row = {"stage": stage.name, "status": "ran" if stage.name in ran else "up to date",
+        status = "ran" if stage.name in ran else "stale" if stage.name in stale else "up to date"
+        row = {"stage": stage.name, "status": status,
                "seconds": round(metrics.get("stage_seconds", float("nan")), 1)}
         for key in stage.headline:
             if key in metrics:  # an optional part (MTP's depth ablation, say) may be switched off
@@ -134,10 +145,12 @@ def pipeline_flow(params_path: str = "params.yaml", targets: list[str] | None = 
     """
     cfg = load_config(params_path)  # fail on malformed params before anything runs
     root = Path(params_path).resolve().parent
+    if resynced := sync_dvc_yaml(cfg):
+        get_run_logger().info("dvc.yaml rewritten: params.yaml names other local files for %s", ", ".join(resynced))
     with pipeline_run(cfg, "pipeline" if not targets else f"pipeline: {' '.join(targets)}") as run_id:
         ran = reproduce_task(root, run_id, targets or [], force, isolated)
         every = stage_metrics(cfg)
-        rows = stage_table(every, ran)
+        rows = stage_table(every, ran, stale_stages(root))
         claims = claims_table(every)
         claims_path = write_claims(claims, cfg.path(cfg.paths.reports_dir))
         import mlflow

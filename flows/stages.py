@@ -25,13 +25,16 @@ import importlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextvars import ContextVar
 from pathlib import Path
 
+import yaml
 from prefect import Flow, flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.utilities.annotations import quote
@@ -43,6 +46,7 @@ from foresight.stages import (
     RecordingConfig,
     Stage,
     resolve_path,
+    undeclared_files,
     undeclared_modules,
     undeclared_reads,
 )
@@ -101,15 +105,49 @@ def _check_declarations(stage: Stage, reads: set[str], modules: list[str] | None
                                   + "; ".join(problems))
 
 
+INTERRUPT_GRACE_S = 30.0
+"""How long an interrupted command (``dvc repro``, a stage's ``accelerate launch``) gets to end as interrupted (a
+stage reports its flow run crashed and restores its outputs) before what is left of it is killed."""
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:  # the whole group has ended
+        pass
+
+
 def run_streaming(cmd: list[str], cwd: Path, env: dict, what: str) -> list[str]:
-    """Run a command, forward each output line to the Prefect log, fail with its last lines."""
+    """Run a command, forward each output line to the Prefect log, fail with its last lines.
+
+    The command runs in a session of its own, so the terminal's Ctrl-C reaches this process only, and whatever
+    stops this process early (Ctrl-C; a cancellation, Prefect's ``TerminationSignal`` on SIGTERM; an error) is
+    passed on to the command's whole process group as one SIGINT, the signal every part of it ends cleanly on
+    (``dvc`` waits for its stage; a stage reports its flow run crashed, restores its outputs and exits 130) while
+    this process logs what they say; after :data:`INTERRUPT_GRACE_S`, or at a second interrupt, what is left of the
+    group is killed, so no process of the command outlives this one.
+    """
     logger = get_run_logger()
     lines: list[str] = []
-    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        for line in proc.stdout:
-            line = line.rstrip()
-            lines.append(line)
-            logger.info("%s", line)
+    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as proc:
+        try:
+            for line in proc.stdout:
+                line = line.rstrip()
+                lines.append(line)
+                logger.info("%s", line)
+        except BaseException:
+            _signal_group(proc.pid, signal.SIGINT)
+            deadline = threading.Timer(INTERRUPT_GRACE_S, _signal_group, (proc.pid, signal.SIGKILL))
+            deadline.start()
+            try:
+                for line in proc.stdout:  # until the whole group has closed its output: it has ended
+                    logger.info("%s", line.rstrip())
+            finally:
+                deadline.cancel()
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+            raise
     if proc.returncode != 0:
         tail = "\n".join(lines[-25:])
         raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")
@@ -196,6 +234,11 @@ def run_stage(stage: Stage, params_path: str, overrides: dict | None, parent_run
     from foresight.memory import preflight, visible_gpus
 
     cfg = load_config(params_path, overrides)
+    if _CHECK_MODULES.get() and (missing := undeclared_files(stage, cfg)):  # run by DVC, from its dvc.yaml
+        raise UndeclaredReadError(
+            f"stage {stage.name} reads {', '.join(missing)} (named in params.yaml), which dvc.yaml does not list "
+            "among its deps: DVC would not re-run it when the file changes. Run `foresight dvc-yaml > dvc.yaml` "
+            "(foresight run / pipeline do it for you)")
     preflight(stage, cfg, visible_gpus())  # on GPUs: fail now, naming the knob, rather than out of memory later
     started = time.perf_counter()
     sections = sorted({param.split(".")[0] for param in stage.params})  # logged to MLflow whole
@@ -251,6 +294,23 @@ STAGE_FLOWS: dict[str, Flow] = {stage.name: _stage_flow(stage) for stage in STAG
 globals().update({stage_flow.fn.__name__: stage_flow for stage_flow in STAGE_FLOWS.values()})
 
 
+def restore_outputs(stage_name: str, root: Path) -> str:
+    """Bring back the outputs DVC removed before running the failed stage: ``dvc checkout`` of the stage, the
+    versions its ``dvc.lock`` entry records, from the DVC cache (DVC leaves its repository unlocked while a stage's
+    command runs). Returns one line saying what happened, for the error message."""
+    recorded = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).get(stage_name, {}).get("outs", []) \
+        if (lock := root / "dvc.lock").is_file() else []
+    if not recorded:
+        return f"Stage {stage_name} had no earlier outputs to restore."
+    proc = subprocess.run([sys.executable, "-m", "dvc", "checkout", stage_name], cwd=root, capture_output=True,
+                          text=True)
+    paths = ", ".join(out["path"] for out in recorded)
+    if proc.returncode == 0 and all((root / out["path"]).exists() for out in recorded):
+        return f"Its previous outputs ({paths}) were restored from the DVC cache (dvc checkout {stage_name})."
+    return (f"Its previous outputs ({paths}) could not be restored (dvc checkout {stage_name}: "
+            f"{(proc.stdout + proc.stderr).strip()[-500:]}); `dvc checkout {stage_name}` retries.")
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m flows.stages STAGE [PARAMS_PATH]``: what each DVC stage runs (``--worker STAGE PARAMS
     OVERRIDES RESULT``: one process of a launched stage)."""
@@ -262,10 +322,16 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in STAGE_FLOWS:
         sys.exit(f"usage: python -m flows.stages {{{','.join(STAGE_FLOWS)}}} [params.yaml]")
     _CHECK_MODULES.set(True)
+    params_path = argv[1] if len(argv) > 1 else "params.yaml"
     try:
-        STAGE_FLOWS[argv[0]](params_path=argv[1] if len(argv) > 1 else "params.yaml")
+        STAGE_FLOWS[argv[0]](params_path=params_path)
     except Exception as err:  # the traceback is in the Prefect log; end with the cause, for dvc's output
-        sys.exit(f"ERROR: stage {argv[0]} failed: {type(err).__name__}: {err}")
+        sys.exit(f"ERROR: stage {argv[0]} failed: {type(err).__name__}: {err}\n"
+                 + restore_outputs(argv[0], Path(params_path).resolve().parent))
+    except KeyboardInterrupt:  # Ctrl-C: DVC waits for this process (it ignores SIGINT while a stage runs)
+        print(f"stage {argv[0]} interrupted. " + restore_outputs(argv[0], Path(params_path).resolve().parent),
+              file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 - ``foresight deploy --work-pool POOL``: the same deployments on Prefect work pools (GPU stages on POOL).
 - ``foresight ui``: the MLflow and Prefect UIs on loopback, until Ctrl-C.
 - ``foresight check``: validate ``params.yaml`` and print the resolved configuration.
-- ``foresight dvc-yaml``: print ``dvc.yaml`` as the stage table (``foresight/stages.py``) declares it.
+- ``foresight dvc-yaml``: print ``dvc.yaml`` as the stage table (``foresight/stages.py``) declares it, with the
+  local files the params name (a prompt file, a local model folder) as deps.
 - ``foresight plan``: each stage's estimated peak GPU memory against the GPUs, and the knob that makes a stage
   fit that does not, then each stage's disk footprint and the run's total against the free disk
   (``foresight/memory.py``); exit code 1 when a stage or the total does not fit.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -42,8 +44,27 @@ def _pipeline(args) -> int:
         print(f"foresight run: no stage {', '.join(unknown)}; the stages: {', '.join(s.name for s in STAGES)}",
               file=sys.stderr)
         return 2
-    result = pipeline_flow(params_path=str(Path(args.params).resolve()), targets=targets, force=args.force,
-                           push=args.push, isolated=args.isolated)
+    from prefect.exceptions import TerminationSignal
+
+    from foresight.prefect_api import prefect_api
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    # the stages run in a session of their own (flows.stages.run_streaming): a closed terminal (SIGHUP) or a kill
+    # (SIGTERM; inside a flow Prefect's own handler raises TerminationSignal) must stop them as Ctrl-C does rather
+    # than end this process alone and leave them running
+    signal.signal(signal.SIGHUP, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        with prefect_api():  # a temporary Prefect API outside the terminal's Ctrl-C, unless one is configured
+            result = pipeline_flow(params_path=str(Path(args.params).resolve()), targets=targets, force=args.force,
+                                   push=args.push, isolated=args.isolated)
+    except (KeyboardInterrupt, TerminationSignal):  # SIGTERM in a flow: TerminationSignal. The flow runs are
+        # marked crashed by now, the stage processes have ended
+        print(f"\nforesight {args.command}: interrupted; the stages that finished keep their outputs (dvc status "
+              "lists what is left); the same command goes on from there", file=sys.stderr)
+        return 130
     print("\n" + "=" * 72)
     print(f"Foresight {'pipeline' if not targets else ' '.join(targets)} finished. Stages:")
     for row in result["stages"]:
@@ -82,7 +103,6 @@ def _serve(args) -> int:
 def _ui(args) -> int:
     """Start the MLflow UI on the configured store and a Prefect server (its UI), both on loopback; print the URLs;
     stop both on Ctrl-C (or SIGTERM)."""
-    import signal
     import subprocess
     import time
     import urllib.request
@@ -148,7 +168,7 @@ def _check(args) -> int:
 def _dvc_yaml(args) -> int:
     from foresight.stages import render_dvc_yaml
 
-    print(render_dvc_yaml(), end="")
+    print(render_dvc_yaml(load_config(args.params)), end="")
     return 0
 
 

@@ -172,10 +172,13 @@ class PromptsConfig(_Section):
     """Held-out prompts for benchmarks; never sampled from in training stages."""
     seed: int = 0
     """Seed for problem generation and for the deterministic train/eval split."""
-    instruction: str | None = "End your answer with 'The answer is N.'"
+    instruction: str | None = 'End your answer with a sentence like "The answer is 42."'
     """Appended to every prompt that has a reference answer (all arithmetic problems; the rows of a dataset or file
     with an ``answer_column`` value), so the verifiable labeler can read the response's answer. ``null`` or empty:
-    none. Prompts without a reference (UltraFeedback) never get it."""
+    none. Prompts without a reference (UltraFeedback) never get it. The example is a concrete number a model can
+    imitate: a placeholder ("The answer is N.") copied verbatim reads as no marker, and the last number of the text
+    is then credited instead; a copied "42" is wrong unless 42 is the answer (1 % of the default arithmetic
+    problems)."""
     system_prompt: str | None = None
     """Optional system message placed before the user turn in the chat template."""
     max_prompt_tokens: int | None = Field(None, ge=1)
@@ -217,6 +220,13 @@ class GenerateConfig(_Section):
     chunk_tokens: int = Field(Sampling.chunk_tokens, ge=1)
     """New tokens per ``generate`` call: after each call the rows that have ended drop out and the rest go on
     from their KV cache, so finished rows stop costing compute (≥ ``max_new_tokens`` = one call per batch)."""
+    max_batch_tokens: int | None = Field(Sampling.max_batch_tokens, ge=1)
+    """Token budget of a batch (null = off: ``batch_size`` prompts each): a batch also holds at most this many
+    tokens, counted as rows (prompts × ``num_samples``) × (its longest prompt + ``max_new_tokens``), the KV cache
+    it can fill, since prompts are left-padded to the longest. Batches are cut in prompt order (the plan depends on
+    the prompts' token lengths only, so a resumed run forms the same batches); a prompt over the budget alone forms
+    its own batch, with a warning (``models.engine.generation.batch_plan``). ``hf`` engine only: vLLM pages its KV
+    cache and schedules sequences within its own memory budget."""
     seed: int = Sampling.seed
     """Sampling seed; batch b is seeded with seed + b (vLLM: prompt i with seed + i·num_samples, its sample s with
     + s), so outputs are reproducible and a resumed run draws what an uninterrupted one does."""
@@ -618,7 +628,10 @@ class MedusaBenchmarkConfig(_Section):
     max_new_tokens: int = Field(64, ge=1)
     """Longest output."""
     prompt_files: list[FileSourceConfig] = Field(default_factory=list)
-    """Extra prompt sets (local jsonl/parquet/csv files), each benchmarked like the held-out prompts."""
+    """Extra prompt sets (local jsonl/parquet/csv files), each benchmarked like the held-out prompts: ``num_prompts``
+    rows drawn across the whole file with ``seed``."""
+    seed: int = 0
+    """Seed of the rows drawn from each prompt file (the same draw on every machine)."""
     curve_batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 16])
     """The speed curve's batch sizes: HF batched greedy (left-padded, the reference) against each Medusa decoder in
     the batched tree engine (greedy-verified, adaptive as ``adaptive``, with a decision state per batch size), the

@@ -17,7 +17,8 @@ total, the embedding, the LM head (0 when tied) and, for LoRA, Σ (in + out) ove
 - full-vocabulary logits sequences × tokens × V × 4 B where a stage materialises them (training losses over
   the vocabulary; generation keeps the last position only);
 - the KV cache of generation: rows × tokens × layers × 2 × kv_heads × head_dim × dtype bytes, prompts assumed
-  ``prompts.max_prompt_tokens`` long (the longest kept), ``PROMPT_TOKENS`` when that is unset;
+  ``prompts.max_prompt_tokens`` long (the longest kept), ``PROMPT_TOKENS`` when that is unset; the generate stage's
+  batches at most ``generate.max_batch_tokens`` tokens when set (rows × (longest prompt + new tokens));
 - a forward without gradients holds one layer's working set: sequences × tokens × (2 hidden + 2 intermediate)
   × dtype bytes;
 - the labeler (``label.model``) counted from its config when it is on disk (ArmoRM as its native module: the Llama
@@ -324,9 +325,14 @@ def _no_gpu(stage: str, cfg, shapes: Shapes, nbytes: int) -> Estimate:
 def _generate(stage, cfg, shapes, nbytes):
     g, shape = cfg.generate, shapes.policy
     rows, prompt = g.batch_size * g.num_samples, prompt_tokens(cfg)
+    full = rows * (prompt + g.max_new_tokens)  # a full batch's tokens: rows × (prompt + response)
+    tokens = full
+    if g.max_batch_tokens is not None and g.engine == "hf":
+        # at most the budget, or one prompt's rows alone where they exceed it (models.engine.generation.batch_plan)
+        tokens = min(full, max(g.max_batch_tokens, g.num_samples * (prompt + g.max_new_tokens)))
     return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
-                            "KV cache": kv_cache(shape, rows, prompt + g.max_new_tokens, nbytes),
-                            "prefill": forward_working_set(shape, g.batch_size, prompt, nbytes)},
+                            "KV cache": kv_cache(shape, 1, tokens, nbytes),
+                            "prefill": forward_working_set(shape, g.batch_size, prompt, nbytes) * tokens / full},
                     (halve("generate.batch_size"),))
 
 

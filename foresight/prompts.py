@@ -24,6 +24,7 @@ one over ArmoRM's ``label.max_length`` would leave its response no room in the l
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,6 +35,8 @@ import pandas as pd
 from foresight.config import ArithmeticConfig, DatasetSourceConfig, FileSourceConfig, PromptsConfig
 
 PROMPT_COLUMNS = ["prompt_id", "question", "answer", "source"]
+
+logger = logging.getLogger(__name__)
 
 GENERAL_INSTRUCTIONS = Path(__file__).parent / "instructions" / "general.jsonl"
 """The general instruction set: one ``{"prompt": ..., "category": ...}`` per line, no reference answers (package
@@ -109,15 +112,19 @@ def arithmetic_prompts(cfg: ArithmeticConfig, count: int, seed: int) -> pd.DataF
     return pd.DataFrame({"question": list(rows), "answer": [str(a) for a in rows.values()]})
 
 
-def _first_if_list(value):
-    """MT-Bench style ``turns`` columns hold a list: the first turn is the prompt."""
+def _first_turn(value) -> tuple[object, bool]:
+    """A text cell's prompt and whether it held several turns. MT-Bench style ``turns`` columns hold a list of
+    user turns; only the first can be a one-shot prompt: each later turn is asked after the model's own answer to
+    the ones before it, which a single prompt cannot hold."""
     if isinstance(value, (list, tuple)) or (hasattr(value, "tolist") and not isinstance(value, str)):
         value = list(value)
-        return value[0] if value else None
-    return value
+        return (value[0] if value else None), len(value) > 1
+    return value, False
 
 
-def _table_from_dataset(ds, text_column: str, answer_column: str | None, where: str) -> pd.DataFrame:
+def _table_from_dataset(ds, text_column: str, answer_column: str | None, where: str) -> tuple[pd.DataFrame, int]:
+    """The source's rows in the prompt schema (empty texts dropped) and how many held several turns, of which
+    the first is kept and the rest dropped (:func:`_first_turn`), with a warning naming the source and column."""
     if len(ds) == 0:
         raise PromptSourceError(f"{where} is empty: no prompts to read")
     missing = [c for c in (text_column, answer_column) if c and c not in ds.column_names]
@@ -126,16 +133,59 @@ def _table_from_dataset(ds, text_column: str, answer_column: str | None, where: 
             f"{where} has no column {', '.join(repr(c) for c in missing)}; its columns are: "
             f"{', '.join(ds.column_names)} (set text_column / answer_column in params.yaml)"
         )
-    df = pd.DataFrame({"question": [_first_if_list(v) for v in ds[text_column]]})
+    firsts = [_first_turn(v) for v in ds[text_column]]
+    multi_turn = sum(several for _, several in firsts)
+    if multi_turn:
+        logger.warning("%s: %d of %d rows of column %r hold several turns; each keeps its first turn only (a later "
+                       "turn follows the model's own answer to the earlier ones, which a one-shot prompt cannot "
+                       "give) and the later turns are dropped", where, multi_turn, len(firsts), text_column)
+    df = pd.DataFrame({"question": [first for first, _ in firsts]})
     df["answer"] = [None if v is None else str(v) for v in ds[answer_column]] if answer_column else None
     df = df[df["question"].map(lambda q: isinstance(q, str) and q.strip() != "")]
     if df.empty:
         raise PromptSourceError(f"{where}: column {text_column!r} has no non-empty text")
-    return df.reset_index(drop=True)
+    return df.reset_index(drop=True), multi_turn
+
+
+def check_utf8(path: Path, chunk_bytes: int = 1 << 20) -> None:
+    """Raise :class:`PromptSourceError` at the first byte of ``path`` that is not UTF-8, naming its line (1-based),
+    its byte column in that line (1-based) and how to convert the file. Read in chunks of ``chunk_bytes`` (a
+    multi-gigabyte file, or a one-line .json, is never held whole); a character split between two chunks is carried
+    over to the next. A leading byte-order mark is valid UTF-8 and passes."""
+    lines, line_start, base, carry = 1, 0, 0, b""  # line_start, base: absolute byte offsets
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            data, carry = carry + chunk, b""
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                if err.reason != "unexpected end of data" or err.end != len(data):
+                    lines += data.count(b"\n", 0, err.start)
+                    newline = data.rfind(b"\n", 0, err.start)
+                    line_start = base + newline + 1 if newline >= 0 else line_start
+                    raise PromptSourceError(
+                        f"prompt file {path} is not UTF-8: line {lines}, byte {base + err.start - line_start + 1} of "
+                        f"that line is 0x{data[err.start]:02x} ({err.reason}). It was probably saved as Latin-1 or "
+                        f"Windows-1252: convert it, e.g. `iconv -f latin1 -t utf-8 {path} > {path}.utf8` (and point "
+                        "prompts.file.path at the new file), or re-save it as UTF-8") from err
+                data, carry = data[: err.start], data[err.start :]  # a character cut by the chunk's end
+            lines += data.count(b"\n")
+            if (newline := data.rfind(b"\n")) >= 0:
+                line_start = base + newline + 1
+            base += len(data)
+    if carry:
+        raise PromptSourceError(f"prompt file {path} is not UTF-8: it ends inside a multi-byte character (line "
+                                f"{lines}, byte {base - line_start + 1}); re-save it as UTF-8")
 
 
 def file_prompts(cfg: FileSourceConfig, root: Path) -> pd.DataFrame:
-    """Read a local jsonl / parquet / csv file through ``datasets``."""
+    """Read a local jsonl / parquet / csv file through ``datasets``: its rows in the prompt schema. A text file
+    (.jsonl / .json / .csv) must be UTF-8 (:func:`check_utf8`); a list-valued text column keeps its first turn
+    (:func:`_table_from_dataset`)."""
+    return _file_table(cfg, root)[0]
+
+
+def _file_table(cfg: FileSourceConfig, root: Path) -> tuple[pd.DataFrame, int]:
     import datasets
 
     path = cfg.path if cfg.path.is_absolute() else root / cfg.path
@@ -146,15 +196,22 @@ def file_prompts(cfg: FileSourceConfig, root: Path) -> pd.DataFrame:
         raise PromptSourceError(f"prompt file not found: {path}")
     if path.stat().st_size == 0:
         raise PromptSourceError(f"prompt file {path} is empty: no prompts to read")
+    if builder != "parquet":  # text formats: pyarrow's decode error names neither the file nor the line
+        check_utf8(path)
     try:
         ds = datasets.load_dataset(builder, data_files=str(path), split="train")
-    except Exception as err:  # datasets raises several types for unreadable files
+    except Exception as err:  # datasets raises several types for unreadable files (a parquet's bad UTF-8 too)
         raise PromptSourceError(f"prompt file {path} could not be read as {builder}: {err}") from err
     return _table_from_dataset(ds, cfg.text_column, cfg.answer_column, f"prompt file {path}")
 
 
 def dataset_prompts(cfg: DatasetSourceConfig) -> pd.DataFrame:
-    """Read prompts from a Hugging Face dataset (hub or local cache)."""
+    """Read prompts from a Hugging Face dataset (hub or local cache); a list-valued text column keeps its first
+    turn (:func:`_table_from_dataset`)."""
+    return _dataset_table(cfg)[0]
+
+
+def _dataset_table(cfg: DatasetSourceConfig) -> tuple[pd.DataFrame, int]:
     import datasets
 
     try:
@@ -199,15 +256,21 @@ def general_instructions(split: Literal["train", "eval"], count: int | None = No
                          "answer": None, "source": "general", "category": part["category"]})
 
 
-def load_prompts(cfg: PromptsConfig, root: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Read the configured source and split it deterministically into (train, eval)."""
+def load_prompts(cfg: PromptsConfig, root: Path,
+                 counts: dict[str, int] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Read the configured source and split it deterministically into (train, eval). ``counts``, when given,
+    receives ``multi_turn_prompts``: the source's rows whose text held several turns, each cut to its first turn
+    (:func:`_first_turn`; 0 for the arithmetic source)."""
     wanted = cfg.num_train + cfg.num_eval
+    multi_turn = 0
     if cfg.source == "arithmetic":
         df = arithmetic_prompts(cfg.arithmetic, wanted, cfg.seed)
     elif cfg.source == "dataset":
-        df = dataset_prompts(cfg.dataset)
+        df, multi_turn = _dataset_table(cfg.dataset)
     else:
-        df = file_prompts(cfg.file, root)
+        df, multi_turn = _file_table(cfg.file, root)
+    if counts is not None:
+        counts["multi_turn_prompts"] = multi_turn
     if cfg.instruction:  # only where a reference answer will be compared with the response's
         with_answer = df["answer"].notna()
         df.loc[with_answer, "question"] = df.loc[with_answer, "question"] + " " + cfg.instruction

@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import BaseModel
+
+from models.common.files import atomic_path
 
 PATH_EXPRESSION = re.compile(r"^\$\{paths\.(\w+)\}(?:/(.+))?$")
 """``${paths.NAME}`` or ``${paths.NAME}/sub/path``: a location under a ``paths`` entry of params.yaml, as DVC
@@ -58,6 +61,11 @@ class Stage:
     distributed: bool = False
     """A training stage, or generation: under ``launch.num_processes`` > 1 its task runs in every process of an
     ``accelerate launch`` (data parallel; ``flows.stages``), so it also depends on the ``launch`` section."""
+    files: tuple[str, ...] = ()
+    """Dotted params keys naming local files or folders the task reads (``prompts.file.path``; through a list:
+    ``medusa_benchmark.prompt_files.path``). Each configured one that exists is a DVC dependency of the stage,
+    hashed by content (:func:`input_files`), so a file edited in place re-runs the stage; a name that is no local
+    path (a hub id) is not. Keys that are not paths (``policy.model`` = ``smollm2-135m-instruct``) are skipped."""
     curves: bool = False
     """The task reports per-step curves (``StageResult.curves``): the flow writes each as a CSV (``step,value``)
     under :attr:`curves_dir`, a DVC plot of the stage (``dvc plots show`` / ``dvc plots diff``)."""
@@ -66,6 +74,12 @@ class Stage:
     def dvc_params(self) -> tuple[str, ...]:
         """The params DVC tracks: the task's reads, and ``launch`` for a distributed stage."""
         return (*self.params, "launch") if self.distributed else self.params
+
+    @property
+    def file_params(self) -> tuple[str, ...]:
+        """The params naming files the stage reads: :attr:`files`, and ``launch.accelerate_config`` for a
+        distributed stage."""
+        return (*self.files, "launch.accelerate_config") if self.distributed else self.files
 
     @property
     def flow_name(self) -> str:
@@ -102,6 +116,32 @@ def resolve_path(cfg, expression: str) -> Path:
     return base / sub if sub else base
 
 
+def _values(node, keys: list[str]) -> list:
+    """The values at the dotted ``keys`` under ``node``, through lists (each item) and unset sections (none)."""
+    if node is None:
+        return []
+    if isinstance(node, (list, tuple)):
+        return [value for item in node for value in _values(item, keys)]
+    if not keys:
+        return [node]
+    return _values(getattr(node, keys[0]), keys[1:])
+
+
+def input_files(stage: Stage, cfg) -> list[str]:
+    """The local files and folders ``stage`` reads by its params (:attr:`Stage.file_params`) that exist, sorted,
+    as ``dvc.yaml`` names them: relative to the params file's folder (the repository root) when inside it, else
+    absolute (DVC hashes those too)."""
+    files = set()
+    for key in stage.file_params:
+        for value in _values(cfg, key.split(".")):
+            path = cfg.path(Path(value).expanduser())
+            if path.exists():
+                root = cfg.root.resolve()
+                path = path.resolve()
+                files.add(path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path))
+    return sorted(files)
+
+
 CONFIG_CODE = ("foresight/config.py", *(f"models/{folder}/config.py" for folder in
                                         ("common", "coral", "engine", "labeling", "medusa", "mtp", "sla")))
 """The params and the component configs they take their defaults from (light modules: no model code)."""
@@ -121,6 +161,7 @@ STAGES: tuple[Stage, ...] = (
         params=("policy",),
         code=(*TASK_CODE, "models/engine"),
         outputs=("${paths.policy_dir}",),
+        files=("policy.model",),
     ),
     Stage(
         name="prepare_prompts",
@@ -131,6 +172,7 @@ STAGES: tuple[Stage, ...] = (
         code=(*TASK_CODE, "foresight/prompts.py", "models/engine", "models/labeling/answers.py"),
         inputs=("${paths.policy_dir}",),
         outputs=("${paths.prompts_dir}",),
+        files=("prompts.file.path",),
         headline=("num_train", "num_eval", "dropped_long_prompts"),
     ),
     Stage(
@@ -152,6 +194,7 @@ STAGES: tuple[Stage, ...] = (
         code=(*TASK_CODE, "models/engine", "models/labeling"),
         inputs=("${paths.samples}",),
         outputs=("${paths.scores}",),
+        files=("label.model",),
         headline=("sample_accuracy", "mean_reward"),
     ),
     Stage(
@@ -212,6 +255,7 @@ STAGES: tuple[Stage, ...] = (
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.reward_dir}/base", "${paths.reward_dir}/dpo",
                 "${paths.dpo_dir}"),
         outputs=("${paths.benchmarks_dir}/sla",),
+        files=("label.model",),
         headline=("base_sla.win_rate", "base_sla_tuned.win_rate", "dpo_sla_vs_dpo_greedy.win_rate",
                   "dpo_sla_tuned_vs_dpo_greedy.win_rate", "base_sla.latency_vs_greedy", "base.reward_channel_overhead"),
     ),
@@ -222,11 +266,13 @@ STAGES: tuple[Stage, ...] = (
         task="tasks.medusa:train_medusa_task",
         # the distillation pass also collects RLMedusa's trajectory states and candidates (RLMedusaCandidates)
         params=("policy", "medusa", "prompts", "rlmedusa.trajectory_tokens", "rlmedusa.top_candidates",
-                "rlmedusa.top_pool", "rlmedusa.random_candidates"),
+                "rlmedusa.top_pool", "rlmedusa.random_candidates", "generate.max_new_tokens", "label.labeler",
+                "label.max_length"),
         code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "foresight/prompts.py", "foresight/instructions",
               "models/engine", "models/medusa", "tasks/medusa.py"),
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.samples}"),
         outputs=("${paths.medusa_dir}/supervised", "${paths.medusa_dir}/distilled"),
+        files=("prompts.file.path",),  # its further task prompts
         distributed=True,
         curves=True,
         headline=("top1_head1", "top1_head2", "top5_head1"),
@@ -248,12 +294,14 @@ STAGES: tuple[Stage, ...] = (
         description="Tree speculative decoding with Medusa / RLMedusa heads vs HF greedy on the task and general "
                     "prompt sets: speedup, τ, identity to greedy (95 % intervals), divergences.",
         task="tasks.medusa:benchmark_medusa_task",
-        params=("policy", "medusa_benchmark", "prompts.system_prompt", "rlmedusa.inits"),
+        params=("policy", "medusa_benchmark", "prompts.system_prompt", "rlmedusa.inits", "prompts.max_prompt_tokens",
+                "generate.max_new_tokens", "label.labeler", "label.max_length"),
         code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "foresight/prompts.py", "foresight/instructions",
               "models/engine", "models/medusa", "tasks/medusa.py"),
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.medusa_dir}/supervised",
                 "${paths.medusa_dir}/rl"),
         outputs=("${paths.benchmarks_dir}/medusa",),
+        files=("medusa_benchmark.prompt_files.path",),
         headline=("held_out.medusa_supervised.tau", "held_out.medusa_supervised.speedup_vs_reference",
                   "held_out.medusa_supervised.identical_to_greedy", "general.medusa_supervised.speedup_vs_reference"),
     ),
@@ -306,6 +354,7 @@ STAGES: tuple[Stage, ...] = (
               "models/engine", "models/labeling", "models/mtp", "tasks/mtp.py"),
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.mtp_dir}", "${paths.scores}"),
         outputs=("${paths.mtp_rl_dir}",),
+        files=("label.model",),
         distributed=True,
         curves=True,
         headline=("mtp_rl.rollout_speedup", "mtp_rl.tokens_per_forward", "mtp_rl.tau_start", "mtp_rl.tau_end",
@@ -314,9 +363,11 @@ STAGES: tuple[Stage, ...] = (
 )
 
 DVC_HEADER = """\
-# Generated from foresight/stages.py by `foresight dvc-yaml > dvc.yaml`: edit the stage table, not this file
-# (tests/test_stages.py fails when the two differ). One stage per pipeline step; each runs that step's Prefect
-# flow. Paths come from params.yaml.
+# Generated from foresight/stages.py and params.yaml by `foresight dvc-yaml > dvc.yaml`: edit the stage table, not
+# this file (tests/test_stages.py fails when the two differ). One stage per pipeline step; each runs that step's
+# Prefect flow. Paths come from params.yaml; so do the local files a stage reads (a prompt file, a local model
+# folder), deps hashed by content: `foresight run` / `foresight pipeline` rewrite this file when params.yaml names
+# others, and a stage run by plain `dvc repro` fails, naming the file, when this file lacks one.
 # Outputs are cached, not `persist`: DVC's run cache restores a stage whose code, data and params it has seen
 # before (revert a param and the old results come back without a run). DVC removes a stage's outputs before it
 # runs it; the stages write each output to a temporary path and rename it, so an output is whole or absent, never
@@ -338,13 +389,13 @@ def _outermost(paths) -> list[str]:
     return [p for p in unique if not any(p.startswith(q + "/") for q in unique)]
 
 
-def render_dvc_yaml(stages: Iterable[Stage] = STAGES) -> str:
-    """``dvc.yaml`` for the stages: code (sorted) and inputs as deps, params, outputs, the metrics file and the
-    curves (plots)."""
+def render_dvc_yaml(cfg, stages: Iterable[Stage] = STAGES) -> str:
+    """``dvc.yaml`` for the stages under the params ``cfg``: code (sorted), inputs and the local files the params
+    name (:func:`input_files`) as deps, params, outputs, the metrics file and the curves (plots)."""
     blocks = []
     for stage in stages:
         lines = [f"  {stage.name}:", f"    cmd: python -m flows.stages {stage.name}"]
-        lines += _yaml_list("deps", (*_outermost(stage.code), *stage.inputs))
+        lines += _yaml_list("deps", (*_outermost(stage.code), *stage.inputs, *input_files(stage, cfg)))
         lines += _yaml_list("params", stage.dvc_params)
         lines += _yaml_list("outs", stage.outputs)
         lines += _yaml_list("metrics", [stage.metrics_file])
@@ -352,6 +403,30 @@ def render_dvc_yaml(stages: Iterable[Stage] = STAGES) -> str:
             lines += _yaml_list("plots", [stage.curves_dir], {"x": "step", "y": "value"})
         blocks.append("\n".join(lines) + "\n")
     return DVC_HEADER + "stages:\n" + "\n".join(blocks)
+
+
+def sync_dvc_yaml(cfg) -> list[str]:
+    """Rewrite ``dvc.yaml`` beside the params (atomically) when it differs from :func:`render_dvc_yaml` under them
+    (params naming another prompt file, a local model folder); returns the stages whose entries changed."""
+    target = cfg.root / "dvc.yaml"
+    wanted = render_dvc_yaml(cfg)
+    current = target.read_text() if target.is_file() else ""
+    if current == wanted:
+        return []
+    before = (yaml.safe_load(current) or {}).get("stages", {}) if current else {}
+    after = yaml.safe_load(wanted)["stages"]
+    with atomic_path(target) as tmp:
+        tmp.write_text(wanted)
+    return [name for name in after if before.get(name) != after[name]]
+
+
+def undeclared_files(stage: Stage, cfg) -> list[str]:
+    """The local files ``stage`` reads by its params (:func:`input_files`) that ``dvc.yaml`` beside the params
+    does not list among its deps: DVC would not re-run it when they change."""
+    target = cfg.root / "dvc.yaml"
+    stages = (yaml.safe_load(target.read_text()) or {}).get("stages", {}) if target.is_file() else {}
+    deps = set(stages.get(stage.name, {}).get("deps", []))
+    return [file for file in input_files(stage, cfg) if file not in deps]
 
 
 class RecordingConfig:

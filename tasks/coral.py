@@ -194,7 +194,7 @@ def benchmark_coral_task(cfg: Config) -> StageResult:
     from models.coral.decoding import CoralStats, coral_generate
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
-    from models.labeling.answers import is_correct
+    from models.labeling.answers import cut_by_length, is_correct
 
     logger = stage_logger()
     started = time.perf_counter()
@@ -238,7 +238,8 @@ def benchmark_coral_task(cfg: Config) -> StageResult:
         records.append({"prompt_index": r["prompt_index"], "decoder": r["decoder"], "timed": r["timed"],
                         "new_tokens": len(r["tokens"]), "forwards": stats.forwards if stats else len(r["tokens"]),
                         "forced": stats.forced if stats else 0,
-                        "correct": is_correct(response, held_out["answer"].iloc[r["prompt_index"]]),
+                        "correct": is_correct(response, held_out["answer"].iloc[r["prompt_index"]],
+                                              cut_by_length(r["tokens"], eos, b.max_new_tokens)),
                         "response": response})
     outputs = pd.DataFrame(records)
     rows = _coral_rows(outputs, settings, timers)

@@ -273,6 +273,41 @@ def read_prompts(cfg: Config, split: str) -> pd.DataFrame:
     return read_table(_prompt_split_path(cfg, split), PROMPT_SPLITS[split])
 
 
+def prompt_token_limit(cfg: Config) -> int:
+    """The longest prompt, in the policy's chat template, that any stage gives the policy:
+    ``prompts.max_prompt_tokens``, or automatically the policy's context minus ``generate.max_new_tokens`` and, with a
+    reward-model labeler, at most ``label.max_length`` minus it (:func:`foresight.prompts.resolve_max_prompt_tokens`).
+    One rule for the splits (``prepare_prompts``) and every prompt set read elsewhere (:func:`drop_long_prompt_sets`).
+    Reads the prepared policy's config.json, not its weights."""
+    from foresight.prompts import policy_context_length, resolve_max_prompt_tokens
+    from models.engine.policy import policy_path
+
+    context = policy_context_length(policy_path(cfg.path(cfg.paths.policy_dir)), cfg.policy.trust_remote_code)
+    reward_model_length = cfg.label.max_length if cfg.label.labeler != "verifiable" else None
+    return resolve_max_prompt_tokens(cfg.prompts.max_prompt_tokens, context, cfg.generate.max_new_tokens,
+                                     reward_model_length)
+
+
+def drop_long_prompt_sets(cfg: Config, tokenizer, sets: dict[str, pd.DataFrame]
+                          ) -> tuple[dict[str, pd.DataFrame], dict[str, int]]:
+    """Each prompt set (a table with ``question``) without its prompts over :func:`prompt_token_limit`, counted in
+    the policy's chat template (:func:`foresight.prompts.drop_long_prompts`: a set that keeps none is an error), and
+    metrics ``dropped_long_prompts.<set>``; a warning names each set that lost prompts and how many. For the stages
+    that read prompts besides the splits ``prepare_prompts`` already checked (further task prompts, the general
+    instruction set, benchmark prompt files): a prompt over the policy's context would fail or decode junk."""
+    from foresight.prompts import drop_long_prompts
+
+    limit = prompt_token_limit(cfg)
+    kept, counts = drop_long_prompts(sets, tokenizer, cfg.prompts.system_prompt, limit)
+    dropped = {name: [n for n in set_counts if n > limit] for name, set_counts in counts.items()}
+    for name, over in dropped.items():
+        if over:
+            stage_logger().warning(
+                "prompt set %r: dropped %d of %d prompt(s) longer than prompts.max_prompt_tokens = %d tokens in the "
+                "policy's chat template (the longest %d tokens)", name, len(over), len(sets[name]), limit, max(over))
+    return kept, {f"dropped_long_prompts.{name}": len(over) for name, over in dropped.items()}
+
+
 def reference_answers(table: pd.DataFrame) -> list[str | None]:
     """The table's ``answer`` column as Python values, None where a prompt has no reference answer (NaN in a
     parquet or jsonl column)."""
@@ -298,19 +333,17 @@ def prepare_prompts_task(cfg: Config) -> StageResult:
     policy's tokenizer and config.json are read, not its weights)."""
     from transformers import AutoTokenizer
 
-    from foresight.prompts import drop_long_prompts, load_prompts, policy_context_length, resolve_max_prompt_tokens
+    from foresight.prompts import drop_long_prompts, load_prompts
     from models.engine.policy import policy_path
     from models.labeling.answers import unreadable_references
 
     started = time.perf_counter()
     logger = get_run_logger()
-    policy = policy_path(cfg.path(cfg.paths.policy_dir))
-    trust_remote_code = cfg.policy.trust_remote_code
-    reward_model_length = cfg.label.max_length if cfg.label.labeler != "verifiable" else None
-    limit = resolve_max_prompt_tokens(cfg.prompts.max_prompt_tokens, policy_context_length(policy, trust_remote_code),
-                                      cfg.generate.max_new_tokens, reward_model_length)
-    train, held_out = load_prompts(cfg.prompts, cfg.root)
-    tokenizer = AutoTokenizer.from_pretrained(policy, trust_remote_code=trust_remote_code)
+    limit = prompt_token_limit(cfg)
+    source_counts: dict[str, int] = {}
+    train, held_out = load_prompts(cfg.prompts, cfg.root, source_counts)
+    tokenizer = AutoTokenizer.from_pretrained(policy_path(cfg.path(cfg.paths.policy_dir)),
+                                              trust_remote_code=cfg.policy.trust_remote_code)
     kept, counts = drop_long_prompts({"train": train, "eval": held_out}, tokenizer, cfg.prompts.system_prompt, limit)
     dropped = {split: [n for n in split_counts if n > limit] for split, split_counts in counts.items()}
     if any(dropped.values()):
@@ -334,6 +367,7 @@ def prepare_prompts_task(cfg: Config) -> StageResult:
         "dropped_long_prompts": sum(map(len, dropped.values())),
         "dropped_long_train": len(dropped["train"]),
         "dropped_long_eval": len(dropped["eval"]),
+        "multi_turn_prompts": source_counts["multi_turn_prompts"],  # source rows cut to their first turn
         "wall_seconds": time.perf_counter() - started,
     }
     logger.info("prompts: %d train, %d eval from source '%s' (at most %d tokens each in the policy's chat template)",
@@ -372,7 +406,8 @@ def generate_task(cfg: Config) -> StageResult:
     accelerator = stage_accelerator(device)
     with accelerator.main_process_first():  # the main process clears shards of other settings before any is read
         shards = ShardStore(shard_folder(output), spec)
-    batches = range(-(-len(prompts) // sampling.batch_size))
+    plan = _generate_batches(sampling, tokenizer, prompts, logger)
+    batches = range(len(plan))
     resumed = shards.done() & set(batches)
     accelerator.wait_for_everyone()  # every process has seen the same finished batches before any is written
     mine = set(batches[accelerator.process_index :: accelerator.num_processes]) - resumed
@@ -385,8 +420,7 @@ def generate_task(cfg: Config) -> StageResult:
                disable=not accelerator.is_local_main_process)
     new_tokens, seconds = 0, 0.0
     with engine as sampler:  # vLLM: its worker process lives while this process samples
-        for b, completions, batch_seconds in sample_batches(sampler, prompts, sampling.batch_size,
-                                                            skip=set(batches) - mine):
+        for b, completions, batch_seconds in sample_batches(sampler, prompts, plan, skip=set(batches) - mine):
             shards.write(b, _sample_rows(cfg, sampling, prompts_df, prompts, completions))
             new_tokens += sum(c.response_tokens for c in completions)
             seconds += batch_seconds
@@ -408,6 +442,7 @@ def generate_task(cfg: Config) -> StageResult:
         "generation_seconds": seconds,
         "new_tokens": new_tokens,
         "resumed_batches": len(resumed),
+        "num_batches": len(plan),
         "num_processes": accelerator.num_processes,
         "mean_response_tokens": float(samples["response_tokens"].mean()),
         "truncated_share": float((samples["finish_reason"] == "length").mean()),
@@ -416,6 +451,28 @@ def generate_task(cfg: Config) -> StageResult:
     logger.info("generated %d samples (%d new tokens at %.1f tok/s)", len(samples), new_tokens,
                 metrics["generation_tokens_per_s"])
     return StageResult(metrics=metrics, tables={"samples": out})
+
+
+def _generate_batches(sampling, tokenizer, prompts: list[str], logger) -> list[range]:
+    """The generate stage's batches (:func:`models.engine.generation.batch_plan`): ``generate.batch_size`` prompts,
+    and with the hf engine at most ``generate.max_batch_tokens`` tokens, from the templated prompts' token lengths
+    (as the sampler tokenises them). A function of the prompts and the knobs alone, which the shards' spec holds, so
+    a resumed run forms the same batches. vLLM pages its KV cache and schedules its sequences within its own memory
+    budget: the token budget would only shrink its batches."""
+    from models.engine.generation import batch_plan, batch_tokens
+
+    budget = sampling.max_batch_tokens if sampling.engine == "hf" else None
+    if sampling.max_batch_tokens is not None and budget is None:
+        logger.info("generate.max_batch_tokens applies to the hf engine only: vLLM schedules its own KV cache")
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]] if prompts else []
+    plan = batch_plan(lengths, sampling.batch_size, sampling.num_samples, sampling.max_new_tokens, budget)
+    over = [batch for batch in plan if budget is not None
+            and batch_tokens(lengths[batch.start : batch.stop], sampling.num_samples, sampling.max_new_tokens) > budget]
+    if over:
+        logger.warning("%d prompt(s) alone exceed generate.max_batch_tokens = %d (%d samples × (prompt + %d new "
+                       "tokens); the longest prompt %d tokens): each is sampled in a batch of its own", len(over),
+                       budget, sampling.num_samples, sampling.max_new_tokens, max(lengths[b.start] for b in over))
+    return plan
 
 
 def _sampler(cfg: Config, sampling, logger):
@@ -503,16 +560,17 @@ def label_task(cfg: Config) -> StageResult:
         progress(100.0 * done / total)
 
     questions, responses = samples["question"].tolist(), samples["response"].tolist()
+    cut = (samples["finish_reason"] == "length").tolist()  # credited only for a marked answer (answers.py)
     labeled = samples.copy()
     scoring_started = time.perf_counter()
     if isinstance(labeler, ArmoRMLabeler):  # keep the objective rewards behind ArmoRM's score for reports
         labeled["score"], objectives = labeler.score_objectives(questions, responses, on_batch)
     else:
-        labeled["score"], objectives = labeler.score(questions, responses, answers, on_batch), None
+        labeled["score"], objectives = labeler.score(questions, responses, answers, on_batch, truncated=cut), None
     scoring_seconds = time.perf_counter() - scoring_started
     bar.close()
-    labeled["correct"] = pd.array([is_correct(r, a) for r, a in zip(labeled["response"], answers)], dtype="boolean")
-    labeled["extracted_answer"] = [extract_answer(r) for r in labeled["response"]]
+    labeled["correct"] = pd.array([is_correct(r, a, c) for r, a, c in zip(responses, answers, cut)], dtype="boolean")
+    labeled["extracted_answer"] = [extract_answer(r, c) for r, c in zip(responses, cut)]
     labeled["labeler"] = labeler.name
     table = labeled[SCORE_COLUMNS].copy()
     if objectives is not None:

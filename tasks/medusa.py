@@ -22,6 +22,7 @@ for each other after the writes.
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +49,7 @@ from tasks.data import (
     DISTILLED_SPLIT_FILE,
     StageResult,
     distilled_dir,
+    drop_long_prompt_sets,
     gpu_task,
     load_stage_policy,
     markdown_artifact,
@@ -59,6 +61,9 @@ from tasks.data import (
     table_artifact,
 )
 
+DROPPED_PROMPTS_FILE = "dropped_long_prompts.json"
+"""In ``distilled/``: the prompts left out of the distillation as over the prompt limit, per prompt set
+(``dropped_long_prompts.further`` / ``.general``: :func:`tasks.data.drop_long_prompt_sets`)."""
 EVAL_RANKS = 10  # held-out accuracy per rank of each head's tokens, up to this rank
 TREE_PATHS = 64  # the most often accepted paths kept in evaluation.json (medusa_benchmark.tree_size ≤ this)
 
@@ -67,14 +72,18 @@ def _medusa_dir(cfg: Config) -> Path:
     return cfg.path(cfg.paths.medusa_dir)
 
 
-def _distillation_data(cfg: Config, policy) -> pd.DataFrame:
+def _distillation_data(cfg: Config, policy) -> tuple[pd.DataFrame, dict[str, int]]:
     """The responses Medusa learns from (``medusa.data``): the policy's greedy responses to ``medusa.task_prompts``
     task prompts (the training prompts, then further prompts of their source), or the first
     ``medusa.samples_per_prompt`` generated samples per prompt; then, either way, its greedy responses to the first
     ``medusa.general_prompts`` training instructions of the general set (same chat template, same
     ``max_new_tokens``), so that the heads also learn to draft open-ended text. Column ``prompt_set`` says which
     (``task`` / ``general``), column ``further_prompt`` marks the responses to further prompts (the heads' alone:
-    :func:`tasks.data.shared_distilled_responses`)."""
+    :func:`tasks.data.shared_distilled_responses`).
+
+    The further prompts and the general instructions come from outside the splits ``prepare_prompts`` checked: the
+    ones longer than the prompt limit are dropped (:func:`tasks.data.drop_long_prompt_sets`), and counted in the
+    metrics returned beside the responses (``dropped_long_prompts.further`` / ``.general``)."""
     from foresight.prompts import further_prompts, general_instructions
     from models.medusa.training import greedy_responses
 
@@ -92,18 +101,24 @@ def _distillation_data(cfg: Config, policy) -> pd.DataFrame:
         if m.task_prompts > len(prompts):
             taken = pd.concat([prompts, read_prompts(cfg, "eval")], ignore_index=True)
             further = further_prompts(cfg.prompts, cfg.root, m.task_prompts - len(prompts), taken)
+        kept, dropped = drop_long_prompt_sets(cfg, policy.tokenizer, {"further": further, "general": general})
+        further, general = kept["further"], kept["general"]
+        if m.task_prompts > len(prompts):
             stage_logger().info("%d training prompts and %d further prompts of the %s source", len(prompts),
                                 len(further), cfg.prompts.source)
         responses = greedy(pd.concat([prompts, further, general], ignore_index=True))
         return responses.assign(prompt_set=["task"] * (len(prompts) + len(further)) + ["general"] * len(general),
-                                further_prompt=[False] * len(prompts) + [True] * len(further) + [False] * len(general))
+                                further_prompt=[False] * len(prompts) + [True] * len(further) + [False] * len(general)
+                                ), dropped
     samples = read_table(cfg.path(cfg.paths.samples), "generated samples")
     if samples.empty:
         raise ValueError(f"{cfg.path(cfg.paths.samples)} has no samples to distil from: run the generate stage")
     samples = samples[samples["sample_index"] < m.samples_per_prompt].assign(prompt_set="task", further_prompt=False)
-    if general.empty:
-        return samples.reset_index(drop=True)
-    return pd.concat([samples, greedy(general).assign(prompt_set="general", further_prompt=False)], ignore_index=True)
+    kept, dropped = drop_long_prompt_sets(cfg, policy.tokenizer, {"general": general})
+    if kept["general"].empty:
+        return samples.reset_index(drop=True), dropped
+    return pd.concat([samples, greedy(kept["general"]).assign(prompt_set="general", further_prompt=False)],
+                     ignore_index=True), dropped
 
 
 def _accuracy_metrics(prefix: str, accuracy: dict[str, list[float]]) -> dict[str, float]:
@@ -176,6 +191,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
     metrics = {"num_responses": len(train_rows) + len(eval_rows),
                # responses longer than medusa.max_length: dropped whole, never truncated (models/common/sequences.py)
                "num_responses_dropped_too_long": too_long_responses(distilled_dir(cfg)),
+               **json.loads((distilled_dir(cfg) / DROPPED_PROMPTS_FILE).read_text()),
                **{f"num_{name}_responses": int((prompt_sets == name).sum()) for name in sorted(set(prompt_sets))},
                "num_train_positions": len(train.hidden),
                "num_eval_positions": len(held_out.hidden), "distill_seconds": distill_seconds,
@@ -198,7 +214,7 @@ def _distil(cfg: Config, policy, training, folder: Path) -> None:
     logger.info("self-distillation data: %s, and greedy responses to %d instructions of the general set",
                 "greedy responses to the training prompts" if m.data == "greedy" else "the generated samples",
                 m.general_prompts)
-    responses = _distillation_data(cfg, policy)
+    responses, dropped = _distillation_data(cfg, policy)
     train_rows, eval_rows = split_distilled(responses, m.eval_fraction, m.seed)
     logger.info("self-distillation pass over %d responses (%d prompts held out)", len(responses),
                 responses.iloc[eval_rows.tolist()]["prompt_id"].nunique())
@@ -206,6 +222,7 @@ def _distil(cfg: Config, policy, training, folder: Path) -> None:
         self_distill(policy, responses, training, component(RLMedusaCandidates, cfg.rlmedusa), tmp)
         save_file({"train_samples": train_rows, "eval_samples": eval_rows}, tmp / DISTILLED_SPLIT_FILE)
         write_table(responses, tmp / "responses.parquet")
+        write_json(dropped, tmp / DROPPED_PROMPTS_FILE)  # for the metrics of every process, read back from here
 
 
 def load_distilled(cfg: Config):
@@ -348,7 +365,9 @@ DIVERGENCE_COLUMNS = ["prompt_set", "decoder", "prompt_index", "position", "gree
 def _prompt_sets(cfg: Config) -> dict[str, list[str]]:
     """``held_out`` (the first ``medusa_benchmark.num_prompts`` of the eval split), ``general`` (the first
     ``medusa_benchmark.general_prompts`` held-out instructions of the general set; none when 0) and one set per
-    prompt file (its first ``num_prompts``)."""
+    prompt file: ``num_prompts`` rows drawn across the whole file with ``medusa_benchmark.seed``, in the drawn order
+    (a file sorted by category gives every category its share, the timed first ``speed_prompts`` included; the
+    eval split and the general set's held-out part are seeded permutations already)."""
     from foresight.prompts import file_prompts, general_instructions
 
     s = cfg.medusa_benchmark
@@ -356,11 +375,24 @@ def _prompt_sets(cfg: Config) -> dict[str, list[str]]:
     if s.general_prompts:
         sets["general"] = general_instructions("eval", s.general_prompts)["question"].tolist()
     for file_cfg in s.prompt_files:
-        sets[Path(file_cfg.path).stem] = file_prompts(file_cfg, cfg.root)["question"].head(s.num_prompts).tolist()
+        questions = file_prompts(file_cfg, cfg.root)["question"].tolist()
+        # seeded as the splits are drawn (foresight.prompts.load_prompts): the same rows on every machine
+        drawn = random.Random(s.seed).sample(range(len(questions)), min(s.num_prompts, len(questions)))
+        sets[Path(file_cfg.path).stem] = [questions[i] for i in drawn]
     for name, questions in sets.items():
         if not questions:
             raise ValueError(f"prompt set {name!r} is empty")
     return sets
+
+
+def benchmark_prompt_sets(cfg: Config, tokenizer) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """:func:`_prompt_sets` without the prompts over the prompt limit in the policy's chat template (the rule
+    ``prepare_prompts`` applies to the splits: :func:`tasks.data.drop_long_prompt_sets`), and the metrics
+    ``dropped_long_prompts.<set>``. The general set and prompt files never passed ``prepare_prompts``: an over-long
+    prompt there would decode past the policy's context."""
+    sets = {name: pd.DataFrame({"question": questions}) for name, questions in _prompt_sets(cfg).items()}
+    kept, dropped = drop_long_prompt_sets(cfg, tokenizer, sets)
+    return {name: table["question"].tolist() for name, table in kept.items()}, dropped
 
 
 def candidate_tree(cfg: Config):
@@ -405,7 +437,7 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
     checks = _DivergenceChecks(cfg, policy)
     eos = end_token_ids(policy)
     records, rows, divergences, curve = [], [], [], []
-    sets = _prompt_sets(cfg)
+    sets, dropped = benchmark_prompt_sets(cfg, policy.tokenizer)
     unknown = sorted(set(s.curve_sets) - set(sets))
     if unknown:
         raise ValueError(f"medusa_benchmark.curve_sets names {unknown}, not a benchmarked prompt set ({sorted(sets)})")
@@ -436,8 +468,10 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
             set_curve = _speed_curve(cfg, policy, batched, [ids[0].tolist() for ids in prompt_ids], eos, set_name)
             logger.info("\n%s", markdown_table(set_curve, CURVE_COLUMNS))
             curve += set_curve
-    return _medusa_report(cfg, records, rows, divergences, curve, tree, str(policy.model.dtype),
-                          time.perf_counter() - started)
+    result = _medusa_report(cfg, records, rows, divergences, curve, tree, str(policy.model.dtype),
+                            time.perf_counter() - started)
+    result.metrics |= dropped
+    return result
 
 
 def _speed_curve(cfg: Config, policy, drafters: dict, prompts: list[list[int]], eos: set[int], set_name: str

@@ -220,13 +220,15 @@ def _held_out(policy, labeler, prompt_ids: list[list[int]], questions: list[str]
     only when every prompt has a reference answer (for the verifiable labeler the two are equal)."""
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import end_token_ids
-    from models.labeling.answers import is_correct
+    from models.labeling.answers import cut_by_length, is_correct
 
-    outputs = hf_decode(policy, prompt_ids, GREEDY, max_new_tokens, end_token_ids(policy), batch_size=batch_size)
+    eos = end_token_ids(policy)
+    outputs = hf_decode(policy, prompt_ids, GREEDY, max_new_tokens, eos, batch_size=batch_size)
     responses = [policy.tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
-    scores = labeler.score(questions, responses, answers)
+    cut = [cut_by_length(o, eos, max_new_tokens) for o in outputs]  # credited only for a marked answer
+    scores = labeler.score(questions, responses, answers, truncated=cut)
     judged = {"reward": [float(score) for score in scores]}
-    correct = [is_correct(response, answer) for response, answer in zip(responses, answers, strict=True)]
+    correct = [is_correct(r, a, c) for r, a, c in zip(responses, answers, cut, strict=True)]
     if all(c is not None for c in correct):
         judged["accuracy"] = [float(c) for c in correct]
     return judged

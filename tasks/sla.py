@@ -433,7 +433,9 @@ def _prompt_ids(cfg: Config, policy, questions: list[str]) -> list[torch.Tensor]
 def _output_columns(tokenizer, tokens: list[int], eos: set[int], max_new_tokens: int) -> dict:
     """An output record's ``new_tokens``, ``truncated`` (cut at ``max_new_tokens`` before an end token) and the decoded
     ``response``."""
-    return {"new_tokens": len(tokens), "truncated": len(tokens) >= max_new_tokens and tokens[-1] not in eos,
+    from models.labeling.answers import cut_by_length
+
+    return {"new_tokens": len(tokens), "truncated": cut_by_length(tokens, eos, max_new_tokens),
             "response": tokenizer.decode(tokens, skip_special_tokens=True).strip()}
 
 
@@ -687,9 +689,10 @@ def _scored(outputs: pd.DataFrame, held_out: pd.DataFrame, cfg: Config) -> pd.Da
     outputs["question"] = [held_out["question"].iloc[i] for i in outputs["prompt_index"]]
     outputs["answer"] = [answers[i] for i in outputs["prompt_index"]]
     labeler = build_labeler(component(LabelerSpec, cfg.label))
+    cut = outputs["truncated"].tolist()  # credited only for a marked answer (models/labeling/answers.py)
     outputs["score"] = labeler.score(outputs["question"].tolist(), outputs["response"].tolist(),
-                                     outputs["answer"].tolist())
-    outputs["correct"] = pd.array([is_correct(r, a) for r, a in zip(outputs["response"], outputs["answer"])],
+                                     outputs["answer"].tolist(), truncated=cut)
+    outputs["correct"] = pd.array([is_correct(r, a, c) for r, a, c in zip(outputs["response"], outputs["answer"], cut)],
                                   dtype="boolean")
     return outputs
 

@@ -162,13 +162,14 @@ def make_dvc_repo(repo: Path, params: dict, env: dict, remote: Path | None = Non
     import sys
 
     from foresight.config import parse_config
+    from foresight.stages import render_dvc_yaml
 
     repo.mkdir(parents=True, exist_ok=True)
     for package in ("foresight", "models", "tasks", "flows"):
         shutil.copytree(REPO / package, repo / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    shutil.copy(REPO / "dvc.yaml", repo / "dvc.yaml")
-    resolved = parse_config(params).model_dump(mode="json", by_alias=True)
-    (repo / "params.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    cfg = parse_config(params, root=repo)
+    (repo / "dvc.yaml").write_text(render_dvc_yaml(cfg))  # with the local files these params name (tiny models)
+    (repo / "params.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False))
     (repo / ".gitignore").write_text("__pycache__/\nmlflow.db\nmlflow.db.lock\nmlruns/\n*.log\n")
     dvc = [sys.executable, "-m", "dvc"]
     commands = [["git", "init", "-q"], ["git", "config", "user.name", "test"],

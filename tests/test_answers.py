@@ -176,6 +176,41 @@ def test_is_correct():
     assert is_correct("I do not know.", GSM8K_SOLUTION) is False
 
 
+@pytest.mark.parametrize("response", [
+    "Ben has 4 apples and gets 2 more, so 4 + 2 = 6",  # the last number of a cut response: an intermediate step
+    "First, 3 * 2 = 6. Then we add 6",
+])
+def test_a_response_cut_by_the_length_limit_is_not_credited_for_its_last_number(response):
+    """The fallback (the last number) reads an ended response, never one cut at max_new_tokens: there the last
+    number is whatever was being written when the budget ran out."""
+    assert extract_answer(response) == "6" and is_correct(response, "6") is True
+    assert extract_answer(response, truncated=True) is None
+    assert is_correct(response, "6", truncated=True) is False
+
+
+@pytest.mark.parametrize("response", [
+    "4 + 2 = 6. The answer is 6. Let me double-check: 4 + 2 is 6, and 6 - 2",
+    "4 + 2 = 6\n#### 6\nSo Ben has 6 and 3",
+    "So $4 + 2 = \\boxed{6}$, and then 9",
+])
+def test_a_cut_response_still_counts_its_marked_answer(response):
+    """A marker was written before the cut: ``#### X``, ``\\boxed{X}`` and "The answer is X" still count."""
+    assert is_correct(response, "6", truncated=True) is True
+
+
+def test_copying_the_default_instructions_example_is_not_credited():
+    """``prompts.instruction``'s example ("The answer is 42.") copied verbatim reads as 42: wrong unless 42 is the
+    answer (it can be: a copy cannot be told from a right answer then). The old placeholder "N" read as no marker,
+    and the fallback credited the last number of the text."""
+    from foresight.config import PromptsConfig
+
+    instruction = PromptsConfig().instruction
+    example = instruction[instruction.index("The answer is"):].rstrip("'\"")
+    work = "Ben has 4 apples and gets 2 more: 4 + 2 = 6. "
+    assert is_correct(work + example, "6") is False
+    assert is_correct(work + example, "42") is True
+
+
 @pytest.mark.parametrize("reference", [None, math.nan, "", "Paris", "see the solution above"])
 def test_unreadable_reference_is_unknown(reference):
     assert parse_reference(reference) is None

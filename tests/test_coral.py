@@ -613,7 +613,7 @@ def test_benchmark_times_every_decoder_on_the_speed_prompts_and_judges_coral_on_
     # prompt 0 by every decoder, then prompts 1 and 2 by next-token, then by COrAL
     verdicts = [True, False, True, False, False, True, True, False, False, True]
     judged = iter(verdicts)
-    monkeypatch.setattr(answers, "is_correct", lambda response, answer: next(judged))
+    monkeypatch.setattr(answers, "is_correct", lambda response, answer, truncated=False: next(judged))
     data.PENDING_ARTIFACTS.clear()
     with disable_run_logger():
         result = benchmark_coral_task.fn(cfg)

@@ -472,3 +472,74 @@ def test_generation_in_two_processes_writes_the_one_process_table(tiny_llama, tm
     cfg = load_config(twice)
     pd.testing.assert_frame_equal(read_table(cfg.path(cfg.paths.samples), "samples"), expected)
     assert not shard_folder(cfg.path(cfg.paths.samples)).exists()
+
+
+def _budget_project(root: Path, tiny_llama: Path) -> Path:
+    """A project on a prompt file of short and long questions (8 training prompts) sampled in batches of up to 3
+    prompts under a token budget that fits three short prompts but not a long one beside them."""
+    from prefect.logging import disable_run_logger
+
+    from tasks.data import prepare_policy_task, prepare_prompts_task
+
+    short = [f"{name} has {n} apples. How many apples does {name} have?" for name, n in
+             (("Ben", 2), ("Ivy", 3), ("Ava", 4), ("Omar", 5), ("Emma", 6), ("Hugo", 7))]
+    long = [" ".join(f"{name} gives {name} {n} more pencils." for n in range(1, 9)) + " How many pencils?"
+            for name in ("Dan", "Lena", "Finn", "Jack")]
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in short + long))
+    params = tiny_params(root, tiny_llama, prompts={"source": "file", "num_train": 8, "num_eval": 2,
+                                                     "file": {"path": "prompts.jsonl", "text_column": "prompt"}},
+                         generate={"batch_size": 3, "num_samples": 2, "max_new_tokens": 6, "max_batch_tokens": 300})
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    cfg = load_config(root / "params.yaml")
+    with disable_run_logger():
+        prepare_policy_task.fn(cfg)
+        prepare_prompts_task.fn(cfg)
+    return root / "params.yaml"
+
+
+def test_a_token_budget_forms_the_same_batches_in_a_resumed_run(tiny_llama, tmp_path, monkeypatch, caplog):
+    """``generate.max_batch_tokens``: the stage's batches follow the prompts' token lengths in their chat template
+    (more batches than ``batch_size`` alone gives, none over the budget unless a lone prompt, with a warning), and a
+    run that fails after two shards and is run again forms the same batches: its table equals an uninterrupted run's
+    row for row."""
+    from transformers import AutoTokenizer
+
+    from foresight.prompts import prompt_token_counts
+    from models.engine.generation import batch_plan, batch_tokens
+    from tasks.data import read_prompts
+
+    uninterrupted = _budget_project(tmp_path / "once", tiny_llama)
+    with caplog.at_level(logging.WARNING):
+        result = _generate(uninterrupted)
+    cfg = load_config(uninterrupted)
+    expected = read_table(cfg.path(cfg.paths.samples), "samples")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    lengths = prompt_token_counts(tokenizer, read_prompts(cfg, "train")["question"].tolist(), None)
+    # three short prompts fit the budget, a long one does not even alone
+    assert 3 * 2 * (max(n for n in lengths if n < 100) + 6) <= 300 < 2 * (min(n for n in lengths if n >= 100) + 6)
+    plan = batch_plan(lengths, 3, 2, 6, 300)
+    assert result.metrics["num_batches"] == len(plan) > -(-len(lengths) // 3)
+    lone = [b for b in plan if batch_tokens(lengths[b.start : b.stop], 2, 6) > 300]
+    assert lone and all(len(b) == 1 for b in lone)
+    assert f"{len(lone)} prompt(s) alone exceed generate.max_batch_tokens = 300" in caplog.text
+    # each batch is one sampler call: its rows are its prompts × num_samples, every prompt's samples in one batch
+    assert expected["prompt_tokens"].tolist() == [n for n in lengths for _ in range(2)]
+
+    params_path = _budget_project(tmp_path / "failed", tiny_llama)
+    write, written = ShardStore.write, []
+
+    def write_then_fail(self, unit, table):
+        write(self, unit, table)
+        written.append(unit)
+        if len(written) == 2:
+            raise RuntimeError("the machine went away")
+
+    monkeypatch.setattr(ShardStore, "write", write_then_fail)
+    with pytest.raises(RuntimeError, match="went away"):
+        _generate(params_path)
+    monkeypatch.setattr(ShardStore, "write", write)
+    resumed = _generate(params_path)
+    assert resumed.metrics["resumed_batches"] == 2 and resumed.metrics["num_batches"] == len(plan)
+    failed = load_config(params_path)
+    pd.testing.assert_frame_equal(read_table(failed.path(failed.paths.samples), "samples"), expected)

@@ -339,13 +339,13 @@ def _load(tiny_llama, **spec):
     return load_pretrained(tiny_llama, PolicySpec(model=str(tiny_llama), **{"device": "cpu", "dtype": "float32", **spec}))
 
 
-def first_of_each_pair(questions, responses, answers) -> list[float]:
+def first_of_each_pair(questions, responses, answers, truncated=None) -> list[float]:
     """A reward function for groups of G = 2: 1 for each prompt's first rollout, 0 for its second (advantages
     ±1/(√2 + ε), never all zero)."""
     return [1.0 - i % 2 for i in range(len(responses))]
 
 
-def response_length(questions, responses, answers) -> list[float]:
+def response_length(questions, responses, answers, truncated=None) -> list[float]:
     """A reward function: the response's length in characters."""
     return [float(len(response)) for response in responses]
 
@@ -361,7 +361,7 @@ def _prompts(tokenizer, questions=QUESTIONS) -> list[torch.Tensor]:
     return [tokenizer(q, return_tensors="pt").input_ids for q in questions]
 
 
-def first_prompt_mixed(questions, responses, answers) -> list[float]:
+def first_prompt_mixed(questions, responses, answers, truncated=None) -> list[float]:
     """A reward function for two prompts × G = 2: the first prompt's rollouts score 1 and 0, the second's 0 and 0."""
     return [1.0, 0.0] + [0.0] * (len(responses) - 2)
 
@@ -434,7 +434,7 @@ def test_mtp_rl_in_bfloat16_drafts_rollouts_and_trains_both(tiny_llama):
     module_before = [p.detach().clone() for p in module.parameters()]
     rollout_dtypes = set()
 
-    def reward(questions, responses, answers):  # called inside the rollout phase
+    def reward(questions, responses, answers, truncated=None):  # called inside the rollout phase
         rollout_dtypes.update(p.dtype for p in [*policy.model.parameters(), *module.parameters()])
         return VERIFIABLE(questions, responses, answers)
 
@@ -598,17 +598,20 @@ def test_rollouts_are_scored_by_the_reward_function_given_in_one_call(policy):
 
     calls = []
 
-    def recording(questions, responses, answers):
-        calls.append((questions, responses, answers))
+    def recording(questions, responses, answers, truncated=None):
+        calls.append((questions, responses, answers, truncated))
         return response_length(questions, responses, answers)
 
     cfg = MTPRLTraining(group_size=3, max_new_tokens=6)
+    eos = end_token_ids(policy)
     rollouts = collect_rollouts(policy.model, policy.tokenizer, None, _prompts(policy.tokenizer), QUESTIONS,
-                                [None, "4"], recording, cfg, 0, end_token_ids(policy))
+                                [None, "4"], recording, cfg, 0, eos)
     assert len(calls) == 1
-    questions, responses, answers = calls[0]
+    questions, responses, answers, truncated = calls[0]
     assert questions == [QUESTIONS[0]] * 3 + [QUESTIONS[1]] * 3 and answers == [None] * 3 + ["4"] * 3
     assert responses == [policy.tokenizer.decode(c, skip_special_tokens=True) for c in rollouts.completion_ids]
+    # which rollouts max_new_tokens cut (no end token): the verifiable reward credits those only for a marked answer
+    assert truncated == [len(c) == 6 and c[-1] not in eos for c in rollouts.completion_ids]
     assert rollouts.rewards.tolist() == [float(len(r)) for r in responses]
     assert len(set(rollouts.rewards.tolist())) > 1  # the rollouts differ: the rewards have a spread
 
@@ -627,7 +630,7 @@ def test_advantages_follow_the_reward_function_by_hand(policy, monkeypatch):
         seen.append(args[4])  # the advantages
         return real(*args)
 
-    def by_prompt_and_position(questions, responses, answers):
+    def by_prompt_and_position(questions, responses, answers, truncated=None):
         first, step = {QUESTIONS[0]: (1.0, 2.0), QUESTIONS[1]: (5.0, 0.0)}, 2  # per prompt: first reward, spread
         return [first[q][0] + first[q][1] * (i % step) for i, q in enumerate(questions)]
 
@@ -645,7 +648,8 @@ def test_a_reward_that_is_not_a_finite_number_is_an_error(policy):
     from models.engine.generation import end_token_ids
 
     def rewards(*values):
-        return rollout_rewards(lambda questions, responses, answers: list(values), QUESTIONS[:1], [None], ["a", "b"],
+        return rollout_rewards(lambda questions, responses, answers, truncated=None: list(values), QUESTIONS[:1],
+                               [None], ["a", "b"],
                                group_size=2)
 
     assert rewards(0.5, -2.0).tolist() == [0.5, -2.0]
@@ -658,7 +662,7 @@ def test_a_reward_that_is_not_a_finite_number_is_an_error(policy):
     cfg = MTPRLTraining(steps=1, group_size=2, max_new_tokens=4)
     with pytest.raises(ValueError, match="non-finite rewards"):  # a training step stops before its update
         train_variant(policy, None, variant("vanilla", cfg), _prompts(policy.tokenizer)[:1], QUESTIONS[:1], [None],
-                      lambda questions, responses, answers: [math.nan] * len(responses), cfg, [1.0],
+                      lambda questions, responses, answers, truncated=None: [math.nan] * len(responses), cfg, [1.0],
                       end_token_ids(policy))
 
 

@@ -26,6 +26,15 @@ def test_verifiable_labeler_reads_worked_solutions():
     assert labeler.score(QUESTIONS, RESPONSES, wrong) == [0.0, 0.0, 0.0, 0.0]
 
 
+def test_verifiable_labeler_credits_a_cut_response_only_for_a_marked_answer():
+    """``truncated``: the responses the length limit cut. The verifiable labeler credits those only for a marked
+    answer, never for their last number; ended ones as before."""
+    labeler = build_labeler(LabelerSpec())
+    responses = ["4 + 2 = 6", "4 + 2 = 6", "4 + 2 = 6. The answer is 6. Then 2"]
+    assert labeler.score(["q"] * 3, responses, ["6"] * 3, truncated=[False, True, True]) == [1.0, 0.0, 1.0]
+    assert labeler.score(["q"] * 3, responses, ["6"] * 3) == [1.0, 1.0, 1.0]  # none cut
+
+
 def test_verifiable_labeler_refuses_missing_and_unreadable_references():
     labeler = build_labeler(LabelerSpec())
     with pytest.raises(LabelerError, match=r"of 3 rows, 1 have none and 0 have one"):
@@ -148,3 +157,36 @@ def test_remote_code_written_for_older_transformers_is_named(remote_code_classif
     code.write_text("from transformers.models.llama.modeling_llama import LLAMA_INPUTS_DOCSTRING\n" + code.read_text())
     with pytest.raises(LabelerError, match=r"does not import under transformers 5\..*LLAMA_INPUTS_DOCSTRING"):
         build_labeler(LabelerSpec(labeler="hf-classifier", model=str(folder), trust_remote_code=True, device="cpu"))
+
+
+def test_the_label_stage_credits_a_cut_sample_only_for_a_marked_answer(tiny_llama, tmp_path):
+    """The label stage reads each sample's ``finish_reason``: a sample cut at max_new_tokens (``length``) whose last
+    number happens to equal the reference scores 0, is not correct and has no extracted answer; the same text that
+    ended scores 1; a cut sample with "The answer is 6" before the cut scores 1."""
+    import pandas as pd
+    import yaml
+    from prefect.logging import disable_run_logger
+
+    from foresight.config import load_config
+    from foresight.pairs import SAMPLE_COLUMNS
+    from foresight.storage import read_table, write_table
+    from tasks.data import label_task
+    from tests.conftest import tiny_params
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params(tmp_path, tiny_llama)))
+    cfg = load_config(tmp_path / "params.yaml")
+    rows = [("4 + 2 = 6", "eos"), ("4 + 2 = 6", "length"), ("4 + 2 = 6. The answer is 6. Then 2", "length")]
+    samples = pd.DataFrame([{"sample_id": f"p/{i}", "prompt_id": "p", "sample_index": i, "question": "4 + 2?",
+                             "prompt": "4 + 2?", "response": response, "answer": "6", "prompt_tokens": 1,
+                             "response_tokens": 1, "finish_reason": reason, "temperature": 1.0, "top_p": 1.0,
+                             "top_k": 0, "max_new_tokens": 12, "seed": 0, "model": "tiny"}
+                            for i, (response, reason) in enumerate(rows)], columns=SAMPLE_COLUMNS)
+    write_table(samples, cfg.path(cfg.paths.samples))
+    assert cfg.label.labeler == "verifiable"
+    with disable_run_logger():
+        metrics = label_task.fn(cfg).metrics
+    scores = read_table(cfg.path(cfg.paths.scores), "scores")
+    assert scores["score"].tolist() == [1.0, 0.0, 1.0]
+    assert scores["correct"].tolist() == [True, False, True]
+    assert [None if pd.isna(a) else a for a in scores["extracted_answer"]] == ["6", None, "6"]
+    assert metrics["sample_accuracy"] == pytest.approx(2 / 3)

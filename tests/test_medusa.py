@@ -268,7 +268,9 @@ def test_prompt_sets_are_the_held_out_prompts_the_general_set_and_each_prompt_fi
                                              "prompt_files": [{"path": "mine.csv", "text_column": "text"}]}},
                        root=tmp_path)
     general = general_instructions("eval")["question"].tolist()
-    assert _prompt_sets(cfg) == {"held_out": ["q1", "q2"], "general": general[:3], "mine": ["a", "b"]}
+    sets = _prompt_sets(cfg)
+    assert sets["held_out"] == ["q1", "q2"] and sets["general"] == general[:3]
+    assert list(sets) == ["held_out", "general", "mine"] and sorted(sets["mine"]) == ["a", "b"]  # drawn, in any order
     without = parse_config({"medusa_benchmark": {"general_prompts": 0}}, root=tmp_path)
     assert list(_prompt_sets(without)) == ["held_out"]
     (tmp_path / "empty.csv").write_text("")
@@ -539,10 +541,12 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     assert responses["prompt_set"].tolist() == ["task"] * 6 + ["general"] * 3
     assert responses["further_prompt"].tolist() == [False] * 4 + [True] * 2 + [False] * 3
     assert all(q in p for q, p in zip(general, responses["prompt"][6:], strict=True))
-    assert all("The answer is N." in p for p in responses["prompt"][4:6])
+    assert all('"The answer is 42."' in p for p in responses["prompt"][4:6])
     assert responses["prompt"][6].startswith("<|im_start|>user\n") and responses["prompt"][6].endswith("assistant\n")
     assert (trained.metrics["num_task_responses"], trained.metrics["num_general_responses"]) == (6, 3)
     assert trained.metrics["num_responses_dropped_too_long"] == 0
+    # prompts over the prompt limit: none here, counted per set all the same (read back from distilled/)
+    assert trained.metrics["dropped_long_prompts.further"] == trained.metrics["dropped_long_prompts.general"] == 0
     # the further prompts' responses are the heads' alone: COrAL and the MTP module fine-tune on the others
     assert sft_responses(cfg, "distilled", "coral.data")["prompt_id"].tolist() == (
         responses["prompt_id"][~responses["further_prompt"]].tolist())
@@ -573,6 +577,7 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
         (entry["path"] for entry in paths[:2]), key=lambda path: (len(path), path))
 
     result = benchmark_medusa_task.fn(cfg)
+    assert result.metrics["dropped_long_prompts.held_out"] == result.metrics["dropped_long_prompts.general"] == 0
     out = tmp_path / "data/benchmarks/medusa"
     table = pd.read_csv(out / "table.csv")
     assert table["prompt_set"].tolist() == ["held_out"] * 4 + ["general"] * 4

@@ -244,6 +244,23 @@ def test_every_layers_hidden_states_only_where_the_reward_channel_reads_them(tmp
     assert parts["generate"]["KV cache"] == g.batch_size * g.num_samples * (1024 + g.max_new_tokens) * per_token
 
 
+def test_the_generate_kv_cache_is_capped_by_the_token_budget(tmp_path, llama3_8b, llama3_shapes):
+    """``generate.max_batch_tokens``: a batch's KV cache holds at most the budget's tokens, or one prompt's rows
+    alone where they exceed it (such a prompt forms its own batch); without a budget, the full batch of the longest
+    prompts. By hand, Llama-3-8B in bf16: 128 KiB per token."""
+    per_token = 32 * 2 * 8 * 128 * 2
+
+    def kv(**generate) -> float:
+        cfg = _cfg(tmp_path, llama3_8b, prompts={"max_prompt_tokens": 1024},
+                   generate={"batch_size": 16, "num_samples": 4, "max_new_tokens": 512, **generate})
+        return _by_stage(plan(cfg, 80, 1, shapes=llama3_shapes))["generate"].estimate.parts["KV cache"]
+
+    assert kv() == 16 * 4 * (1024 + 512) * per_token
+    assert kv(max_batch_tokens=65536) == 65536 * per_token
+    assert kv(max_batch_tokens=1000) == 4 * (1024 + 512) * per_token  # one prompt's 4 rows, alone over the budget
+    assert kv(max_batch_tokens=10**7) == kv()
+
+
 def test_armorm_is_counted_as_its_native_module(tmp_path, llama3_8b, llama3_shapes):
     """ArmoRM's config.json (vocab 128257 with [PAD] inside, 19 objectives, 3 gating layers of 1024): the backbone
     and its heads, no LM head — 7,511,320,957 parameters (the native module's count, the hub's 7.51 B); in the

@@ -12,6 +12,8 @@ from models.engine.config import PolicySpec, Sampling
 from models.engine.generation import (
     Completion,
     HFSampler,
+    batch_plan,
+    batch_tokens,
     chat_prompts,
     generate_until_done,
     response_lengths,
@@ -32,8 +34,9 @@ from models.engine.policy import (
 
 
 def sample(policy, prompts, cfg: Sampling) -> list[Completion]:
-    """Every batch's completions from the HF engine, in order."""
-    return [c for _, batch, _ in sample_batches(HFSampler(policy, cfg), prompts, cfg.batch_size) for c in batch]
+    """Every batch's completions from the HF engine, in order (``batch_size`` prompts per batch)."""
+    batches = batch_plan([0] * len(prompts), cfg.batch_size, cfg.num_samples, cfg.max_new_tokens)
+    return [c for _, batch, _ in sample_batches(HFSampler(policy, cfg), prompts, batches) for c in batch]
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +230,37 @@ def test_sampling_holds_at_most_batch_size_prompts_per_generate_call(tiny_policy
     prompts = chat_prompts(tiny_policy.tokenizer, ["a", "b", "c", "d", "e"])
     completions = sample(tiny_policy, prompts, Sampling(num_samples=2, max_new_tokens=3, batch_size=2))
     assert rows == [4, 4, 2] and len(completions) == 10
+
+
+def test_a_token_budget_cuts_batches_in_prompt_order_and_a_long_prompt_goes_alone():
+    """``generate.max_batch_tokens``: a batch holds at most ``batch_size`` prompts and at most the budget's tokens,
+    rows × (longest prompt + max_new_tokens); batches stay consecutive in prompt order (no sorting: a batch's index
+    names the same prompts in a resumed run); a prompt over the budget alone is a batch of its own."""
+    lengths = [20, 30, 25, 400, 10, 10, 10, 10, 90, 20, 5]
+    assert batch_plan(lengths, 4, 2, 10) == [range(0, 4), range(4, 8), range(8, 11)]  # no budget: batch_size only
+    assert batch_tokens(lengths[:4], 2, 10) == 4 * 2 * (400 + 10)  # left-padded to the longest
+    plan = batch_plan(lengths, 4, 2, 10, max_batch_tokens=300)
+    assert plan == [range(0, 3), range(3, 4), range(4, 8), range(8, 9), range(9, 11)]
+    assert [i for batch in plan for i in batch] == list(range(len(lengths)))
+    for batch in plan:
+        tokens = batch_tokens(lengths[batch.start : batch.stop], 2, 10)
+        assert len(batch) <= 4 and (tokens <= 300 or len(batch) == 1)
+    assert batch_plan(lengths, 4, 2, 10, max_batch_tokens=10**6) == batch_plan(lengths, 4, 2, 10)
+    assert batch_plan([], 4, 2, 10, max_batch_tokens=300) == []
+
+
+def test_sampling_follows_the_batch_plan(tiny_policy, monkeypatch):
+    """Each planned batch is one sampler call, seeded with its index: the completions keep their prompts' indices,
+    and a batch's samples are those of the same prompts sampled alone under that index."""
+    rows = recording_generate(tiny_policy, monkeypatch)
+    cfg = Sampling(num_samples=2, max_new_tokens=3, batch_size=3)
+    prompts = chat_prompts(tiny_policy.tokenizer, ["a", "b", "c", "d", "e"])
+    sampler = HFSampler(tiny_policy, cfg)
+    plan = [range(0, 1), range(1, 4), range(4, 5)]
+    completions = [c for _, batch, _ in sample_batches(sampler, prompts, plan) for c in batch]
+    assert rows == [2, 6, 2]
+    assert [c.prompt_index for c in completions] == [p for p in range(5) for _ in range(2)]
+    assert completions[2:8] == sampler(prompts[1:4], 1, 1)
 
 
 def test_finished_rows_drop_out_and_output_is_unchanged(tiny_policy, monkeypatch):

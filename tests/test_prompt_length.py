@@ -1,6 +1,8 @@
 """Prompt length: ``prompts.max_prompt_tokens`` in ``prepare_prompts`` (counted in the policy's chat template, as
-generation tokenises it) and reward models that cut the response, never the prompt (ArmoRM gates on the prompt's
-end, ``models/labeling/conversations.py``)."""
+generation tokenises it), the same limit on the prompt sets other stages read (the Medusa distillation's further
+task prompts and general instructions, the Medusa benchmark's sets: ``tasks.data.drop_long_prompt_sets``), and reward
+models that cut the response, never the prompt (ArmoRM gates on the prompt's end,
+``models/labeling/conversations.py``)."""
 
 from __future__ import annotations
 
@@ -211,3 +213,88 @@ def test_the_label_stage_reports_cut_responses(tiny_llama, tiny_armorm, tmp_path
     with disable_run_logger():
         metrics = label_task.fn(cfg).metrics
     assert metrics["truncated_responses"] == 1 and metrics["num_scored"] == 2
+
+
+LONG_INSTRUCTION = "Summarise this story in one line. " + "Ben has 4 apples and Ava gives Ben 2 more apples. " * 60
+
+
+def _general_with_a_long_instruction(split, count=None, path=None):
+    """The general instruction set's schema, one short and one over-long instruction (a set edited by hand)."""
+    return pd.DataFrame({"prompt_id": ["general-short", "general-long"], "answer": None, "source": "general",
+                         "question": ["Write a haiku.", LONG_INSTRUCTION], "category": "writing"})
+
+
+def _medusa_cfg(root: Path, **sections):
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    for name, values in sections.items():
+        params.setdefault(name, {}).update(values)
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    return load_config(root / "params.yaml")
+
+
+def test_medusa_distillation_drops_over_long_further_prompts_and_general_instructions(tiny_llama, tmp_path,
+                                                                                     monkeypatch, caplog):
+    """Further task prompts (rows of the source the splits left unused: the over-long one among them, since
+    prepare_prompts dropped it from the splits) and general instructions never passed prepare_prompts: the
+    distillation drops those over the same limit, counts them per set and says so."""
+    import logging
+
+    import foresight.prompts
+    from tasks.data import load_stage_policy, read_prompts
+    from tasks.medusa import _distillation_data
+
+    _prepare(tmp_path, tiny_llama, [*SHORT, LONG], num_train=4)
+    cfg = _medusa_cfg(tmp_path, medusa={"task_prompts": 20, "max_new_tokens": 2})
+    monkeypatch.setattr(foresight.prompts, "general_instructions", _general_with_a_long_instruction)
+    with caplog.at_level(logging.WARNING):
+        responses, dropped = _distillation_data(cfg, load_stage_policy(cfg, "base"))
+    assert dropped == {"dropped_long_prompts.further": 1, "dropped_long_prompts.general": 1}
+    assert not any(LONG in p or LONG_INSTRUCTION in p for p in responses["prompt"])
+    taken = len(read_prompts(cfg, "train")) + len(read_prompts(cfg, "eval"))
+    assert int(responses["further_prompt"].sum()) == len(SHORT) - taken  # every short prompt the splits left
+    assert (responses["prompt_set"] == "general").sum() == 1
+    assert "prompt set 'further': dropped 1 of" in caplog.text and "prompt set 'general': dropped 1 of" in caplog.text
+
+
+def test_benchmark_prompt_sets_drop_over_long_prompts_per_set(tiny_llama, tmp_path, monkeypatch):
+    """The Medusa benchmark's general set and prompt files never passed prepare_prompts: the prompts over the limit
+    leave every set, counted as ``dropped_long_prompts.<set>``; the held-out split passed already."""
+    from transformers import AutoTokenizer
+
+    import foresight.prompts
+    from tasks.medusa import benchmark_prompt_sets
+
+    _prepare(tmp_path, tiny_llama, SHORT)
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in [*SHORT[:3], LONG]))
+    cfg = _medusa_cfg(tmp_path, medusa_benchmark={
+        "num_prompts": 10, "general_prompts": 2, "prompt_files": [{"path": "mixed.jsonl", "text_column": "prompt"}]})
+    monkeypatch.setattr(foresight.prompts, "general_instructions", _general_with_a_long_instruction)
+    sets, dropped = benchmark_prompt_sets(cfg, AutoTokenizer.from_pretrained(tiny_llama))
+    assert dropped == {"dropped_long_prompts.held_out": 0, "dropped_long_prompts.general": 1,
+                       "dropped_long_prompts.mixed": 1}
+    assert sorted(sets["mixed"]) == sorted(SHORT[:3]) and sets["general"] == ["Write a haiku."]
+    assert len(sets["held_out"]) == 2
+
+
+def test_benchmark_prompt_files_are_sampled_across_the_file_with_the_seed(tmp_path):
+    """A prompt file sorted by category: ``num_prompts`` rows drawn across the whole file (not its first rows, all
+    of one category), the same draw every time, another with another ``medusa_benchmark.seed``."""
+    from foresight.config import parse_config
+    from tasks.medusa import _prompt_sets
+
+    (tmp_path / "data/prompts").mkdir(parents=True)
+    pd.DataFrame({"question": ["q1", "q2"]}).to_json(tmp_path / "data/prompts/eval.jsonl", orient="records",
+                                                     lines=True)
+    rows = [f"{category} question {i}" for category in ("coding", "math", "writing") for i in range(10)]
+    (tmp_path / "sorted.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in rows))
+
+    def drawn(**benchmark) -> list[str]:
+        cfg = parse_config({"medusa_benchmark": {"num_prompts": 6, "general_prompts": 0, "prompt_files": [
+            {"path": "sorted.jsonl", "text_column": "prompt"}], **benchmark}}, root=tmp_path)
+        return _prompt_sets(cfg)["sorted"]
+
+    first = drawn()
+    assert len(set(first)) == 6 and set(first) <= set(rows)
+    assert len({q.split()[0] for q in first}) > 1  # not the first rows' one category
+    assert drawn() == first and drawn(seed=0) == first
+    assert drawn(seed=1) != first

@@ -9,7 +9,7 @@ import pytest
 from foresight.config import ArithmeticConfig, parse_config
 from foresight.prompts import PromptSourceError, arithmetic_prompts, further_prompts, load_prompts
 
-INSTRUCTION = "End your answer with 'The answer is N.'"
+INSTRUCTION = 'End your answer with a sentence like "The answer is 42."'
 
 
 def _prompts_cfg(**prompts):
@@ -61,7 +61,7 @@ def test_splits_are_deterministic_and_disjoint(tmp_path):
     pd.testing.assert_frame_equal(held_out, held_out2)
     assert (len(train), len(held_out)) == (30, 10)
     assert not set(train["prompt_id"]) & set(held_out["prompt_id"])
-    assert train["question"].str.endswith("End your answer with 'The answer is N.'").all()
+    assert train["question"].str.endswith(INSTRUCTION).all()
     other, _ = load_prompts(_prompts_cfg(num_train=30, num_eval=10, seed=6), tmp_path)
     assert list(other["prompt_id"]) != list(train["prompt_id"])
 
@@ -122,14 +122,60 @@ def test_instruction_goes_to_prompts_with_a_reference_only_and_null_means_none(t
     assert sorted(pd.concat([train, held_out])["question"]) == sorted(r["prompt"] for r in rows)
 
 
-def test_list_valued_column_uses_first_turn(tmp_path):
+def test_list_valued_column_uses_first_turn_and_says_so(tmp_path, caplog):
+    """MT-Bench style ``turns``: each row keeps its first turn; the rows that held more are counted (for
+    prepare_prompts' ``multi_turn_prompts`` metric) and a warning names the file, the column and the count."""
     path = tmp_path / "mtbench.jsonl"
-    rows = [{"question_id": i, "turns": [f"First turn {i}", "Follow-up"]} for i in range(4)]
+    rows = [{"question_id": i, "turns": [f"First turn {i}", "Follow-up"] if i < 3 else [f"First turn {i}"]}
+            for i in range(5)]
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = _prompts_cfg(source="file", num_train=3, num_eval=1, file={"path": str(path), "text_column": "turns"})
-    train, held_out = load_prompts(cfg, tmp_path)
-    assert sorted(pd.concat([train, held_out])["question"]) == [f"First turn {i}" for i in range(4)]
+    cfg = _prompts_cfg(source="file", num_train=4, num_eval=1, file={"path": str(path), "text_column": "turns"})
+    counts = {}
+    with caplog.at_level("WARNING", logger="foresight.prompts"):
+        train, held_out = load_prompts(cfg, tmp_path, counts)
+    assert sorted(pd.concat([train, held_out])["question"]) == [f"First turn {i}" for i in range(5)]
     assert train["answer"].isna().all()
+    assert counts == {"multi_turn_prompts": 3}
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert str(path) in warning and "3 of 5 rows" in warning and "'turns'" in warning and "dropped" in warning
+
+    single = tmp_path / "single.jsonl"
+    single.write_text("\n".join(json.dumps({"prompt": f"q{i}"}) for i in range(4)))
+    counts = {}
+    load_prompts(_prompts_cfg(source="file", num_train=3, num_eval=1, file={"path": str(single)}), tmp_path, counts)
+    assert counts == {"multi_turn_prompts": 0}
+
+
+@pytest.mark.parametrize(("suffix", "text", "column"), [
+    (".jsonl", '{"prompt": "ok"}\n{"prompt": "caf\u00e9 ok"}\n{"prompt": "na\u00efve"}\n', 16),
+    (".csv", "prompt\ncaf\u00e9 ok\nna\u00efve\n", 4),
+])
+def test_a_file_not_in_utf8_names_its_line_and_byte_and_the_fix(tmp_path, suffix, text, column):
+    """A Latin-1 file fails before ``datasets`` reads it (whose pyarrow error names neither file nor line), at the
+    first byte that is not UTF-8 (line 2, the "é"), with the iconv command that converts it."""
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.raises(PromptSourceError) as err:
+        load_prompts(_prompts_cfg(source="file", num_train=1, num_eval=1, file={"path": str(path)}), tmp_path)
+    message = str(err.value)
+    assert str(path) in message and f"line 2, byte {column} " in message and "0xe9" in message
+    assert f"iconv -f latin1 -t utf-8 {path}" in message
+
+
+def test_utf8_check_streams_and_finds_the_same_byte_at_any_chunk_size(tmp_path):
+    """The check reads in chunks: a valid multi-byte character split between chunks passes, and the bad byte's
+    line and column do not depend on where the chunks end."""
+    from foresight.prompts import check_utf8
+
+    path = tmp_path / "mixed.jsonl"
+    valid = '{"prompt": "caf\u00e9 \u20ac \U0001f600"}\n'.encode()
+    path.write_bytes(valid * 3)
+    for size in (1, 2, 3, 5, 1 << 20):
+        check_utf8(path, size)
+    path.write_bytes(valid * 2 + b'{"prompt": "x\xe9"}\n')
+    for size in (1, 2, 3, 5, 1 << 20):
+        with pytest.raises(PromptSourceError, match=r"line 3, byte 14 "):
+            check_utf8(path, size)
 
 
 def test_file_errors_are_clear(tmp_path):

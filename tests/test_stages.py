@@ -16,13 +16,16 @@ import yaml
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from foresight.config import Config, PathsConfig, PolicyConfig, component, parse_config
+from foresight.config import Config, PathsConfig, PolicyConfig, component, load_config, parse_config
 from foresight.stages import (
     STAGES,
     RecordingConfig,
     Stage,
+    _outermost,
     path_name,
     render_dvc_yaml,
+    sync_dvc_yaml,
+    undeclared_files,
     undeclared_modules,
     undeclared_reads,
 )
@@ -31,7 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_committed_dvc_yaml_is_the_rendered_stage_table():
-    assert (REPO / "dvc.yaml").read_text() == render_dvc_yaml(), "run: foresight dvc-yaml > dvc.yaml"
+    assert (REPO / "dvc.yaml").read_text() == render_dvc_yaml(load_config(REPO / "params.yaml")), \
+        "run: foresight dvc-yaml > dvc.yaml"
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     assert list(stages) == [stage.name for stage in STAGES]
     # cached, not persist: DVC's run cache restores a stage it has run before (tests/test_dvc_pipeline.py)
@@ -196,6 +200,50 @@ def test_stage_table_shows_the_headline_metrics_a_stage_wrote(tmp_path):
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"stage_seconds": 74.12, "held_out_expected_tau": 1.38371,
                                 "held_out_top1_depth_1": 0.277}))
-    (row,) = [r for r in stage_table(stage_metrics(cfg), ["train_mtp"]) if r["stage"] == "train_mtp"]
+    (row,) = [r for r in stage_table(stage_metrics(cfg), ["train_mtp"], set()) if r["stage"] == "train_mtp"]
     assert row == {"stage": "train_mtp", "status": "ran", "seconds": 74.1, "held_out_expected_tau": 1.384,
                    "held_out_top1_depth_1": 0.277}
+
+
+def _deps(text: str, stage: str) -> list[str]:
+    return yaml.safe_load(text)["stages"][stage]["deps"]
+
+
+def test_local_files_the_params_name_are_deps_of_the_stages_that_read_them(tmp_path):
+    """A prompt file (in the repository: relative), a benchmark prompt file (outside: absolute) and a local
+    policy folder are deps of exactly the stages that read them; a hub id, an unset file and a missing path are
+    not (DVC would fail on a missing dep; the stage names the missing file itself)."""
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    outside = tmp_path.parent / f"{tmp_path.name}-extra.jsonl"
+    outside.write_text('{"prompt": "hello"}\n')
+    (tmp_path / "policy").mkdir()
+    cfg = parse_config({"policy": {"model": "policy"},
+                        "prompts": {"source": "file", "file": {"path": "prompts.jsonl"}},
+                        "medusa_benchmark": {"prompt_files": [{"path": str(outside)}, {"path": "gone.jsonl"}]},
+                        "label": {"labeler": "armorm", "model": "RLHFlow/ArmoRM-Llama3-8B-v0.1"}}, root=tmp_path)
+    text = render_dvc_yaml(cfg)
+    reading = {stage.name: set(_deps(text, stage.name)) - set(stage.inputs) - set(_outermost(stage.code))
+               for stage in STAGES}
+    assert {name: files for name, files in reading.items() if files} == {
+        "prepare_policy": {"policy"},
+        "prepare_prompts": {"prompts.jsonl"},
+        "train_medusa": {"prompts.jsonl"},
+        "benchmark_medusa": {str(outside)},
+    }
+    assert render_dvc_yaml(parse_config({}, root=tmp_path)) == render_dvc_yaml(parse_config({}, root=REPO)), \
+        "the default params name no local file: dvc.yaml does not depend on where the checkout is"
+
+
+def test_dvc_yaml_follows_the_params_and_a_stage_refuses_a_file_it_does_not_list(tmp_path):
+    """``sync_dvc_yaml`` (what foresight run / pipeline call first) rewrites dvc.yaml when the params name another
+    file and reports the stages it changed; until then ``undeclared_files`` names the file a stage would read
+    unseen by DVC (a stage run by plain ``dvc repro`` fails on it)."""
+    (tmp_path / "a.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "dvc.yaml").write_text(render_dvc_yaml(parse_config({}, root=tmp_path)))
+    cfg = parse_config({"prompts": {"source": "file", "file": {"path": "a.jsonl"}}}, root=tmp_path)
+    prepare_prompts = next(stage for stage in STAGES if stage.name == "prepare_prompts")
+    assert undeclared_files(prepare_prompts, cfg) == ["a.jsonl"]
+    assert sync_dvc_yaml(cfg) == ["prepare_prompts", "train_medusa"]
+    assert "a.jsonl" in _deps((tmp_path / "dvc.yaml").read_text(), "prepare_prompts")
+    assert undeclared_files(prepare_prompts, cfg) == []
+    assert sync_dvc_yaml(cfg) == [], "an up-to-date dvc.yaml is left alone"

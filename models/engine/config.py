@@ -41,6 +41,7 @@ class Sampling:
     max_new_tokens: int = 64
     batch_size: int = 24  # prompts per batch, each bringing num_samples sequences
     chunk_tokens: int = 8  # new tokens per generate call; then rows that have ended drop out
+    max_batch_tokens: int | None = None  # hf: a batch's rows × (longest prompt + max_new_tokens) at most; None = off
     seed: int = 0  # batch b is seeded with seed + b (vLLM: prompt i with seed + i·num_samples; sample s: + s)
     engine: SamplingEngineName = "hf"  # hf (generate, the reference) | vllm (GPU machines, a worker in vLLM's venv)
     tensor_parallel_size: int = 1  # vllm: GPUs one model is split over

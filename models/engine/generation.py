@@ -9,6 +9,12 @@ A row that has ended stops costing compute (:func:`generate_until_done`): ``gene
 new tokens at a time, and only the rows without an end token go on, from their own KV cache. One long call
 would run every row to the batch's longest response: at the defaults (96 rows, 64 new tokens) a third of the
 row-steps were spent on finished rows. The generate stage: docs/pipeline.md.
+
+Batches are cut in prompt order (:func:`batch_plan`): ``batch_size`` prompts, and with a token budget
+(``generate.max_batch_tokens``) fewer where a long prompt would make the batch's KV cache, rows × (longest prompt +
+``max_new_tokens``) after left-padding, exceed it. Otherwise one long prompt pads every row of its batch to its
+length: SmolLM2-135M in bf16 (23 KB of KV cache per token), 96 rows and a 10,093-token prompt need ~22 GB where
+100-token prompts need ~0.4 GB.
 """
 
 from __future__ import annotations
@@ -164,13 +170,38 @@ class HFSampler:
                 for row, (length, reason) in enumerate(zip(lengths, reasons, strict=True))]
 
 
-def sample_batches(sampler: Sampler, prompts: Sequence[str], batch_size: int,
+def batch_tokens(prompt_tokens: Sequence[int], num_samples: int, max_new_tokens: int) -> int:
+    """What a batch of prompts of these token lengths can fill: rows (prompts × ``num_samples``) × (the longest
+    prompt + ``max_new_tokens``), every row left-padded to the longest prompt (the size of its KV cache)."""
+    return len(prompt_tokens) * num_samples * (max(prompt_tokens) + max_new_tokens)
+
+
+def batch_plan(prompt_tokens: Sequence[int], batch_size: int, num_samples: int, max_new_tokens: int,
+               max_batch_tokens: int | None = None) -> list[range]:
+    """The prompts' batches, consecutive ranges of prompt indices in prompt order: each at most ``batch_size``
+    prompts and, with ``max_batch_tokens``, at most that many tokens (:func:`batch_tokens`); a prompt over the
+    budget alone forms its own batch. Never sorted: the plan is a function of the token lengths and the knobs only,
+    so a resumed run forms the same batches and a batch's index (its seed, its shard) means the same prompts."""
+    batches, start = [], 0
+    for end in range(1, len(prompt_tokens) + 1):
+        full = end - start > batch_size or (
+            max_batch_tokens is not None and end - start > 1
+            and batch_tokens(prompt_tokens[start:end], num_samples, max_new_tokens) > max_batch_tokens)
+        if full:  # the batch ends before prompt end - 1, which starts the next one
+            batches.append(range(start, end - 1))
+            start = end - 1
+    if len(prompt_tokens):
+        batches.append(range(start, len(prompt_tokens)))
+    return batches
+
+
+def sample_batches(sampler: Sampler, prompts: Sequence[str], batches: Sequence[range],
                    skip: Container[int] = ()) -> Iterator[tuple[int, list[Completion], float]]:
-    """Each batch of ``batch_size`` prompts but those in ``skip`` (batches already done), in order: its index, its
-    completions and the seconds it took."""
-    for b, start in enumerate(range(0, len(prompts), batch_size)):
+    """Each batch of ``batches`` (:func:`batch_plan`) but those in ``skip`` (batches already done), in order: its
+    index, its completions and the seconds it took."""
+    for b, batch in enumerate(batches):
         if b in skip:
             continue
         started = time.perf_counter()
-        completions = sampler(prompts[start : start + batch_size], b, start)
+        completions = sampler(prompts[batch.start : batch.stop], b, batch.start)
         yield b, completions, time.perf_counter() - started

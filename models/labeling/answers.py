@@ -8,7 +8,10 @@ Formats, in the priority :func:`extract_answer` reads them (the last occurrence 
    2021, "Measuring Mathematical Problem Solving With the MATH Dataset"): the ``solution`` column ends in one.
 3. "The answer is X" (case-insensitive; optional ``:``, ``**``, ``$``; X starts with a number): chain-of-thought
    few-shot prompts (Wei et al. 2022) end each exemplar with it, so prompted models answer that way.
-4. Otherwise the last number in the text.
+4. Otherwise the last number in the text — but not in a response cut off by the length limit
+   (``finish_reason`` ``length``): its last number is whatever the model was writing when the budget ran out, an
+   intermediate step as likely as a conclusion, so crediting it would reward running out of tokens. A marker
+   (1–3) counts in a cut response too: it was written before the cut.
 
 A reference answer (:func:`parse_reference`) is either a bare value, as SVAMP / ASDiv / MATH-500's ``answer``
 column write it ("150", "1,200", "$18", "3/4", "\frac{3}{4}"), or a worked solution read by the same rules.
@@ -129,12 +132,13 @@ def _boxed_answer(text: str) -> str | None:
     return None
 
 
-def extract_answer(text: str) -> str | None:
+def extract_answer(text: str, truncated: bool = False) -> str | None:
     """The final answer of a response or worked solution, canonicalised: the last ``#### X``, else the last
-    ``\\boxed{X}``, else the last "the answer is N", else the last number; None when there is none."""
+    ``\\boxed{X}``, else the last "the answer is N", else — unless ``truncated`` (the response was cut by the length
+    limit; module docstring) — the last number; None when there is none."""
     if answer := _hash_answer(text) or _boxed_answer(text):
         return answer
-    found = _ANSWER_IS_RE.findall(text) or _NUMBER_RE.findall(text)
+    found = _ANSWER_IS_RE.findall(text) or ([] if truncated else _NUMBER_RE.findall(text))
     return normalise_answer(found[-1]) if found else None
 
 
@@ -161,10 +165,18 @@ def parse_reference(reference) -> str | None:
     return bare if _is_number(bare) else extract_answer(text)
 
 
-def is_correct(response: str, reference) -> bool | None:
-    """Whether the response's final answer equals the reference's; None when the reference is missing or
-    unreadable (the caller decides: the verifiable labeler raises), False when the response has no answer."""
+def is_correct(response: str, reference, truncated: bool = False) -> bool | None:
+    """Whether the response's final answer (:func:`extract_answer`; ``truncated``: it was cut by the length limit,
+    so only a marked answer counts) equals the reference's; None when the reference is missing or unreadable (the
+    caller decides: the verifiable labeler raises), False when the response has no answer."""
     expected = parse_reference(reference)
     if expected is None:
         return None
-    return extract_answer(response) == expected
+    return extract_answer(response, truncated) == expected
+
+
+def cut_by_length(tokens, end_token_ids, max_new_tokens: int) -> bool:
+    """Whether a decoded output (new token ids, cut after its first end token) stopped at ``max_new_tokens``
+    without an end token: the ``truncated`` of :func:`is_correct` for decoders that give token lists, the
+    samples table's ``finish_reason == "length"``."""
+    return len(tokens) >= max_new_tokens and (not tokens or tokens[-1] not in end_token_ids)

@@ -1,8 +1,10 @@
-"""Reward labelers behind one interface: ``labeler.score(questions, responses, answers, on_batch) -> scores``.
+"""Reward labelers behind one interface: ``labeler.score(questions, responses, answers, on_batch, truncated)
+-> scores``.
 
 - ``verifiable``: 1.0 when the response's final answer equals the reference answer, else 0.0; both are read as
   real datasets write them (:mod:`models.labeling.answers`: GSM8K's ``#### N``, MATH's ``\\boxed{N}``, "The answer
-  is N", a bare value). A missing or unreadable reference is an error, never a silent 0.
+  is N", a bare value). A missing or unreadable reference is an error, never a silent 0. A response cut by the
+  length limit (``truncated``) is credited only for a marked answer, never for its last number.
 - ``armorm``: ArmoRM-Llama3-8B-v0.1 (RLHFlow), loaded natively from its own config and safetensors
   (:mod:`models.labeling.armorm`, no remote code); the reward is its gated score, as the SLA paper evaluates with it
   (§5.1); :meth:`ArmoRMLabeler.score_objectives` also returns the 19 objective rewards behind it.
@@ -43,7 +45,10 @@ class Labeler(Protocol):
     """Responses the last ``score`` call cut to fit the reward model (``label.max_length``); 0 for ``verifiable``."""
 
     def score(self, questions: Sequence[str], responses: Sequence[str], answers: Sequence[str | None],
-              on_batch: OnBatch | None = None) -> list[float]:
+              on_batch: OnBatch | None = None, truncated: Sequence[bool] | None = None) -> list[float]:
+        """``truncated``: per response, whether the length limit cut it (None: none was). The verifiable labeler
+        then credits only a marked answer (:func:`models.labeling.answers.extract_answer`); a reward model judges
+        the text it is given either way."""
         ...
 
 
@@ -53,7 +58,7 @@ class VerifiableLabeler:
     name = "verifiable"
     truncated_responses = 0
 
-    def score(self, questions, responses, answers, on_batch=None):
+    def score(self, questions, responses, answers, on_batch=None, truncated=None):
         missing = sum(is_missing(a) for a in answers)
         unreadable = unreadable_references(answers)
         if missing or unreadable:
@@ -64,7 +69,8 @@ class VerifiableLabeler:
                 f"or 'The answer is N'{f' (e.g. {examples})' if examples else ''}. Set the prompt source's "
                 "answer_column, write text answers as '#### X', or use labeler armorm / hf-classifier"
             )
-        scores = [1.0 if is_correct(r, a) else 0.0 for r, a in zip(responses, answers, strict=True)]
+        cut = [False] * len(responses) if truncated is None else truncated
+        scores = [1.0 if is_correct(r, a, c) else 0.0 for r, a, c in zip(responses, answers, cut, strict=True)]
         if on_batch is not None:
             on_batch(len(scores), len(scores))
         return scores
@@ -140,7 +146,7 @@ class ArmoRMLabeler:
                                  self.cfg.model, on_batch)
         return table[:, 0].tolist(), table[:, 1:].tolist()
 
-    def score(self, questions, responses, answers, on_batch=None):
+    def score(self, questions, responses, answers, on_batch=None, truncated=None):
         return self.score_objectives(questions, responses, on_batch)[0]
 
 
@@ -205,7 +211,7 @@ class ClassifierLabeler:
         return {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}, truncated
 
     @torch.no_grad()
-    def score(self, questions, responses, answers, on_batch=None):
+    def score(self, questions, responses, answers, on_batch=None, truncated=None):
         self.truncated_responses = 0
 
         def score_batch(rows: list[int]) -> torch.Tensor:

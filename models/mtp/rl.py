@@ -50,6 +50,7 @@ from models.common.training import float32_master_weights, half_dtype, step_prec
 from models.engine.config import Adaptation
 from models.engine.policy import Policy
 from models.engine.speculative import AdaptiveDrafting, SpeculativeStats, last_hidden_forward
+from models.labeling.answers import cut_by_length
 from models.mtp.config import MTPRLTraining, VariantName
 from models.mtp.grpo import group_advantages, grpo_loss, token_logps, zero_std_groups
 from models.mtp.module import (
@@ -65,9 +66,11 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-RewardFunction = Callable[[Sequence[str], Sequence[str], Sequence[str | None]], list[float]]
-"""``reward_fn(questions, responses, answers) -> rewards``, one finite reward per response: a labeler's bound
-``score`` fits. ``answers``: the prompts' known answers, None where a prompt has none (a reward model needs none)."""
+RewardFunction = Callable[..., list[float]]
+"""``reward_fn(questions, responses, answers, truncated=...) -> rewards``, one finite reward per response: a
+labeler's bound ``score`` fits. ``answers``: the prompts' known answers, None where a prompt has none (a reward
+model needs none); ``truncated``: per response, whether ``max_new_tokens`` cut it before an end token (the
+verifiable labeler then credits only a marked answer, :mod:`models.labeling.answers`)."""
 
 
 @dataclass(frozen=True)
@@ -184,12 +187,14 @@ def sample_speculatively(model, draft_base, draft_module, prompts: Sequence[Sequ
 
 
 def rollout_rewards(reward_fn: RewardFunction, questions: Sequence[str], answers: Sequence[str | None],
-                    responses: Sequence[str], group_size: int) -> torch.Tensor:
+                    responses: Sequence[str], group_size: int,
+                    truncated: Sequence[bool] | None = None) -> torch.Tensor:
     """(N·G,): every rollout's reward from one call of ``reward_fn`` (a reward model scores in batches), each
-    prompt's question and answer repeated for its G consecutive rollouts. A reward that is not a finite number
-    would poison its whole group's advantages: an error."""
+    prompt's question and answer repeated for its G consecutive rollouts; ``truncated``: per rollout, whether the
+    length limit cut it (None: none was). A reward that is not a finite number would poison its whole group's
+    advantages: an error."""
     rewards = reward_fn([q for q in questions for _ in range(group_size)], list(responses),
-                        [a for a in answers for _ in range(group_size)])
+                        [a for a in answers for _ in range(group_size)], truncated=truncated)
     if len(rewards) != len(responses):
         raise ValueError(f"the reward function returned {len(rewards)} rewards for {len(responses)} rollouts")
     bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
@@ -256,7 +261,8 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
         batch_started = time.perf_counter()
     scoring = time.perf_counter()
     responses = [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in completions]
-    rewards = rollout_rewards(reward_fn, questions, answers, responses, cfg.group_size)
+    cut = [cut_by_length(tokens, eos_token_ids, cfg.max_new_tokens) for tokens in completions]
+    rewards = rollout_rewards(reward_fn, questions, answers, responses, cfg.group_size, cut)
     return Rollouts(prompt_ids, completions, rewards, scoring - started, stats, time.perf_counter() - scoring, counts)
 
 
