@@ -86,10 +86,25 @@ def flatten(section: dict, prefix: str = "") -> dict[str, str]:
 
 
 @contextlib.contextmanager
+def _killed_when_interrupted(mlflow) -> Iterator[None]:
+    """Inside an MLflow run: Ctrl-C (``KeyboardInterrupt``) or a kill (Prefect's ``TerminationSignal``) ends the run
+    KILLED; MLflow's own ``start_run`` context would call it FAILED, like a stage that failed."""
+    from mlflow.entities import RunStatus
+    from prefect.exceptions import TerminationSignal
+
+    try:
+        yield
+    except (KeyboardInterrupt, TerminationSignal):
+        mlflow.end_run(RunStatus.to_string(RunStatus.KILLED))
+        raise
+
+
+@contextlib.contextmanager
 def pipeline_run(cfg: Config, run_name: str = "pipeline") -> Iterator[str]:
     """Open the parent run; yields its id. The whole params file is logged as params and as an artifact."""
     mlflow = _mlflow(cfg)
-    with mlflow.start_run(run_name=run_name, tags={"foresight.kind": "pipeline", **run_tags(cfg)}) as run:
+    with mlflow.start_run(run_name=run_name, tags={"foresight.kind": "pipeline", **run_tags(cfg)}) as run, \
+            _killed_when_interrupted(mlflow):
         mlflow.log_params(flatten(cfg.model_dump(mode="json", by_alias=True)))
         yield run.info.run_id
 
@@ -101,7 +116,7 @@ def stage_run(cfg: Config, stage: str, sections: list[str], parent_run_id: str |
     parent = parent_run_id or os.environ.get(PARENT_RUN_ENV) or None
     tags = {"foresight.kind": "stage", "foresight.stage": stage, **run_tags(cfg)}
     with mlflow.start_run(run_name=stage, nested=parent is not None, parent_run_id=parent, tags=tags,
-                          log_system_metrics=cfg.tracking.system_metrics) as run:
+                          log_system_metrics=cfg.tracking.system_metrics) as run, _killed_when_interrupted(mlflow):
         dumped = cfg.model_dump(mode="json", by_alias=True)
         mlflow.log_params(flatten({s: dumped[s] for s in sections}))
         yield run.info.run_id

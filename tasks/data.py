@@ -273,31 +273,34 @@ def read_prompts(cfg: Config, split: str) -> pd.DataFrame:
     return read_table(_prompt_split_path(cfg, split), PROMPT_SPLITS[split])
 
 
-def prompt_token_limit(cfg: Config) -> int:
+def prompt_token_limit(cfg: Config, max_new_tokens: int | None = None) -> int:
     """The longest prompt, in the policy's chat template, that any stage gives the policy:
     ``prompts.max_prompt_tokens``, or automatically the policy's context minus ``generate.max_new_tokens`` and, with a
     reward-model labeler, at most ``label.max_length`` minus it (:func:`foresight.prompts.resolve_max_prompt_tokens`).
-    One rule for the splits (``prepare_prompts``) and every prompt set read elsewhere (:func:`drop_long_prompt_sets`).
-    Reads the prepared policy's config.json, not its weights."""
+    One rule for the splits (``prepare_prompts``) and every prompt set read elsewhere (:func:`drop_long_prompt_sets`);
+    a stage that decodes with a budget of its own (``max_new_tokens``) keeps, besides, only prompts that leave it room
+    in the context. Reads the prepared policy's config.json, not its weights."""
     from foresight.prompts import policy_context_length, resolve_max_prompt_tokens
     from models.engine.policy import policy_path
 
     context = policy_context_length(policy_path(cfg.path(cfg.paths.policy_dir)), cfg.policy.trust_remote_code)
     reward_model_length = cfg.label.max_length if cfg.label.labeler != "verifiable" else None
-    return resolve_max_prompt_tokens(cfg.prompts.max_prompt_tokens, context, cfg.generate.max_new_tokens,
-                                     reward_model_length)
+    limit = resolve_max_prompt_tokens(cfg.prompts.max_prompt_tokens, context, cfg.generate.max_new_tokens,
+                                      reward_model_length)
+    return limit if max_new_tokens is None else min(limit, context - max_new_tokens)
 
 
-def drop_long_prompt_sets(cfg: Config, tokenizer, sets: dict[str, pd.DataFrame]
+def drop_long_prompt_sets(cfg: Config, tokenizer, sets: dict[str, pd.DataFrame], max_new_tokens: int
                           ) -> tuple[dict[str, pd.DataFrame], dict[str, int]]:
     """Each prompt set (a table with ``question``) without its prompts over :func:`prompt_token_limit`, counted in
     the policy's chat template (:func:`foresight.prompts.drop_long_prompts`: a set that keeps none is an error), and
     metrics ``dropped_long_prompts.<set>``; a warning names each set that lost prompts and how many. For the stages
     that read prompts besides the splits ``prepare_prompts`` already checked (further task prompts, the general
-    instruction set, benchmark prompt files): a prompt over the policy's context would fail or decode junk."""
+    instruction set, benchmark prompt files), which decode up to ``max_new_tokens``: a prompt over the policy's
+    context would fail or decode junk."""
     from foresight.prompts import drop_long_prompts
 
-    limit = prompt_token_limit(cfg)
+    limit = prompt_token_limit(cfg, max_new_tokens)
     kept, counts = drop_long_prompts(sets, tokenizer, cfg.prompts.system_prompt, limit)
     dropped = {name: [n for n in set_counts if n > limit] for name, set_counts in counts.items()}
     for name, over in dropped.items():

@@ -101,7 +101,8 @@ def _distillation_data(cfg: Config, policy) -> tuple[pd.DataFrame, dict[str, int
         if m.task_prompts > len(prompts):
             taken = pd.concat([prompts, read_prompts(cfg, "eval")], ignore_index=True)
             further = further_prompts(cfg.prompts, cfg.root, m.task_prompts - len(prompts), taken)
-        kept, dropped = drop_long_prompt_sets(cfg, policy.tokenizer, {"further": further, "general": general})
+        kept, dropped = drop_long_prompt_sets(cfg, policy.tokenizer, {"further": further, "general": general},
+                                              m.max_new_tokens)
         further, general = kept["further"], kept["general"]
         if m.task_prompts > len(prompts):
             stage_logger().info("%d training prompts and %d further prompts of the %s source", len(prompts),
@@ -114,7 +115,7 @@ def _distillation_data(cfg: Config, policy) -> tuple[pd.DataFrame, dict[str, int
     if samples.empty:
         raise ValueError(f"{cfg.path(cfg.paths.samples)} has no samples to distil from: run the generate stage")
     samples = samples[samples["sample_index"] < m.samples_per_prompt].assign(prompt_set="task", further_prompt=False)
-    kept, dropped = drop_long_prompt_sets(cfg, policy.tokenizer, {"general": general})
+    kept, dropped = drop_long_prompt_sets(cfg, policy.tokenizer, {"general": general}, m.max_new_tokens)
     if kept["general"].empty:
         return samples.reset_index(drop=True), dropped
     return pd.concat([samples, greedy(kept["general"]).assign(prompt_set="general", further_prompt=False)],
@@ -391,7 +392,7 @@ def benchmark_prompt_sets(cfg: Config, tokenizer) -> tuple[dict[str, list[str]],
     ``dropped_long_prompts.<set>``. The general set and prompt files never passed ``prepare_prompts``: an over-long
     prompt there would decode past the policy's context."""
     sets = {name: pd.DataFrame({"question": questions}) for name, questions in _prompt_sets(cfg).items()}
-    kept, dropped = drop_long_prompt_sets(cfg, tokenizer, sets)
+    kept, dropped = drop_long_prompt_sets(cfg, tokenizer, sets, cfg.medusa_benchmark.max_new_tokens)
     return {name: table["question"].tolist() for name, table in kept.items()}, dropped
 
 

@@ -298,3 +298,19 @@ def test_benchmark_prompt_files_are_sampled_across_the_file_with_the_seed(tmp_pa
     assert len({q.split()[0] for q in first}) > 1  # not the first rows' one category
     assert drawn() == first and drawn(seed=0) == first
     assert drawn(seed=1) != first
+
+
+def test_a_stage_decoding_longer_than_generate_keeps_only_prompts_that_leave_it_room(tiny_llama, tmp_path):
+    """The prompt limit subtracts ``generate.max_new_tokens``; a stage decoding up to more tokens (Medusa's
+    distillation or benchmark) keeps only prompts leaving its own budget room in the context, and a smaller budget
+    leaves the shared limit as it is."""
+    from models.engine.policy import policy_path
+    from tasks.data import prompt_token_limit
+
+    _prepare(tmp_path, tiny_llama, SHORT)
+    cfg = load_config(tmp_path / "params.yaml")
+    context = policy_context_length(policy_path(cfg.path(cfg.paths.policy_dir)))
+    shared = context - cfg.generate.max_new_tokens
+    assert prompt_token_limit(cfg) == shared
+    assert prompt_token_limit(cfg, cfg.generate.max_new_tokens - 4) == shared
+    assert prompt_token_limit(cfg, context - 10) == 10

@@ -44,6 +44,22 @@ def test_parent_and_nested_stage_runs(tmp_path, monkeypatch):
     assert client.get_run(child).info.artifact_uri.startswith((tmp_path / "mlruns").resolve().as_uri())
 
 
+def test_an_interrupted_run_ends_killed_and_a_failed_one_failed(tmp_path):
+    """Ctrl-C inside the pipeline's run or a stage's ends it KILLED, not FAILED (which a stage that failed is)."""
+    cfg = parse_config({"tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "t"}}, root=tmp_path)
+    ids = {}
+    with pytest.raises(KeyboardInterrupt):
+        with pipeline_run(cfg) as ids["pipeline"], stage_run(cfg, "generate", ["generate"], ids["pipeline"]) as ids[
+                "interrupted stage"]:
+            raise KeyboardInterrupt
+    with pytest.raises(RuntimeError):
+        with stage_run(cfg, "label", ["label"]) as ids["failed stage"]:
+            raise RuntimeError("no reward model")
+    client = mlflow.tracking.MlflowClient(cfg.mlflow_uri())
+    assert {name: client.get_run(run_id).info.status for name, run_id in ids.items()} == {
+        "pipeline": "KILLED", "interrupted stage": "KILLED", "failed stage": "FAILED"}
+
+
 def test_flatten():
     assert flatten({"a": {"b": 1, "c": {"d": None}}, "e": "x"}) == {"a.b": "1", "a.c.d": "None", "e": "x"}
 
