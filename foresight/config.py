@@ -172,13 +172,13 @@ class PromptsConfig(_Section):
     """Held-out prompts for benchmarks; never sampled from in training stages."""
     seed: int = 0
     """Seed for problem generation and for the deterministic train/eval split."""
-    instruction: str | None = 'End your answer with a sentence like "The answer is 42."'
+    instruction: str | None = "End your answer with 'The answer is <number>.'"
     """Appended to every prompt that has a reference answer (all arithmetic problems; the rows of a dataset or file
     with an ``answer_column`` value), so the verifiable labeler can read the response's answer. ``null`` or empty:
-    none. Prompts without a reference (UltraFeedback) never get it. The example is a concrete number a model can
-    imitate: a placeholder ("The answer is N.") copied verbatim reads as no marker, and the last number of the text
-    is then credited instead; a copied "42" is wrong unless 42 is the answer (1 % of the default arithmetic
-    problems)."""
+    none. Prompts without a reference (UltraFeedback) never get it. Measured on SmolLM2-135M (48 default problems ×
+    4 samples, docs/pipeline.md#arithmetic-prompts): with ``<number>`` 3 % of the responses copy the placeholder and
+    12 % are right; with "N" 22 % copy it (11.5 % right); a concrete example ("The answer is 42.") is copied by 54 %
+    and leaves 2.6 % right; no instruction 9.9 %."""
     system_prompt: str | None = None
     """Optional system message placed before the user turn in the chat template."""
     max_prompt_tokens: int | None = Field(None, ge=1)

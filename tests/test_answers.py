@@ -198,17 +198,20 @@ def test_a_cut_response_still_counts_its_marked_answer(response):
     assert is_correct(response, "6", truncated=True) is True
 
 
-def test_copying_the_default_instructions_example_is_not_credited():
-    """``prompts.instruction``'s example ("The answer is 42.") copied verbatim reads as 42: wrong unless 42 is the
-    answer (it can be: a copy cannot be told from a right answer then). The old placeholder "N" read as no marker,
-    and the fallback credited the last number of the text."""
+def test_a_copied_instruction_is_never_a_marked_answer():
+    """A small model copies ``prompts.instruction``'s ending verbatim (3 % of SmolLM2-135M's responses with
+    ``<number>``; a concrete example, "The answer is 42.", was copied by 54 % and read as the answer 42). The default
+    holds no number a copy could be credited for: a copy alone is never right, and after worked steps only their last
+    number counts, and only in a response that was not cut."""
     from foresight.config import PromptsConfig
 
     instruction = PromptsConfig().instruction
-    example = instruction[instruction.index("The answer is"):].rstrip("'\"")
+    assert not any(ch.isdigit() for ch in instruction)
+    copy = instruction[instruction.index("The answer is"):].rstrip("'\"")
+    assert extract_answer(copy) is None
     work = "Ben has 4 apples and gets 2 more: 4 + 2 = 6. "
-    assert is_correct(work + example, "6") is False
-    assert is_correct(work + example, "42") is True
+    assert is_correct(work + copy, "6") is True
+    assert is_correct(work + copy, "6", truncated=True) is False
 
 
 @pytest.mark.parametrize("reference", [None, math.nan, "", "Paris", "see the solution above"])

@@ -541,7 +541,7 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     assert responses["prompt_set"].tolist() == ["task"] * 6 + ["general"] * 3
     assert responses["further_prompt"].tolist() == [False] * 4 + [True] * 2 + [False] * 3
     assert all(q in p for q, p in zip(general, responses["prompt"][6:], strict=True))
-    assert all('"The answer is 42."' in p for p in responses["prompt"][4:6])
+    assert all("'The answer is <number>.'" in p for p in responses["prompt"][4:6])
     assert responses["prompt"][6].startswith("<|im_start|>user\n") and responses["prompt"][6].endswith("assistant\n")
     assert (trained.metrics["num_task_responses"], trained.metrics["num_general_responses"]) == (6, 3)
     assert trained.metrics["num_responses_dropped_too_long"] == 0

@@ -9,7 +9,7 @@ import pytest
 from foresight.config import ArithmeticConfig, parse_config
 from foresight.prompts import PromptSourceError, arithmetic_prompts, further_prompts, load_prompts
 
-INSTRUCTION = 'End your answer with a sentence like "The answer is 42."'
+INSTRUCTION = "End your answer with 'The answer is <number>.'"
 
 
 def _prompts_cfg(**prompts):
