@@ -39,8 +39,10 @@ def _processes_with(marker: str) -> list[str]:
 
 def test_ctrl_c_stops_promptly_marks_runs_and_keeps_outputs(tmp_path, tiny_llama):
     repo, home = tmp_path / "repo", tmp_path / "prefect-home"
-    # generation long enough to be interrupted in the middle (batch 1: many short steps)
-    params = tiny_params(repo, tiny_llama, generate={"num_samples": 16, "max_new_tokens": 192, "batch_size": 1})
+    # generation long enough to be interrupted in the middle (batch 1: many short steps): 48 prompts, ~100 s
+    # uninterrupted on an idle 2-core CPU (6 prompts, 13 s, could end before the interrupt reached it)
+    params = tiny_params(repo, tiny_llama, prompts={"num_train": 48, "num_eval": 2},
+                         generate={"num_samples": 16, "max_new_tokens": 192, "batch_size": 1})
     env = {key: value for key, value in os.environ.items()
            if not key.startswith("PREFECT_API_") and key != "FORESIGHT_MLFLOW_PARENT_RUN_ID"}
     # its own PREFECT_HOME: the temporary API's database, read below, and a marker to find its processes by
