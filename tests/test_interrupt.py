@@ -51,8 +51,11 @@ def test_ctrl_c_stops_promptly_marks_runs_and_keeps_outputs(tmp_path, tiny_llama
                GIT_COMMITTER_EMAIL="test@example.com")
     make_dvc_repo(repo, params, env)
 
+    # SIGINT at its default, as in a terminal's foreground job: a process that inherits it ignored (pytest-xdist's
+    # workers ignore it; so does a shell for its background jobs) keeps it ignored, Python included
     proc = subprocess.Popen([sys.executable, "-m", "foresight.cli", "run", "generate"], cwd=repo, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
     started = threading.Event()
 
