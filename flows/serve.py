@@ -28,9 +28,8 @@ from uuid import UUID
 from prefect import Flow, serve
 
 from flows.pipeline import pipeline_flow
-from flows.stages import _task
 from foresight.stages import STAGES
-from tasks.data import GPU_TAG
+from foresight.stages import GPU_TAG
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +43,7 @@ def _deployment_specs(params_path: Path, push: bool = False) -> list[tuple[str, 
     stages = [(stage.flow_name, {**params, "targets": [stage.name], "isolated": True},
                f"{stage.description} Runs dvc repro {stage.name} (the stage and its stale ancestors) in a temporary "
                "workspace, then records it in this one from DVC's run cache.",
-               GPU_TAG in _task(stage).tags) for stage in STAGES]
+               stage.gpu) for stage in STAGES]
     return [pipeline, *stages]
 
 

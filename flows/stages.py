@@ -7,16 +7,16 @@ Every flow takes the same parameters, so the Prefect UI can trigger any of them:
 flow passes it through the environment instead, because DVC runs stages in their own processes).
 
 Each flow is a module-level attribute named ``<stage>_flow``, so a deployment finds it by entrypoint
-(``flows/stages.py:train_reward_flow``). A flow imports only its own task's module, when it runs, so a stage
-process loads only the code its stage declares; ``run_stage`` checks that (and the config keys read) after
-the task returns.
+(``flows/stages.py:train_reward_flow``). A flow imports only its own task's module, when it runs, and reads only
+its stage's sections of the params (:func:`foresight.params.load_params`), so a stage process loads only the code
+its stage's DVC deps list (:attr:`foresight.stages.Stage.code`); ``run_stage`` checks that after the task returns.
 
 Several GPUs (``launch.num_processes`` > 1, docs/gpu.md). A training stage (``Stage.distributed``) then runs its
 task in every process of ``accelerate launch -m flows.stages --worker …`` (data parallel: each process takes its
 share of every batch, gradients are all-reduced). The flow's own process keeps all the bookkeeping: it runs the
 launch as one ``gpu``-tagged Prefect task (retried once after a transient CUDA error), and once the workers are
 done it checks their declarations and logs their result to MLflow and Prefect. Workers run outside any Prefect
-run; the main one writes the stage's outputs and hands its :class:`tasks.data.StageResult` back as JSON.
+run; the main one writes the stage's outputs and hands its :class:`tasks.common.StageResult` back as JSON.
 """
 
 from __future__ import annotations
@@ -39,16 +39,14 @@ from prefect import Flow, flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.utilities.annotations import quote
 
-from foresight.config import Config, load_config
+from foresight.params import Params, load_params
 from foresight.stages import (
     PATH_EXPRESSION,
     STAGES,
-    RecordingConfig,
     Stage,
     resolve_path,
     undeclared_files,
     undeclared_modules,
-    undeclared_reads,
 )
 from foresight.storage import read_table, write_json
 from foresight.tracking import log_stage_outputs, register_models, stage_run
@@ -62,11 +60,11 @@ _CHECK_MODULES: ContextVar[bool] = ContextVar("check_modules", default=False)
 
 
 class UndeclaredReadError(RuntimeError):
-    """A stage read config keys, data paths or code that the stage table does not declare: DVC would not re-run
-    it when they change."""
+    """A stage read files or code that its ``dvc.yaml`` entry does not list: DVC would not re-run it when they
+    change."""
 
 
-def metrics_path(cfg: Config, stage: str):
+def metrics_path(cfg: Params, stage: str):
     """The stage's DVC metrics file."""
     return cfg.path(cfg.paths.metrics_dir) / f"{stage}.json"
 
@@ -89,20 +87,15 @@ def _task(stage: Stage):
     return getattr(importlib.import_module(module), name)
 
 
-def _check_declarations(stage: Stage, reads: set[str], modules: list[str] | None = None) -> None:
-    """Fail naming every config key, ``paths`` entry and project module the stage used but does not declare.
-    ``modules``: what launched workers imported outside the stage's code (``None``: check this process)."""
-    problems = []
-    if undeclared := undeclared_reads(stage, reads):
-        problems.append(f"config keys {', '.join(undeclared)} (declare them in params, or the paths entries in "
-                        "inputs/outputs)")
+def _check_modules(stage: Stage, modules: list[str] | None = None) -> None:
+    """Fail naming every project module the stage imported outside its code deps. ``modules``: what launched
+    workers imported outside them (``None``: check this process)."""
     if modules is None and _CHECK_MODULES.get():
         modules = undeclared_modules(stage, sys.modules, ROOT)
     if modules:
-        problems.append(f"modules {', '.join(modules)} (declare their files or folders in code)")
-    if problems:
-        raise UndeclaredReadError(f"stage {stage.name} read what foresight/stages.py does not declare for it: "
-                                  + "; ".join(problems))
+        raise UndeclaredReadError(
+            f"stage {stage.name} imported modules {', '.join(modules)} outside its code deps "
+            f"(foresight.stages.stage_modules missed them: an import it cannot see, such as importlib)")
 
 
 INTERRUPT_GRACE_S = 30.0
@@ -159,7 +152,7 @@ def _task_kwargs(stage: Stage, cfg) -> dict:
             for key, value in stage.task_kwargs.items()}
 
 
-def launch_command(stage: Stage, cfg: Config, params_path: str, overrides: dict | None, result_path: Path) -> list[str]:
+def launch_command(stage: Stage, cfg: Params, params_path: str, overrides: dict | None, result_path: Path) -> list[str]:
     """``accelerate launch`` of the stage's workers: ``launch.num_processes`` processes (``--multi_gpu``: one per
     GPU, or gloo processes on a CPU), or the user's ``launch.accelerate_config``."""
     launch = cfg.launch
@@ -170,10 +163,10 @@ def launch_command(stage: Stage, cfg: Config, params_path: str, overrides: dict 
             str(result_path)]
 
 
-def _launch(stage: Stage, cfg: Config, params_path: str, overrides: dict | None):
+def _launch(stage: Stage, cfg: Params, params_path: str, overrides: dict | None):
     """Run the stage's workers under ``accelerate launch`` (as a ``gpu`` Prefect task); returns the main worker's
-    result, the config keys the workers read and the modules they imported outside the stage's code."""
-    from tasks.data import StageResult, gpu_task
+    result and the modules they imported outside the stage's code."""
+    from tasks.common import StageResult, gpu_task
 
     @gpu_task(f"{stage.flow_name}-launch")
     def launched() -> dict:
@@ -195,32 +188,31 @@ def _launch(stage: Stage, cfg: Config, params_path: str, overrides: dict | None)
             create_table_artifact(**artifact)
         else:
             create_markdown_artifact(**artifact)
-    return result, set(report["reads"]), report["modules"]
+    return result, report["modules"]
 
 
 def run_worker(stage_name: str, params_path: str, overrides: dict, result_path: Path) -> None:
     """One process of a launched stage: run its task's function (no Prefect run); the main process writes the
-    result, the config keys read and any undeclared module for the flow's process to check."""
+    result and any undeclared module for the flow's process to check."""
     from accelerate import PartialState
 
-    from tasks.data import PENDING_ARTIFACTS
+    from tasks.common import PENDING_ARTIFACTS
 
     stage = next(s for s in STAGES if s.name == stage_name)
-    # The task's log (tasks.data.stage_logger) goes to the launch's output, which the flow streams to Prefect. The
+    # The task's log (tasks.common.stage_logger) goes to the launch's output, which the flow streams to Prefect. The
     # rank comes from the launcher's environment: accelerate's state must first be made by the task's own
     # Accelerator (on the policy's device), or it would settle on defaults that ignore the other processes.
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s | rank {rank} | %(message)s")
-    cfg = load_config(params_path, overrides)
-    recording = RecordingConfig(cfg)
-    result = _task(stage).fn(recording, **_task_kwargs(stage, recording))
+    cfg = load_params(params_path, overrides, stage.config_keys)
+    result = _task(stage).fn(cfg, **_task_kwargs(stage, cfg))
     if PartialState().is_main_process:
         report = {"metrics": result.metrics, "curves": result.curves,
                   "tables": {name: str(path) for name, path in result.tables.items()},
                   "artifacts": {name: str(path) for name, path in result.artifacts.items()},
                   "models": {name: str(path) for name, path in result.models.items()},
-                  "reads": sorted(recording.reads), "pending_artifacts": PENDING_ARTIFACTS,
+                  "pending_artifacts": PENDING_ARTIFACTS,
                   "num_processes": PartialState().num_processes,
                   "modules": undeclared_modules(stage, sys.modules, ROOT)}
         write_json(report, result_path)
@@ -228,12 +220,12 @@ def run_worker(stage_name: str, params_path: str, overrides: dict, result_path: 
 
 
 def run_stage(stage: Stage, params_path: str, overrides: dict | None, parent_run_id: str | None) -> dict:
-    """Load the config, run the stage's task inside its MLflow run (in this process, or in the processes of an
-    ``accelerate launch``), check what it read against the stage's declarations, write its metrics, publish
-    artifacts."""
+    """Load the stage's sections of the params, run the stage's task inside its MLflow run (in this process, or in
+    the processes of an ``accelerate launch``), check the modules it imported against its code deps, write its
+    metrics, publish artifacts."""
     from foresight.memory import preflight, visible_gpus
 
-    cfg = load_config(params_path, overrides)
+    cfg = load_params(params_path, overrides, stage.config_keys)
     if _CHECK_MODULES.get() and (missing := undeclared_files(stage, cfg)):  # run by DVC, from its dvc.yaml
         raise UndeclaredReadError(
             f"stage {stage.name} reads {', '.join(missing)} (named in params.yaml), which dvc.yaml does not list "
@@ -243,14 +235,13 @@ def run_stage(stage: Stage, params_path: str, overrides: dict | None, parent_run
     started = time.perf_counter()
     sections = sorted({param.split(".")[0] for param in stage.params})  # logged to MLflow whole
     with stage_run(cfg, stage.name, sections, parent_run_id) as run_id:
-        recording = RecordingConfig(cfg)
         try:
             if stage.distributed and cfg.launch.num_processes > 1:
-                result, reads, modules = _launch(stage, cfg, params_path, overrides)
+                result, modules = _launch(stage, cfg, params_path, overrides)
             else:
-                # quote: Prefect would otherwise walk the config's fields looking for futures, reading all of them
-                result = _task(stage)(quote(recording), **_task_kwargs(stage, recording))
-                reads, modules = recording.reads, None
+                # quote: Prefect would otherwise walk the config's fields looking for futures
+                result = _task(stage)(quote(cfg), **_task_kwargs(stage, cfg))
+                modules = None
         except Exception as err:
             results = getattr(err, "results", None)  # a failed GX suite carries its summary: keep it
             if results is not None:
@@ -259,7 +250,7 @@ def run_stage(stage: Stage, params_path: str, overrides: dict | None, parent_run
                 mlflow.log_dict(results, "validation_summary.json")
                 log_stage_outputs(cfg, {}, {}, {"datadocs": cfg.path(cfg.paths.reports_dir) / "datadocs"})
             raise
-        _check_declarations(stage, reads, modules)
+        _check_modules(stage, modules)
         result.metrics["stage_seconds"] = time.perf_counter() - started
         tables = {name: read_table(path, name) for name, path in result.tables.items()}
         registered = register_models(cfg, result.models)

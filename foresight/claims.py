@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from foresight.storage import write_json
+
 Metrics = Mapping[str, Mapping[str, float]]
 """Every stage's metrics, by stage name (``flows.pipeline.stage_metrics``)."""
 
@@ -331,8 +333,6 @@ def claims_markdown(rows: list[dict[str, str]]) -> str:
 
 def write_claims(rows: list[dict[str, str]], folder: Path) -> Path:
     """``claims.json`` and ``claims.md`` in ``folder`` (each written to a temporary file, then renamed)."""
-    from foresight.storage import write_json
-
     folder.mkdir(parents=True, exist_ok=True)
     write_json({"claims": rows}, folder / "claims.json")
     markdown = folder / "claims.md"

@@ -38,7 +38,7 @@ Small modules (reward channels, Medusa heads, MTP module) are counted from their
 estimate, not a measurement: CUDA context, allocator fragmentation and temporary buffers add a few GiB, so a
 stage is flagged from ``HEADROOM`` of the GPU's memory up.
 
-Disk, per stage (:data:`DISK_ESTIMATORS`): what the stage leaves on disk — its DVC outputs (the model folders:
+Disk, per stage (its ``disk`` function in the stage table, :attr:`foresight.stages.Stage.disk`): what the stage leaves on disk — its DVC outputs (the model folders:
 the DPO policy and the COrAL model in full, the reward heads, Medusa heads and their self-distillation cache of
 final hidden states, the MTP module; the tables), the Hugging Face cache's copy of a hub policy
 (``prepare_policy``) and of the labeler (``label``) — and its scratch, removed when it ends (``train_mtp``'s
@@ -58,6 +58,9 @@ import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from foresight.params import apply_overrides
+from foresight.stages import STAGES
 
 GIB = 2**30
 PROMPT_TOKENS = 256
@@ -318,11 +321,11 @@ def _labeler_note(shapes: Shapes) -> str:
     return shapes.labeler.note if shapes.labeler else ""
 
 
-def _no_gpu(stage: str, cfg, shapes: Shapes, nbytes: int) -> Estimate:
+def no_gpu_memory(stage: str, cfg, shapes: Shapes, nbytes: int) -> Estimate:
     return Estimate(stage, note="no GPU")
 
 
-def _generate(stage, cfg, shapes, nbytes):
+def generate_memory(stage, cfg, shapes, nbytes):
     g, shape = cfg.generate, shapes.policy
     rows, prompt = g.batch_size * g.num_samples, prompt_tokens(cfg)
     full = rows * (prompt + g.max_new_tokens)  # a full batch's tokens: rows × (prompt + response)
@@ -336,14 +339,14 @@ def _generate(stage, cfg, shapes, nbytes):
                     (halve("generate.batch_size"),))
 
 
-def _label(stage, cfg, shapes, nbytes):
+def label_memory(stage, cfg, shapes, nbytes):
     if shapes.labeler is None:
         return Estimate(stage, note="verifiable labeler: no model")
     return Estimate(stage, _labeler_parts(cfg, shapes), (halve("label.batch_size"), halve("label.max_length")),
                     shapes.labeler.note)
 
 
-def _train_reward(stage, cfg, shapes, nbytes):
+def train_reward_memory(stage, cfg, shapes, nbytes):
     """The frozen policy's per-layer hidden states of both responses of each pair feed a small trained channel."""
     r, shape = cfg.reward, shapes.policy
     sequences = 2 * r.batch_size
@@ -355,7 +358,7 @@ def _train_reward(stage, cfg, shapes, nbytes):
                     (halve("reward.batch_size"), halve("reward.max_length")))
 
 
-def _dpo(stage, cfg, shapes, nbytes):
+def dpo_memory(stage, cfg, shapes, nbytes):
     d = cfg.dpo
     parts = _policy_training(cfg, shapes.policy, nbytes, "dpo", 2 * d.batch_size, d.max_length, reference=True,
                              vocab_rows=2 * d.batch_size)
@@ -367,7 +370,7 @@ def _dpo(stage, cfg, shapes, nbytes):
     return Estimate(stage, parts, (lora("dpo"), checkpointing("dpo"), halve("dpo.batch_size")))
 
 
-def _benchmark_sla(stage, cfg, shapes, nbytes):
+def benchmark_sla_memory(stage, cfg, shapes, nbytes):
     s, b, shape = cfg.sla, cfg.sla_benchmark, shapes.policy
     prompt = prompt_tokens(cfg)
     # untimed decoding: batch_size prompts at a time, each num_beams rows (beam search) or k^d (an SLA tree)
@@ -383,8 +386,18 @@ def _benchmark_sla(stage, cfg, shapes, nbytes):
                     _labeler_note(shapes))
 
 
-def _train_medusa(stage, cfg, shapes, nbytes):
-    """Max of the self-distillation pass (greedy generation) and the heads' training on the frozen policy."""
+def distill_memory(stage, cfg, shapes, nbytes):
+    """The greedy generation of the self-distillation data: a batch's KV cache and its prompts' prefill."""
+    d, shape = cfg.distill, shapes.policy
+    prompt = prompt_tokens(cfg)
+    return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
+                            "KV cache": kv_cache(shape, d.batch_size, prompt + d.max_new_tokens, nbytes),
+                            "prefill": forward_working_set(shape, d.batch_size, prompt, nbytes)},
+                    (halve("distill.batch_size"),))
+
+
+def train_medusa_memory(stage, cfg, shapes, nbytes):
+    """Max of the frozen self-distillation pass and the heads' training on the frozen policy."""
     m, shape = cfg.medusa, shapes.policy
     heads = m.num_heads * (m.num_layers * (shape.hidden ** 2 + shape.hidden) + (shape.lm_head or shape.embedding)
                            * m.untie)
@@ -396,7 +409,7 @@ def _train_medusa(stage, cfg, shapes, nbytes):
         distill, training)}, (halve("medusa.distill_batch_size"), halve("medusa.batch_size")))
 
 
-def _train_rlmedusa(stage, cfg, shapes, nbytes):
+def train_rlmedusa_memory(stage, cfg, shapes, nbytes):
     shape, r = shapes.policy, cfg.rlmedusa
     head = shape.hidden ** 2 + shape.hidden
     return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
@@ -404,7 +417,7 @@ def _train_rlmedusa(stage, cfg, shapes, nbytes):
                             "logits": logits(shape, r.batch_size * r.num_actions, 1)}, (halve("rlmedusa.batch_size"),))
 
 
-def _benchmark_medusa(stage, cfg, shapes, nbytes):
+def benchmark_medusa_memory(stage, cfg, shapes, nbytes):
     b, m, shape = cfg.medusa_benchmark, cfg.medusa, shapes.policy
     heads = m.num_heads * m.num_layers * (shape.hidden ** 2 + shape.hidden)
     nodes = b.tree_size + 1 if b.tree == "auto" else len(b.tree) + 1
@@ -432,7 +445,7 @@ CORAL_LOGIT_ROWS = 1024
 not imported: this module runs in every stage's process, which must not load other stages' code)."""
 
 
-def _train_coral(stage, cfg, shapes, nbytes):
+def train_coral_memory(stage, cfg, shapes, nbytes):
     """Stage 2 (the trunk, in full or LoRA) holds the trunk's activations and the last layer's per-offset
     activations and logits; the optimizer state is the larger of stage 2's and stage 1's (the last layer)."""
     c, shape = cfg.coral, shapes.policy
@@ -450,7 +463,7 @@ def _train_coral(stage, cfg, shapes, nbytes):
     return Estimate(stage, parts, (lora("coral"), checkpointing("coral"), halve("coral.batch_size")))
 
 
-def _benchmark_coral(stage, cfg, shapes, nbytes):
+def benchmark_coral_memory(stage, cfg, shapes, nbytes):
     b, c, shape = cfg.coral_benchmark, cfg.coral, shapes.policy
     nodes = b.block_size + b.tree_size + 1
     return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
@@ -464,7 +477,7 @@ def _mtp_module(shape: ModelShape) -> int:
     return shape.layer_parameters + 2 * shape.hidden * shape.hidden + 2 * shape.hidden
 
 
-def _train_mtp(stage, cfg, shapes, nbytes):
+def train_mtp_memory(stage, cfg, shapes, nbytes):
     m, shape = cfg.mtp, shapes.policy
     module = _mtp_module(shape)
     return Estimate(stage, {"weights": weights(shape.parameters, nbytes),
@@ -491,7 +504,7 @@ def _smaller_rollout_batches(cfg):
     return {"mtp_rl.rollout_batch_size": size // 2} if size > 1 else None
 
 
-def _train_mtp_rl(stage, cfg, shapes, nbytes):
+def train_mtp_rl_memory(stage, cfg, shapes, nbytes):
     """GRPO's update over a step's rollouts (policy in full or LoRA; a reference only with kl_beta > 0), the MTP
     module and its draft copy, the KV cache of the rollouts (or of the held-out evaluation's batch), and the labeler
     scoring them when it is a reward model (held beside the policy for the whole stage)."""
@@ -517,15 +530,6 @@ def _train_mtp_rl(stage, cfg, shapes, nbytes):
              _smaller_rollout_batches, halve("mtp_rl.group_size"))
     return Estimate(stage, parts, knobs + ((halve("label.batch_size"),) if shapes.labeler else ()),
                     _labeler_note(shapes))
-
-
-ESTIMATORS: dict[str, Callable] = {
-    "prepare_policy": _no_gpu, "prepare_prompts": _no_gpu, "generate": _generate, "label": _label,
-    "validate": _no_gpu, "train_reward": _train_reward, "dpo": _dpo, "train_reward_dpo": _train_reward,
-    "benchmark_sla": _benchmark_sla, "train_medusa": _train_medusa, "train_rlmedusa": _train_rlmedusa,
-    "benchmark_medusa": _benchmark_medusa, "train_coral": _train_coral, "benchmark_coral": _benchmark_coral,
-    "train_mtp": _train_mtp, "train_mtp_rl": _train_mtp_rl,
-}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -576,14 +580,14 @@ def _pairs_per_prompt(cfg) -> int:
 
 
 def _distilled(cfg) -> tuple[int, int, int]:
-    """``train_medusa``'s self-distilled responses: their count, the further task prompts' among them (the heads'
-    alone) and the longest response, in tokens (tasks/medusa.py ``_distillation_data``)."""
-    m, p = cfg.medusa, cfg.prompts
-    if m.data == "greedy":
-        further = max(0, m.task_prompts - p.num_train)
-        return p.num_train + further + m.general_prompts, further, m.max_new_tokens
-    count = p.num_train * min(m.samples_per_prompt, cfg.generate.num_samples) + m.general_prompts
-    return count, 0, max(cfg.generate.max_new_tokens, m.max_new_tokens)
+    """The ``distill`` stage's self-distilled responses: their count, the further task prompts' among them (Medusa's
+    heads' alone) and the longest response, in tokens (tasks/distill.py ``_distillation_data``)."""
+    d, p = cfg.distill, cfg.prompts
+    if d.data == "greedy":
+        further = max(0, d.task_prompts - p.num_train)
+        return p.num_train + further + d.general_prompts, further, d.max_new_tokens
+    count = p.num_train * min(d.samples_per_prompt, cfg.generate.num_samples) + d.general_prompts
+    return count, 0, max(cfg.generate.max_new_tokens, d.max_new_tokens)
 
 
 def _channel_parameters(shape: ModelShape, r) -> int:
@@ -605,7 +609,7 @@ def _medusa_heads(cfg, shape: ModelShape) -> int:
                           * m.untie)
 
 
-def _disk_prepare_policy(stage, cfg, shapes, nbytes):
+def prepare_policy_disk(stage, cfg, shapes, nbytes):
     from models.engine.policy import EMBEDDED_MODELS
 
     shape = shapes.policy
@@ -615,7 +619,7 @@ def _disk_prepare_policy(stage, cfg, shapes, nbytes):
     return Footprint(stage, writes, note=note)
 
 
-def _disk_prepare_prompts(stage, cfg, shapes, nbytes):
+def prepare_prompts_disk(stage, cfg, shapes, nbytes):
     p = cfg.prompts
     return Footprint(stage, {"prompt tables": _text(p.num_train + p.num_eval, 2 * prompt_tokens(cfg))})
 
@@ -626,11 +630,11 @@ def _sample_rows(cfg) -> tuple[int, int]:
     return cfg.prompts.num_train * g.num_samples, 2 * prompt_tokens(cfg) + g.max_new_tokens
 
 
-def _disk_generate(stage, cfg, shapes, nbytes):
+def generate_disk(stage, cfg, shapes, nbytes):
     return Footprint(stage, {"samples table": _text(*_sample_rows(cfg))})
 
 
-def _disk_label(stage, cfg, shapes, nbytes):
+def label_disk(stage, cfg, shapes, nbytes):
     writes = {"scores table": _text(*_sample_rows(cfg))}
     note = ""
     if shapes.labeler is not None:
@@ -639,19 +643,19 @@ def _disk_label(stage, cfg, shapes, nbytes):
     return Footprint(stage, writes, note=note)
 
 
-def _disk_validate(stage, cfg, shapes, nbytes):
+def validate_disk(stage, cfg, shapes, nbytes):
     pairs = cfg.prompts.num_train * _pairs_per_prompt(cfg)
     return Footprint(stage, {"pairs table": _text(pairs, 2 * prompt_tokens(cfg) + 2 * cfg.generate.max_new_tokens)})
 
 
-def _disk_train_reward(stage, cfg, shapes, nbytes):
+def train_reward_disk(stage, cfg, shapes, nbytes):
     r, shape = cfg.reward, shapes.policy
     adapters = sum(_adapter_parameters(shape, r, layers) for layers in r.adapter_layers)
     return Footprint(stage, {"reward channel": _channel_parameters(shape, r) * nbytes,
                              "adapter baselines": adapters * nbytes})
 
 
-def _disk_dpo(stage, cfg, shapes, nbytes):
+def dpo_disk(stage, cfg, shapes, nbytes):
     # models.sla.dpo saves the whole trained policy (LoRA adapters merged), in the policy's dtype
     return Footprint(stage, {"DPO policy": shapes.policy.parameters * nbytes})
 
@@ -661,26 +665,28 @@ def _outputs(cfg, rows: int, new_tokens: int) -> dict[str, float]:
     return {"outputs tables": _text(rows, prompt_tokens(cfg) + new_tokens)}
 
 
-def _disk_benchmark_sla(stage, cfg, shapes, nbytes):
+def benchmark_sla_disk(stage, cfg, shapes, nbytes):
     b = cfg.sla_benchmark
     rows = b.num_prompts * (len(b.decoders) + len(b.dpo_decoders)) + b.tuning_prompts * len(b.tuning_grid)
     return Footprint(stage, _outputs(cfg, rows, b.max_new_tokens))
 
 
-def _disk_train_medusa(stage, cfg, shapes, nbytes):
-    m, r, shape = cfg.medusa, cfg.rlmedusa, shapes.policy
+def distill_disk(stage, cfg, shapes, nbytes):
+    responses, _, longest = _distilled(cfg)
+    return Footprint(stage, {"responses table": _text(responses, 2 * prompt_tokens(cfg) + longest)})
+
+
+def train_medusa_disk(stage, cfg, shapes, nbytes):
+    m, shape = cfg.medusa, shapes.policy
     responses, _, longest = _distilled(cfg)
     positions = responses * longest  # response tokens, at most
-    candidates = 1 + r.top_candidates + r.random_candidates  # ids (int64) and probabilities (float32) each
-    trajectories = responses * r.trajectory_tokens
     return Footprint(stage, {
         "Medusa heads": _medusa_heads(cfg, shape) * nbytes,
         "final hidden states (distillation cache)": last_layer_states(shape, positions, 1, nbytes),
-        "targets and RL candidates": positions * (m.num_heads + 1) * 8 + trajectories * (candidates * 12 + 8),
-        "responses table": _text(responses, 2 * prompt_tokens(cfg) + longest)})
+        "targets": positions * (m.num_heads + 1) * 8})
 
 
-def _disk_train_rlmedusa(stage, cfg, shapes, nbytes):
+def train_rlmedusa_disk(stage, cfg, shapes, nbytes):
     r, shape = cfg.rlmedusa, shapes.policy
     width = r.reward_width
     reward = (2 * shape.hidden) * width + width + width * width + width + width + 1 + 4 * shape.hidden  # + norms
@@ -688,22 +694,22 @@ def _disk_train_rlmedusa(stage, cfg, shapes, nbytes):
                              "reward model r(e, h) (float32)": reward * 4})
 
 
-def _disk_benchmark_medusa(stage, cfg, shapes, nbytes):
+def benchmark_medusa_disk(stage, cfg, shapes, nbytes):
     b = cfg.medusa_benchmark
     return Footprint(stage, _outputs(cfg, (b.num_prompts + b.general_prompts) * len(b.decoders), b.max_new_tokens))
 
 
-def _disk_train_coral(stage, cfg, shapes, nbytes):
+def train_coral_disk(stage, cfg, shapes, nbytes):
     # tasks/coral.py saves the whole model (stage 1's last layer, stage 2's adapters merged), in the policy's dtype
     return Footprint(stage, {"COrAL model": shapes.policy.parameters * nbytes})
 
 
-def _disk_benchmark_coral(stage, cfg, shapes, nbytes):
+def benchmark_coral_disk(stage, cfg, shapes, nbytes):
     b = cfg.coral_benchmark
     return Footprint(stage, _outputs(cfg, b.num_prompts * (2 + len(b.ablations)), b.max_new_tokens))
 
 
-def _disk_train_mtp(stage, cfg, shapes, nbytes):
+def train_mtp_disk(stage, cfg, shapes, nbytes):
     """The MTP module; the frozen policy's final hidden states of every training sequence (prompt and response,
     ``mtp.max_length`` at most), in a scratch folder of ``$TMPDIR`` removed when the stage ends (tasks/mtp.py)."""
     m, shape = cfg.mtp, shapes.policy
@@ -717,18 +723,8 @@ def _disk_train_mtp(stage, cfg, shapes, nbytes):
                      {"final hidden states (in $TMPDIR)": last_layer_states(shape, sequences, tokens, nbytes)})
 
 
-def _disk_train_mtp_rl(stage, cfg, shapes, nbytes):
+def train_mtp_rl_disk(stage, cfg, shapes, nbytes):
     return Footprint(stage, note="histories and tables only (no model is saved)")
-
-
-DISK_ESTIMATORS: dict[str, Callable] = {
-    "prepare_policy": _disk_prepare_policy, "prepare_prompts": _disk_prepare_prompts, "generate": _disk_generate,
-    "label": _disk_label, "validate": _disk_validate, "train_reward": _disk_train_reward, "dpo": _disk_dpo,
-    "train_reward_dpo": _disk_train_reward, "benchmark_sla": _disk_benchmark_sla,
-    "train_medusa": _disk_train_medusa, "train_rlmedusa": _disk_train_rlmedusa,
-    "benchmark_medusa": _disk_benchmark_medusa, "train_coral": _disk_train_coral,
-    "benchmark_coral": _disk_benchmark_coral, "train_mtp": _disk_train_mtp, "train_mtp_rl": _disk_train_mtp_rl,
-}
 
 
 @dataclass
@@ -762,13 +758,9 @@ class DiskPlan:
 def disk_plan(cfg, shapes: Shapes, budget_gib: float | None = None, stages: Iterable | None = None) -> DiskPlan:
     """Each stage's disk footprint against ``budget_gib`` (default: the free space of the checkout's filesystem,
     the folder of the params file)."""
-    from foresight.stages import STAGES
-
     footprints = []
     for stage in STAGES if stages is None else stages:
-        if stage.name not in DISK_ESTIMATORS:
-            raise KeyError(f"foresight plan has no disk model for stage {stage.name!r} (foresight/memory.py)")
-        footprints.append(DISK_ESTIMATORS[stage.name](stage.name, cfg, shapes, dtype_bytes(cfg.policy.dtype)))
+        footprints.append(globals()[stage.disk](stage.name, cfg, shapes, dtype_bytes(cfg.policy.dtype)))
     if budget_gib is not None:
         return DiskPlan(footprints, budget_gib * GIB, "--disk")
     return DiskPlan(footprints, shutil.disk_usage(cfg.root).free, f"free on the filesystem of {cfg.root}")
@@ -809,9 +801,8 @@ class StagePlan:
 
 
 def stage_estimate(stage, cfg, shapes: Shapes) -> Estimate:
-    if stage.name not in ESTIMATORS:
-        raise KeyError(f"foresight plan has no memory model for stage {stage.name!r} (foresight/memory.py)")
-    return ESTIMATORS[stage.name](stage.name, cfg, shapes, dtype_bytes(cfg.policy.dtype))
+    """The stage's GPU memory by its ``memory`` function in the stage table (:attr:`foresight.stages.Stage.memory`)."""
+    return globals()[stage.memory](stage.name, cfg, shapes, dtype_bytes(cfg.policy.dtype))
 
 
 def _per_gpu(stage, cfg, estimate: Estimate, gpus: int) -> float:
@@ -821,10 +812,12 @@ def _per_gpu(stage, cfg, estimate: Estimate, gpus: int) -> float:
 
 
 def _with(cfg, overrides: dict):
-    from foresight.config import apply_overrides, parse_config
-
-    data = apply_overrides(cfg.model_dump(mode="json", by_alias=True), overrides)
-    return parse_config(data, root=cfg.root)
+    """``cfg`` with dotted-key overrides, validated again as the same class (a stage's config stays a stage's)."""
+    dumped = {field.alias or name: getattr(cfg, name).model_dump(mode="json", by_alias=True)
+              for name, field in type(cfg).model_fields.items() if not field.exclude}
+    trial = type(cfg).model_validate(apply_overrides(dumped, overrides))
+    trial.root = cfg.root
+    return trial
 
 
 def _fix(stage, cfg, shapes: Shapes, capacity: float, gpus: int) -> dict | None:
@@ -849,8 +842,6 @@ def _fix(stage, cfg, shapes: Shapes, capacity: float, gpus: int) -> dict | None:
 def plan(cfg, capacity_gib: float, gpus: int, stages: Iterable | None = None,
          shapes: Shapes | None = None) -> list[StagePlan]:
     """Every stage's estimate against ``capacity_gib`` per GPU (×``HEADROOM``) on ``gpus`` GPUs."""
-    from foresight.stages import STAGES
-
     if shapes is None:
         policy = model_shape(policy_config(cfg))
         shapes = Shapes(policy, labeler_shape(cfg, policy))

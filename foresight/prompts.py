@@ -32,7 +32,8 @@ from typing import Literal
 
 import pandas as pd
 
-from foresight.config import ArithmeticConfig, DatasetSourceConfig, FileSourceConfig, PromptsConfig
+from foresight.params import ArithmeticConfig, DatasetSourceConfig, FileSourceConfig, PromptsConfig
+from models.engine.generation import chat_prompts
 
 PROMPT_COLUMNS = ["prompt_id", "question", "answer", "source"]
 
@@ -306,8 +307,6 @@ def prompt_token_counts(tokenizer, questions: Sequence[str], system_prompt: str 
     """Tokens of each question's prompt exactly as the generate stage gives it to the policy: the chat template of
     :func:`models.engine.generation.chat_prompts` (system prompt included), tokenised without added special tokens
     (the template holds them), as the samplers do; in batches (a fast tokenizer encodes a batch in parallel)."""
-    from models.engine.generation import chat_prompts
-
     counts: list[int] = []
     for start in range(0, len(questions), batch_size):
         texts = chat_prompts(tokenizer, list(questions[start : start + batch_size]), system_prompt)

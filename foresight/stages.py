@@ -1,13 +1,14 @@
 """The pipeline's stages, declared once: ``dvc.yaml``, the Prefect flows and deployments, the pipeline's stage
 table and the tests all follow from :data:`STAGES`.
 
-A stage declares what it reads: config keys (``params``), code (``code``: files or folders) and data
-(``inputs``), and what it writes (``outputs``). DVC re-runs a stage when any of them changes, so a read left
-undeclared lets ``dvc repro`` call a stale result up to date. The declarations are therefore checked every
-time a stage runs (``flows.stages.run_stage``): the task gets a :class:`RecordingConfig` that records every
-config key it reads (:func:`undeclared_reads`), and a stage process started by DVC checks that every project
-module it imported lies in the stage's declared code (:func:`undeclared_modules`). Either finding fails the
-stage, naming the undeclared reads.
+A stage declares what it reads: config keys (``params``) and data (``inputs``), and what it writes
+(``outputs``). Its code is not declared but found: the project modules its process imports
+(:func:`stage_modules`: its task module, the config modules of its params sections and the stage runner, followed
+through their imports). DVC re-runs a stage when any of them changes, so a read left undeclared lets ``dvc repro``
+call a stale result up to date. The declarations are therefore enforced every time a stage runs
+(``flows.stages.run_stage``): the task gets a config holding only its declared sections and keys
+(:func:`foresight.params.parse_params`: reading another key fails where it happens), and a stage process started
+by DVC checks that every project module it imported lies in the stage's code (:func:`undeclared_modules`).
 
 ``foresight dvc-yaml > dvc.yaml`` writes the DVC pipeline (:func:`render_dvc_yaml`); a test keeps the
 committed file equal to it.
@@ -15,6 +16,8 @@ committed file equal to it.
 
 from __future__ import annotations
 
+import ast
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -22,17 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel
 
+from foresight.params import ORCHESTRATION_SECTIONS, SECTIONS
 from models.common.files import atomic_path
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository root: module names map to files under it."""
+
+GPU_TAG = "gpu"
+"""The Prefect tag of every task that runs a network (:attr:`Stage.gpu`): a concurrency limit on it guards the GPUs
+(``prefect concurrency-limit create gpu 1``)."""
 
 PATH_EXPRESSION = re.compile(r"^\$\{paths\.(\w+)\}(?:/(.+))?$")
 """``${paths.NAME}`` or ``${paths.NAME}/sub/path``: a location under a ``paths`` entry of params.yaml, as DVC
 interpolates it in ``dvc.yaml``."""
-
-ALWAYS_ALLOWED_PATHS = ("metrics_dir",)
-"""``paths`` entries every stage may read: each writes its own metrics file there."""
-
 
 @dataclass(frozen=True)
 class Stage:
@@ -46,13 +52,16 @@ class Stage:
     """``module:function`` of the stage's Prefect task (with ``cache_policy=NO_CACHE``: a cache key would read the
     whole config); the module is imported only when the stage runs."""
     params: tuple[str, ...]
-    """Config sections (``medusa``) or dotted keys (``prompts.system_prompt``) the task reads."""
-    code: tuple[str, ...]
-    """Files and folders (relative to the repository root) holding every project module the stage imports."""
+    """Config sections (``medusa``) or dotted keys (``prompts.system_prompt``) the task reads; the task's config
+    holds these and nothing else (a section named by dotted keys alone holds only those keys)."""
     outputs: tuple[str, ...]
     """Path expressions (``${paths.X}`` or ``${paths.X}/sub``) the stage writes, each replaced atomically."""
     inputs: tuple[str, ...] = ()
     """Path expressions of the data the stage reads (other stages' outputs)."""
+    details: str = ""
+    """What the stage does, in full: the README's stage table (:func:`render_stage_docs`)."""
+    output_files: str = ""
+    """What the stage writes, as the README's stage table shows it (markdown)."""
     headline: tuple[str, ...] = ()
     """Metrics shown in the pipeline's stage table (all metrics are in MLflow and data/metrics/ anyway)."""
     task_kwargs: Mapping[str, str] = field(default_factory=dict)
@@ -66,6 +75,14 @@ class Stage:
     ``medusa_benchmark.prompt_files.path``). Each configured one that exists is a DVC dependency of the stage,
     hashed by content (:func:`input_files`), so a file edited in place re-runs the stage; a name that is no local
     path (a hub id) is not. Keys that are not paths (``policy.model`` = ``smollm2-135m-instruct``) are skipped."""
+    gpu: bool = False
+    """The stage runs a network: its task is a ``gpu``-tagged Prefect task (a concurrency limit on the tag guards
+    the GPUs; :func:`tasks.common.gpu_task`), and its deployment goes to the GPU work pool (``flows/serve.py``)."""
+    memory: str = "no_gpu_memory"
+    """The function of :mod:`foresight.memory` estimating the stage's GPU memory (``foresight plan``, and the check
+    before the stage starts on GPUs)."""
+    disk: str = ""
+    """The function of :mod:`foresight.memory` estimating what the stage leaves on disk (``foresight plan``)."""
     curves: bool = False
     """The task reports per-step curves (``StageResult.curves``): the flow writes each as a CSV (``step,value``)
     under :attr:`curves_dir`, a DVC plot of the stage (``dvc plots show`` / ``dvc plots diff``)."""
@@ -80,6 +97,21 @@ class Stage:
         """The params naming files the stage reads: :attr:`files`, and ``launch.accelerate_config`` for a
         distributed stage."""
         return (*self.files, "launch.accelerate_config") if self.distributed else self.files
+
+    @property
+    def config_keys(self) -> tuple[str, ...]:
+        """What the stage's config holds (:func:`foresight.params.parse_params`): its params and the params naming
+        its files, the ``paths`` entries of its inputs and outputs (and of its metrics), and the sections the stage
+        runner itself reads (:data:`foresight.params.ORCHESTRATION_SECTIONS` but ``paths``)."""
+        located = {path_name(expression) for expression in (*self.inputs, *self.outputs, self.metrics_file)}
+        return (*self.dvc_params, *self.file_params, *(f"paths.{name}" for name in sorted(located)),
+                *(name for name in ORCHESTRATION_SECTIONS if name != "paths"))
+
+    @property
+    def code(self) -> tuple[str, ...]:
+        """The files (relative to the repository root) of every project module the stage's process imports, and
+        the data files those modules read (:func:`stage_modules`): the stage's DVC code deps."""
+        return stage_code(self)
 
     @property
     def flow_name(self) -> str:
@@ -142,35 +174,29 @@ def input_files(stage: Stage, cfg) -> list[str]:
     return sorted(files)
 
 
-CONFIG_CODE = ("foresight/config.py", *(f"models/{folder}/config.py" for folder in
-                                        ("common", "coral", "engine", "labeling", "medusa", "mtp", "sla")))
-"""The params and the component configs they take their defaults from (light modules: no model code)."""
-
-TASK_CODE = (*CONFIG_CODE, "foresight/storage.py", "models/common/files.py", "foresight/pairs.py", "tasks/data.py")
-"""What every stage process imports around its task: the config, atomic I/O, and the shared task helpers
-(``tasks/data.py``, which imports the sample and pair schemas)."""
-
-BENCHMARK_CODE = ("foresight/benchmark.py", "foresight/statistics.py", "foresight/plots.py")
-"""Timing, tables and plots: imported by the task modules of every method."""
-
 STAGES: tuple[Stage, ...] = (
     Stage(
         name="prepare_policy",
         description="Resolve policy.model to local weights (converting the embedded GGUF once).",
-        task="tasks.data:prepare_policy_task",
+        details='resolves `policy.model`; the embedded GGUF is de-quantised once to safetensors',
+        output_files='`data/policy/`',
+        task="tasks.policy:prepare_policy_task",
         params=("policy",),
-        code=(*TASK_CODE, "models/engine"),
+        disk="prepare_policy_disk",
         outputs=("${paths.policy_dir}",),
         files=("policy.model",),
     ),
     Stage(
         name="prepare_prompts",
         description="Read the prompt source; write the train / held-out splits without over-long prompts.",
-        task="tasks.data:prepare_prompts_task",
+        details='seeded arithmetic word problems with known answers (or a HF dataset, or a local file); deterministic '
+                 'train / held-out split',
+        output_files='`data/prompts/{train,eval}.jsonl`',
+        task="tasks.prompts:prepare_prompts_task",
         # the policy's tokenizer and context, the response budget and a reward model's length bound the prompts
         params=("prompts", "policy.trust_remote_code", "generate.max_new_tokens", "label.labeler", "label.max_length"),
-        code=(*TASK_CODE, "foresight/prompts.py", "models/engine", "models/labeling/answers.py"),
         inputs=("${paths.policy_dir}",),
+        disk="prepare_prompts_disk",
         outputs=("${paths.prompts_dir}",),
         files=("prompts.file.path",),
         headline=("num_train", "num_eval", "dropped_long_prompts"),
@@ -178,10 +204,16 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="generate",
         description="Sample N responses per training prompt.",
-        task="tasks.data:generate_task",
+        details='N samples per training prompt (default 4, T = 0.8), batched, seeded; rows that have ended drop out '
+                 'of the batch every 8 tokens (`generate.chunk_tokens`); each batch goes to a shard as it finishes, so '
+                 'a killed run resumes where it stopped; HF `generate` or vLLM (`generate.engine`)',
+        output_files='`data/samples/samples.parquet`',
+        task="tasks.generate:generate_task",
         params=("policy", "generate", "prompts.system_prompt"),
-        code=(*TASK_CODE, "foresight/shards.py", "models/engine"),
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}"),
+        gpu=True,
+        memory="generate_memory",
+        disk="generate_disk",
         outputs=("${paths.samples}",),
         distributed=True,
         headline=("num_samples", "generation_tokens_per_s", "mean_response_tokens"),
@@ -189,10 +221,16 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="label",
         description="Score every sample with the configured reward labeler.",
-        task="tasks.data:label_task",
+        details='reward per sample, batched with a progress bar: `verifiable` (final answer vs reference, read as '
+                 'GSM8K / MATH write them), `armorm` (native ArmoRM, its 19 objective rewards kept too), or '
+                 '`hf-classifier`',
+        output_files='`data/labels/scores.parquet`',
+        task="tasks.label:label_task",
         params=("label",),
-        code=(*TASK_CODE, "models/engine", "models/labeling"),
         inputs=("${paths.samples}",),
+        gpu=True,
+        memory="label_memory",
+        disk="label_disk",
         outputs=("${paths.scores}",),
         files=("label.model",),
         headline=("sample_accuracy", "mean_reward"),
@@ -200,21 +238,52 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="validate",
         description="Validate samples and scores with Great Expectations, build and validate preference pairs.",
-        task="tasks.data:validate_task",
+        details='Great Expectations suites on samples, scores and pairs (HTML Data Docs); every (higher, lower) '
+                 'response pair of a prompt — with the answer check, every (correct, incorrect) pair — each marked '
+                 '`best_worst` for the one DPO trains on (`validate.pairing`, `dpo.pairs`)',
+        output_files='`data/pairs/pairs.parquet`, `data/reports/datadocs/`',
+        task="tasks.validate:validate_task",
         params=("validate", "generate.max_new_tokens", "label"),
-        code=(*TASK_CODE, "foresight/validation.py"),
         inputs=("${paths.samples}", "${paths.scores}"),
+        disk="validate_disk",
         outputs=("${paths.pairs}", "${paths.reports_dir}/datadocs"),
         headline=("num_pairs", "pair_yield", "dropped_no_spread"),
     ),
     Stage(
+        name="distill",
+        description="Self-distillation data: the policy's greedy responses to the task and general prompts that "
+                    "Medusa, RLMedusa, COrAL and the MTP module learn from, split by prompt.",
+        details="the policy's greedy responses to 384 task prompts (the 96 training prompts and 288 further problems "
+                 "of the source, for the Medusa heads alone) and to 64 instructions of the project's general "
+                 "instruction set (`foresight/instructions/general.jsonl`: writing, advice, reasoning, coding), or "
+                 "the generated samples (`distill.data`); one train / held-out split by prompt that every drafter "
+                 "takes",
+        output_files='`data/distill/` (`responses.parquet`, `split.safetensors`, `dropped_long_prompts.json`)',
+        task="tasks.distill:distill_task",
+        # prompts, generate.max_new_tokens and label.*: the prompt limit of the further and general prompts
+        params=("policy", "distill", "prompts", "generate.max_new_tokens", "label.labeler", "label.max_length"),
+        inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.samples}"),
+        gpu=True,
+        memory="distill_memory",
+        disk="distill_disk",
+        outputs=("${paths.distill_dir}",),
+        files=("prompts.file.path",),  # its further task prompts
+        headline=("num_task_responses", "num_general_responses", "num_eval_responses"),
+    ),
+    Stage(
         name="train_reward",
         description="Train the reward channel (and the adapter baselines) on the base policy with the BT loss; AuTRC.",
+        details="the Reward Transformer's reward channel (and two adapter baselines) on the frozen base policy, "
+                 'Bradley–Terry loss, on every training pair; held-out pair accuracy and AuTRC with intervals over '
+                 'held-out prompts',
+        output_files='`data/reward/base/` (`autrc.png`, `loss.png`, heads)',
         task="tasks.sla:train_reward_task",
         task_kwargs={"policy_source": "base", "out_dir": "${paths.reward_dir}/base"},
         params=("policy", "reward"),
-        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/sla", "tasks/sla.py"),
         inputs=("${paths.policy_dir}", "${paths.pairs}"),
+        gpu=True,
+        memory="train_reward_memory",
+        disk="train_reward_disk",
         outputs=("${paths.reward_dir}/base",),
         distributed=True,
         curves=True,
@@ -224,10 +293,14 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="dpo",
         description="Fine-tune the policy with DPO on the preference pairs.",
+        details="the policy fine-tuned with DPO (TRL) on the same training prompts' best–worst pairs",
+        output_files='`data/dpo/`',
         task="tasks.sla:dpo_task",
         params=("policy", "dpo", "reward.eval_fraction", "reward.seed"),
-        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/sla", "tasks/sla.py"),
         inputs=("${paths.policy_dir}", "${paths.pairs}"),
+        gpu=True,
+        memory="dpo_memory",
+        disk="dpo_disk",
         outputs=("${paths.dpo_dir}",),
         distributed=True,
         headline=("heldout_accuracy_after",),
@@ -235,11 +308,15 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="train_reward_dpo",
         description='Train a reward channel on the DPO policy (the paper\'s "llama-DPO + SLA").',
+        details='a reward channel on the DPO policy ("llama-DPO + SLA")',
+        output_files='`data/reward/dpo/`',
         task="tasks.sla:train_reward_task",
         task_kwargs={"policy_source": "dpo", "out_dir": "${paths.reward_dir}/dpo"},
         params=("policy", "reward"),
-        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/sla", "tasks/sla.py"),
         inputs=("${paths.dpo_dir}", "${paths.pairs}"),
+        gpu=True,
+        memory="train_reward_memory",
+        disk="train_reward_disk",
         outputs=("${paths.reward_dir}/dpo",),
         distributed=True,
         curves=True,
@@ -248,12 +325,19 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="benchmark_sla",
         description="Compare greedy, sampling, beam and SLA decoding for the base and DPO policies (Table 1).",
+        details='greedy, temperature, top-p, top-k, beam 4 and SLA(d, k, n) on 40 held-out prompts for the base '
+                 'policy, greedy and SLA for the DPO policy: win/tie/loss vs greedy, win rate, accuracy and mean '
+                 'reward with intervals; greedy and SLA timed at batch 1 on 8 prompts, interleaved (latency vs greedy '
+                 "with its interval), the rest decoded 32 prompts at a time (SLA's trees searched in lockstep); the "
+                 "reward channel's overhead over 40 interleaved forward pairs",
+        output_files='`data/benchmarks/sla/` (`report.md`, `table.csv`, `win_rate.png`, `latency.png`)',
         task="tasks.sla:benchmark_sla_task",
         params=("policy", "sla", "sla_benchmark", "label", "prompts.system_prompt"),
-        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common",
-              "models/engine", "models/labeling", "models/sla", "tasks/sla.py"),
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.reward_dir}/base", "${paths.reward_dir}/dpo",
                 "${paths.dpo_dir}"),
+        gpu=True,
+        memory="benchmark_sla_memory",
+        disk="benchmark_sla_disk",
         outputs=("${paths.benchmarks_dir}/sla",),
         files=("label.model",),
         headline=("base_sla.win_rate", "base_sla_tuned.win_rate", "dpo_sla_vs_dpo_greedy.win_rate",
@@ -263,16 +347,17 @@ STAGES: tuple[Stage, ...] = (
         name="train_medusa",
         description="Medusa-1: train K decoding heads on the frozen policy's own responses to the task and general "
                     "prompts (self-distillation).",
+        details="one frozen pass over the `distill` stage's responses (self-distillation), then Medusa-1: 4 heads "
+                 '(head k predicts token t + k + 1) on the frozen backbone; held-out top-1/top-5 and per-rank accuracy '
+                 "per head, and the paths of drafts held-out text accepts most often (the benchmark's tree)",
+        output_files='`data/medusa/supervised/` (heads, `evaluation.json`, `loss.png`), `data/medusa/distilled/`',
         task="tasks.medusa:train_medusa_task",
-        # the distillation pass also collects RLMedusa's trajectory states and candidates (RLMedusaCandidates)
-        params=("policy", "medusa", "prompts", "rlmedusa.trajectory_tokens", "rlmedusa.top_candidates",
-                "rlmedusa.top_pool", "rlmedusa.random_candidates", "generate.max_new_tokens", "label.labeler",
-                "label.max_length"),
-        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "foresight/prompts.py", "foresight/instructions",
-              "models/engine", "models/medusa", "tasks/medusa.py"),
-        inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.samples}"),
+        params=("policy", "medusa"),
+        inputs=("${paths.policy_dir}", "${paths.distill_dir}"),
+        gpu=True,
+        memory="train_medusa_memory",
+        disk="train_medusa_disk",
         outputs=("${paths.medusa_dir}/supervised", "${paths.medusa_dir}/distilled"),
-        files=("prompts.file.path",),  # its further task prompts
         distributed=True,
         curves=True,
         headline=("top1_head1", "top1_head2", "top5_head1"),
@@ -281,10 +366,19 @@ STAGES: tuple[Stage, ...] = (
         name="train_rlmedusa",
         description="RLMedusa: fit the token reward r(e, h), train the t + 2 head by policy gradient, "
                     "compare with Medusa-1.",
+        details="RLMedusa: the token reward r(e, h) (MLP, MSE to the base model's probability of a token two steps "
+                 'ahead, 9 candidates per step of 20-token trajectories), then head 1 (t + 2) by REINFORCE on r − '
+                 'β·KL, from a fresh head (the paper) and from the supervised head; t + 2 accuracy against the '
+                 'supervised head',
+        output_files='`data/medusa/rl/` (`base/`, `supervised/`, `evaluation.json`, `rl.png`)',
         task="tasks.medusa:train_rlmedusa_task",
-        params=("policy", "rlmedusa", "medusa.eval_top_k"),
-        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/medusa", "tasks/medusa.py"),
-        inputs=("${paths.policy_dir}", "${paths.medusa_dir}/supervised", "${paths.medusa_dir}/distilled"),
+        # medusa.mixed_precision: the frozen pass's autocast, under which the candidates' logits are recomputed
+        params=("policy", "rlmedusa", "medusa.eval_top_k", "medusa.mixed_precision"),
+        inputs=("${paths.policy_dir}", "${paths.distill_dir}", "${paths.medusa_dir}/supervised",
+                "${paths.medusa_dir}/distilled"),
+        gpu=True,
+        memory="train_rlmedusa_memory",
+        disk="train_rlmedusa_disk",
         outputs=("${paths.medusa_dir}/rl",),
         distributed=True,
         headline=("supervised_t2_top1", "rl_base_t2_top1", "rl_supervised_t2_top1"),
@@ -293,13 +387,25 @@ STAGES: tuple[Stage, ...] = (
         name="benchmark_medusa",
         description="Tree speculative decoding with Medusa / RLMedusa heads vs HF greedy on the task and general "
                     "prompt sets: speedup, τ, identity to greedy (95 % intervals), divergences.",
+        details='at batch 1, per prompt set — 40 held-out task prompts, 40 held-out general instructions, any '
+                 '`medusa_benchmark.prompt_files`: HF greedy and Medusa (prompt lookup and Medusa-RL by configuration) '
+                 'with tree verification and adaptive drafting (plain steps while drafting does not pay, one decision '
+                 'state per decoder): speedup over greedy on 8 prompts, interleaved, with intervals; τ on all prompts, '
+                 'and the share identical to HF greedy decoding the whole set in one left-padded batch (batch-1 '
+                 "greedy's own share on the timed prompts shows what batching alone changes in bf16); every divergence "
+                 "with the policy's logit margin there (bf16 near-ties); a speed curve at batch 1 and 16 on the task "
+                 'prompts (HF batched greedy vs batched Medusa, adaptive per batch size, interleaved batch by batch, '
+                 "with intervals and the share of rows identical to HF's)",
+        output_files='`data/benchmarks/medusa/` (`report.md`, `table.csv`, `speed_curve.csv`, `speed_curve.png`, '
+                 '`speedup.png`, `tau.png`, `tree.json`)',
         task="tasks.medusa:benchmark_medusa_task",
         params=("policy", "medusa_benchmark", "prompts.system_prompt", "rlmedusa.inits", "prompts.max_prompt_tokens",
                 "generate.max_new_tokens", "label.labeler", "label.max_length"),
-        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "foresight/prompts.py", "foresight/instructions",
-              "models/engine", "models/medusa", "tasks/medusa.py"),
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.medusa_dir}/supervised",
                 "${paths.medusa_dir}/rl"),
+        gpu=True,
+        memory="benchmark_medusa_memory",
+        disk="benchmark_medusa_disk",
         outputs=("${paths.benchmarks_dir}/medusa",),
         files=("medusa_benchmark.prompt_files.path",),
         headline=("held_out.medusa_supervised.tau", "held_out.medusa_supervised.speedup_vs_reference",
@@ -308,10 +414,18 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="train_coral",
         description="COrAL: two-stage order-agnostic training with target-aware RoPE in the last layer.",
+        details="COrAL on the `distill` stage's responses (or the samples labeled correct): target-aware "
+                 'RoPE in the last decoder layer, forward prediction at offsets +1…+4 on clean text and backward '
+                 'reconstruction at −8…0 on patch-corrupted text (loss on corrupted tokens only); stage 1 trains the '
+                 'last layer, stage 2 the rest; held-out top-1 per forward offset before and after',
+        output_files='`data/coral/` (the model, `evaluation.json`, `history.json`, `loss.png`, `reconstruction.png`; '
+                 'per-offset curves in MLflow)',
         task="tasks.coral:train_coral_task",
         params=("policy", "coral"),
-        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/coral", "models/engine", "tasks/coral.py"),
-        inputs=("${paths.policy_dir}", "${paths.medusa_dir}/distilled", "${paths.scores}"),
+        inputs=("${paths.policy_dir}", "${paths.distill_dir}", "${paths.scores}"),
+        gpu=True,
+        memory="train_coral_memory",
+        disk="train_coral_disk",
         outputs=("${paths.coral_dir}",),
         distributed=True,
         curves=True,
@@ -321,11 +435,18 @@ STAGES: tuple[Stage, ...] = (
         name="benchmark_coral",
         description="Sliding blockwise order-agnostic decoding vs next-token greedy: accuracy, speed, ablations "
                     "(Table 1).",
+        details='on the COrAL model at batch 1: next-token greedy, full COrAL (eq. 5 ensemble, Appendix C tree, eq. 6 '
+                 '+ 7 verification in one tree forward, eq. 8 sliding) on 40 prompts; on the first 8 also w/o '
+                 'verifier, w/o multi-forward, plus the block-size ablation (forward-window ablations via '
+                 '`coral_benchmark.ablation_forward_windows`): accuracy, tokens/s, speedup, tokens per forward',
+        output_files='`data/benchmarks/coral/` (`report.md`, `table.csv`, `table.png`, `ablation_block_size.png`, '
+                 '`ablation_forward_window.png`)',
         task="tasks.coral:benchmark_coral_task",
         params=("policy", "coral_benchmark", "prompts.system_prompt"),
-        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common",
-              "models/coral", "models/engine", "models/labeling", "tasks/coral.py"),
         inputs=("${paths.prompts_dir}", "${paths.coral_dir}"),
+        gpu=True,
+        memory="benchmark_coral_memory",
+        disk="benchmark_coral_disk",
         outputs=("${paths.benchmarks_dir}/coral",),
         headline=("next_token.accuracy", "coral.accuracy", "coral.speedup_vs_reference", "coral_no_verifier.accuracy",
                   "coral_no_verifier.speedup_vs_reference"),
@@ -334,10 +455,18 @@ STAGES: tuple[Stage, ...] = (
         name="train_mtp",
         description="MTP equip: a shared-parameter multi-token-prediction module on the frozen policy, and its "
                     "depth ablation.",
+        details='the MTP-equipped stage: a DeepSeek-V3-style MTP module (projection of [norm(embedding of t+k) ; '
+                 "norm(previous state)], one decoder layer, the policy's final norm, LM head and embedding) applied K "
+                 "= 3 times with shared parameters, trained on the policy's own greedy responses with CE weights 0.6 / "
+                 "0.3 / 0.1, the policy frozen; held-out top-1 per depth and the greedy chain's expected acceptance "
+                 'length; the same for K = 1, 2, 4 (Table 2)',
+        output_files='`data/mtp/` (`module/`, `evaluation.json`, `ablation.csv`, `ablation.png`, `loss.png`)',
         task="tasks.mtp:train_mtp_task",
         params=("policy", "mtp"),
-        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common", "models/engine", "models/mtp", "tasks/mtp.py"),
-        inputs=("${paths.policy_dir}", "${paths.medusa_dir}/distilled", "${paths.scores}"),
+        inputs=("${paths.policy_dir}", "${paths.distill_dir}", "${paths.scores}"),
+        gpu=True,
+        memory="train_mtp_memory",
+        disk="train_mtp_disk",
         outputs=("${paths.mtp_dir}",),
         distributed=True,
         curves=True,
@@ -348,11 +477,24 @@ STAGES: tuple[Stage, ...] = (
         name="train_mtp_rl",
         description="GRPO with MTP-drafted rollouts and the advantage-aware MTP loss (MTP-RL), against its "
                     "baselines.",
+        details='GRPO (reward = the configured labeler: the answer check, or a reward model on open prompts; G '
+                 "rollouts per prompt, clip 0.2 / 0.28, token-mean, optional k3 KL) with a step's rollouts at T = 0.8 "
+                 'sampled as one batch: vanilla (HF batched sampling) and MTP-drafted (K chained drafts per row, one '
+                 'batched verification, speculative sampling per row, each rollout its own seeded stream: exactly the '
+                 "policy's distribution); MTP-RL trains policy and module with L_GRPO + w·KL(main ‖ MTP) + 0.2·CE, w = "
+                 "1[A ≥ 0]; baselines frozen MTP, CE only, no backprop, and ours with the KL's target detached "
+                 '(`mtp_rl.variants`); per step τ, α, rollout time, reward; held-out reward (and accuracy, where '
+                 'answers are known) before and after; before RL, in the study profile (`mtp_rl.curve_batch_sizes`), '
+                 "MTP drafting's speed at batch 1, 4, 16 (vs HF batched greedy on the held-out prompts, outputs "
+                 'compared; vs HF batched sampling on rollouts; interleaved batch by batch, with intervals)',
+        output_files='`data/mtp_rl/` (`report.md`, `table.csv`, `history.json`, `decoding_curve.csv`, `rollout_curve.csv`, '
+                 '`speed_curve.png`, `tau.png`, `rollout_seconds.png`, `reward.png`)',
         task="tasks.mtp:train_mtp_rl_task",
         params=("policy", "mtp_rl", "mtp.ce_weights", "mtp.num_depths", "prompts.system_prompt", "label"),
-        code=(*TASK_CODE, *BENCHMARK_CODE, "models/common",
-              "models/engine", "models/labeling", "models/mtp", "tasks/mtp.py"),
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.mtp_dir}", "${paths.scores}"),
+        gpu=True,
+        memory="train_mtp_rl_memory",
+        disk="train_mtp_rl_disk",
         outputs=("${paths.mtp_rl_dir}",),
         files=("label.model",),
         distributed=True,
@@ -429,116 +571,110 @@ def undeclared_files(stage: Stage, cfg) -> list[str]:
     return [file for file in input_files(stage, cfg) if file not in deps]
 
 
-class RecordingConfig:
-    """A transparent stand-in for the config (or one of its sections) that records every key read through it.
-
-    Reading a field gives its value, or another recorder for a nested section, and records the dotted key
-    under its params.yaml name (``cfg.medusa_benchmark.num_prompts`` → ``medusa_benchmark.num_prompts``,
-    ``cfg.validate_`` → ``validate``). Anything else taken from a section (``model_copy``, ``model_dump``, a
-    property, comparing or printing it) may read every field, so it records the whole section. On the config
-    itself, ``path()`` and the fields that are not params (``root``) record nothing: they only locate files.
-    ``__class__`` is the wrapped object's class, so ``isinstance`` and code reading ``obj.__class__.model_fields``
-    see the real thing.
-    """
-
-    __slots__ = ("_target", "_key", "_reads")
-    _UNRECORDED_ON_CONFIG = frozenset({"path"})
-
-    def __init__(self, target: BaseModel, reads: set[str] | None = None, key: str = "") -> None:
-        object.__setattr__(self, "_target", target)
-        object.__setattr__(self, "_key", key)
-        object.__setattr__(self, "_reads", set() if reads is None else reads)
-
-    @property
-    def reads(self) -> set[str]:
-        """Every dotted key read so far (shared by the config's recorder and its sections')."""
-        return self._reads
-
-    @property
-    def __class__(self):  # noqa: D105 - see the class docstring
-        return type(self._target)
-
-    def _join(self, name: str) -> str:
-        return f"{self._key}.{name}" if self._key else name
-
-    def _record_whole(self) -> None:
-        target = self._target
-        if self._key:
-            self._reads.add(self._key)
-        else:
-            self._reads.update(f.alias or name for name, f in type(target).model_fields.items() if not f.exclude)
-
-    def __getattr__(self, name: str) -> Any:
-        target = self._target
-        fields = type(target).model_fields
-        value = getattr(target, name)
-        if name in fields:
-            if fields[name].exclude:
-                return value
-            key = self._join(fields[name].alias or name)
-            if isinstance(value, BaseModel):
-                return RecordingConfig(value, self._reads, key)
-            self._reads.add(key)
-            return value
-        if not (self._key == "" and name in self._UNRECORDED_ON_CONFIG):
-            self._record_whole()
-        return value
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"the config is read-only inside a stage (tried to set {self._join(name)})")
-
-    def __eq__(self, other: object) -> bool:
-        self._record_whole()
-        return self._target == (other._target if isinstance(other, RecordingConfig) else other)
-
-    __hash__ = None
-
-    def __iter__(self):
-        self._record_whole()
-        return iter(self._target)
-
-    def __repr__(self) -> str:
-        self._record_whole()
-        return repr(self._target)
-
-
-def _covered(key: str, declared: Iterable[str]) -> bool:
-    """A declared section covers its keys (``medusa`` covers ``medusa.x``); a declared key covers only itself."""
-    return any(key == entry or key.startswith(entry + ".") for entry in declared)
-
-
-def undeclared_reads(stage: Stage, reads: Iterable[str]) -> list[str]:
-    """The config reads ``stage`` does not declare: keys outside its params, ``paths`` entries outside its
-    inputs and outputs."""
-    located = {path_name(expression) for expression in (*stage.inputs, *stage.outputs)} | set(ALWAYS_ALLOWED_PATHS)
-    undeclared = []
-    for key in sorted(set(reads)):
-        section, _, rest = key.partition(".")
-        if section == "paths":
-            if rest.split(".")[0] not in located:
-                undeclared.append(key)
-        elif not _covered(key, stage.params):
-            undeclared.append(key)
-    return undeclared
-
-
 PROJECT_PACKAGES = ("foresight", "models", "tasks")
-"""Packages whose modules a stage must declare as code."""
+"""Packages whose modules are a stage's code."""
 
-ORCHESTRATION_MODULES = ("foresight.tracking", "foresight.stages", "foresight.cli", "foresight.memory")
-"""Modules that run every stage, not part of any stage's work (with the ``flows`` package)."""
+STAGE_RUNNER = "flows.stages"
+"""The module every stage process starts from (``python -m flows.stages STAGE``)."""
+
+ORCHESTRATION_MODULES = ("foresight.tracking", "foresight.stages", "foresight.memory")
+"""Modules that run every stage, not part of any stage's work (with the ``flows`` package): editing them re-runs
+nothing. Only their module-level imports are followed (their functions serve other commands too)."""
+
+MODULE_DATA = {"foresight.prompts": ("foresight/instructions",)}
+"""Files a module reads besides code (the general instruction sets): code deps of every stage importing it."""
+
+
+def _module_file(name: str) -> Path | None:
+    """The file of project module ``name`` under :data:`ROOT` (a package's ``__init__.py``), None if none."""
+    base = ROOT / name.replace(".", "/")
+    for file in (base.with_suffix(".py"), base / "__init__.py"):
+        if file.is_file():
+            return file
+    return None
+
+
+def _is_project(name: str) -> bool:
+    return name.split(".")[0] in (*PROJECT_PACKAGES, "flows")
+
+
+def _orchestration(name: str) -> bool:
+    return name.split(".")[0] == "flows" or name in ORCHESTRATION_MODULES
+
+
+@functools.cache
+def module_imports(name: str) -> frozenset[str]:
+    """The project modules module ``name`` imports (with their parent packages): every ``import`` statement, in
+    functions too, but those under ``if TYPE_CHECKING:`` (annotations only); for an orchestration module only its
+    module-level ones."""
+    file = _module_file(name)
+    tree = ast.parse(file.read_text(), str(file))
+    package = name if file.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    base = ".".join([*package.split(".")[: len(package.split(".")) - child.level + 1], base]).strip(".")
+                found.add(base)
+                found.update(f"{base}.{alias.name}" for alias in child.names
+                             if _module_file(f"{base}.{alias.name}") is not None)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if not top or not _orchestration(name) or isinstance(child, ast.ClassDef):
+                    visit(child, False)
+            else:
+                visit(child, top)
+
+    visit(tree, True)
+    modules = set()
+    for module in found:
+        parts = module.split(".")
+        modules.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return frozenset(m for m in modules if _is_project(m) and _module_file(m) is not None and m != name)
+
+
+def import_closure(roots: Iterable[str]) -> set[str]:
+    """``roots`` and every project module they import, transitively (:func:`module_imports`)."""
+    seen: set[str] = set()
+    todo = [m for root in roots for m in (root, *(".".join(root.split(".")[:i]) for i in range(1, root.count(".") + 1)))]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(module_imports(module))
+    return seen
+
+
+def stage_modules(stage: Stage) -> set[str]:
+    """The project modules a process of ``stage`` imports, without the orchestration's: its task module, the config
+    module of each section its config holds (``foresight.params`` imports them by name), the stage runner, and
+    everything they import."""
+    sections = {key.split(".")[0] for key in stage.config_keys} | {"paths"}
+    roots = {stage.task.partition(":")[0], STAGE_RUNNER, *(SECTIONS[name].partition(":")[0] for name in sections)}
+    return {module for module in import_closure(roots) if not _orchestration(module)}
+
+
+def stage_code(stage: Stage) -> tuple[str, ...]:
+    """:attr:`Stage.code`: the files of :func:`stage_modules` and the data they read (:data:`MODULE_DATA`), sorted."""
+    files = set()
+    for module in stage_modules(stage):
+        files.add(_module_file(module).relative_to(ROOT).as_posix())
+        files.update(MODULE_DATA.get(module, ()))
+    return tuple(sorted(files))
 
 
 def undeclared_modules(stage: Stage, modules: Mapping[str, Any], root: Path) -> list[str]:
-    """The project modules in ``modules`` (e.g. ``sys.modules``) whose files lie outside ``stage``'s code.
-
-    A package's ``__init__`` counts as declared when declared code lies inside the package: importing a
-    module imports its parent packages.
-    """
+    """The project modules in ``modules`` (e.g. ``sys.modules``) whose files lie outside ``stage``'s code."""
     declared = [(root / entry).resolve() for entry in stage.code]
     undeclared = []
     for name, module in sorted(modules.items()):
-        if name.split(".")[0] not in PROJECT_PACKAGES or name in ORCHESTRATION_MODULES:
+        if name.split(".")[0] not in PROJECT_PACKAGES or _orchestration(name):
             continue
         file = getattr(module, "__file__", None)
         if file is None:
@@ -546,7 +682,46 @@ def undeclared_modules(stage: Stage, modules: Mapping[str, Any], root: Path) -> 
         path = Path(file).resolve()
         if any(path == entry or entry in path.parents for entry in declared):
             continue
-        if path.name == "__init__.py" and any(path.parent in entry.parents for entry in declared):
-            continue
         undeclared.append(name)
     return undeclared
+
+
+def _produces(output: str, expression: str) -> bool:
+    """Whether a stage's output covers the data a path expression names (the same path, or a folder above it)."""
+    return expression == output or expression.startswith(output + "/")
+
+
+def upstream(stage: Stage, stages: Iterable[Stage] = STAGES) -> list[str]:
+    """The stages whose outputs ``stage`` reads (its direct DVC ancestors), in table order."""
+    return [other.name for other in stages if other is not stage and any(
+        _produces(output, expression) for output in other.outputs for expression in stage.inputs)]
+
+
+STAGE_DOCS_BEGIN = "<!-- stage table: generated by `foresight stage-docs` from foresight/stages.py; edit it there -->"
+STAGE_DOCS_END = "<!-- end of the generated stage table -->"
+
+
+def render_stage_docs(stages: Iterable[Stage] = STAGES) -> str:
+    """The README's pipeline section body: the DAG (a Mermaid flowchart, drawn from the stages' inputs and outputs)
+    and the stage table (what each stage does, what it writes), between :data:`STAGE_DOCS_BEGIN` and
+    :data:`STAGE_DOCS_END`."""
+    stages = list(stages)
+    edges = [f"  {parent} --> {stage.name}" for stage in stages for parent in upstream(stage, stages)]
+    gpu = ", ".join(stage.name for stage in stages if stage.gpu)
+    table = ["| stage | what it does | output (DVC-tracked) |", "|---|---|---|",
+             *(f"| `{stage.name}` | {stage.details} | {stage.output_files} |" for stage in stages)]
+    return "\n".join([STAGE_DOCS_BEGIN, "```mermaid", "flowchart LR", *edges, "```", "",
+                      f"GPU stages (tagged `gpu` for Prefect concurrency limits): {gpu}.", "", *table,
+                      STAGE_DOCS_END])
+
+
+def sync_stage_docs(readme: Path) -> bool:
+    """Replace the generated part of ``readme`` with :func:`render_stage_docs` (atomically); True when it changed."""
+    text = readme.read_text()
+    begin, end = text.index(STAGE_DOCS_BEGIN), text.index(STAGE_DOCS_END) + len(STAGE_DOCS_END)
+    wanted = text[:begin] + render_stage_docs() + text[end:]
+    if wanted == text:
+        return False
+    with atomic_path(readme) as tmp:
+        tmp.write_text(wanted)
+    return True

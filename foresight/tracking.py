@@ -25,10 +25,15 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from foresight.config import Config
+from foresight.params import ATTRIBUTE_NAMES
+
+if TYPE_CHECKING:
+    from foresight.config import Config
+
 
 PARENT_RUN_ENV = "FORESIGHT_MLFLOW_PARENT_RUN_ID"
 MANIFEST = "dvc-manifest.json"
@@ -117,8 +122,9 @@ def stage_run(cfg: Config, stage: str, sections: list[str], parent_run_id: str |
     tags = {"foresight.kind": "stage", "foresight.stage": stage, **run_tags(cfg)}
     with mlflow.start_run(run_name=stage, nested=parent is not None, parent_run_id=parent, tags=tags,
                           log_system_metrics=cfg.tracking.system_metrics) as run, _killed_when_interrupted(mlflow):
-        dumped = cfg.model_dump(mode="json", by_alias=True)
-        mlflow.log_params(flatten({s: dumped[s] for s in sections}))
+        # each section dumped as the stage holds it: whole, or only its declared keys
+        mlflow.log_params(flatten({s: getattr(cfg, ATTRIBUTE_NAMES.get(s, s)).model_dump(mode="json")
+                                   for s in sections}))
         yield run.info.run_id
 
 

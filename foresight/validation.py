@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from foresight.config import ValidateConfig
+from foresight.params import ValidateConfig
 from foresight.pairs import PAIR_COLUMNS, SAMPLE_COLUMNS, SCORE_COLUMNS
 from foresight.storage import atomic_path
 from models.labeling.config import LabelerSpec

@@ -2,8 +2,8 @@
 
 Thin wrappers around :mod:`models.coral.training` and :mod:`models.coral.decoding`:
 
-* ``train_coral`` — SFT data from the pipeline (the responses ``train_medusa`` distilled from, or the samples
-  labeled correct), split by prompt (distilled: ``train_medusa``'s held-out split), a validation share of the
+* ``train_coral`` — SFT data from the pipeline (the ``distill`` stage's responses, or the samples
+  labeled correct), split by prompt (distilled: the ``distill`` stage's held-out split), a validation share of the
   training prompts for stage 1's early stopping; stage 1 (last layer) then stage 2 (the rest, off by default);
   held-out top-1 accuracy per offset (forward, confirm, reconstruct; all held-out text and task text) before and
   after (intervals over held-out sequences); the trained model as a Hugging Face
@@ -21,45 +21,47 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
+from tqdm.auto import tqdm
 
 from foresight import statistics
 from foresight.benchmark import display_rows, interleaved_decoding, markdown_table, speed_row
-from foresight.config import Config, component
 from foresight.plots import bar_plot, interval_bar, line_plot
 from foresight.storage import atomic_path, write_json, write_table
-from tasks.data import (
+from models.common.lora import ADAPTER_DIR, Adapter, trained_weight_names
+from models.common.sequences import fitting_sft
+from models.common.training import check_update, weight_changes
+from models.coral.decoding import CoralStats, coral_generate
+from models.coral.training import PER_EPOCH, evaluated_offsets, offset_hits, train_coral
+from models.engine.decoding import GREEDY, hf_decode
+from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
+from models.labeling.answers import cut_by_length, is_correct
+from tasks.common import (
     StageResult,
-    drafter_split,
     gpu_task,
     load_stage_policy,
     load_trained_policy,
     markdown_artifact,
     read_prompts,
-    sft_responses,
     stage_accelerator,
     stage_logger,
     table_artifact,
-    validation_split,
 )
+from tasks.distilled import drafter_split, sft_responses, validation_split
+
+if TYPE_CHECKING:
+    from foresight.config import Config
 
 
 @gpu_task("train-coral")
 def train_coral_task(cfg: Config) -> StageResult:
     """Two-stage COrAL training of the base policy; writes the model folder with its curves and evaluation."""
-    from models.common.sequences import fitting_sft
-    from models.coral.config import CoralTraining
-    from models.common.lora import Adapter, trained_weight_names
-    from models.common.training import check_update, weight_changes
-    from models.coral.training import PER_EPOCH, train_coral
-
     logger = stage_logger()
     started = time.perf_counter()
     c = cfg.coral
-    training = component(CoralTraining, c)
     policy = load_stage_policy(cfg, "base", training=True)
     # rows too long for coral.max_length are dropped whole, never truncated (models/common/sequences.py)
     responses, sequences, too_long = fitting_sft(policy.tokenizer, sft_responses(cfg, cfg.coral.data, "coral.data"),
@@ -73,7 +75,7 @@ def train_coral_task(cfg: Config) -> StageResult:
     task = [i for i, row in enumerate(eval_rows.tolist()) if prompt_sets.iloc[row] == "task"]
     logger.info("COrAL SFT data (%s): %d training / %d validation (stage 1's early stopping) / %d held-out sequences "
                 "(%d of task prompts)", c.data, len(train), len(validation), len(held_out), len(task))
-    before = _held_out_accuracy(policy, held_out, task, training, "before")
+    before = _held_out_accuracy(policy, held_out, task, c, "before")
     logger.info("held-out top-1 per offset before training: %s", json.dumps(before))
 
     def on_step(stage: str, step: int, num_steps: int, stats: dict[str, float]) -> None:
@@ -89,9 +91,9 @@ def train_coral_task(cfg: Config) -> StageResult:
 
     accelerator = stage_accelerator(policy.device, c.mixed_precision)
     train_started = time.perf_counter()
-    history = train_coral(policy, train, training, accelerator, on_step, validation=validation, on_trained=on_trained)
+    history = train_coral(policy, train, c, accelerator, on_step, validation=validation, on_trained=on_trained)
     train_seconds = time.perf_counter() - train_started
-    after = _held_out_accuracy(policy, held_out, task, training, "after")
+    after = _held_out_accuracy(policy, held_out, task, c, "after")
     logger.info("held-out top-1 per offset after training: %s", json.dumps(after))
 
     out = cfg.path(cfg.paths.coral_dir)
@@ -126,8 +128,6 @@ def train_coral_task(cfg: Config) -> StageResult:
 def _held_out_accuracy(policy, held_out: list, task: list[int], training, when: str) -> dict[str, dict[str, float]]:
     """Held-out top-1 per offset (:func:`models.coral.training.offset_hits`) over every held-out sequence (key
     ``when``) and over those of task prompts alone, the benchmark's kind of text (``{when}_task``)."""
-    from models.coral.training import evaluated_offsets, offset_hits
-
     hits, counts = offset_hits(policy, held_out, training)
     offsets = evaluated_offsets(training)
     return {when: _offset_accuracy(hits, counts, offsets),
@@ -149,8 +149,6 @@ def _write_coral_model(policy, out, history: dict[str, list], evaluation: dict, 
     stage 2's LoRA ``adapter``, the adapter itself in ``adapter/`` (models/common/lora.py): what a bf16 merge may round
     away survives there. Its base is the initial policy with this folder's last decoder layer (stage 1's; stage 2's
     adapters leave that layer out)."""
-    from models.common.lora import ADAPTER_DIR
-
     with atomic_path(out) as tmp:
         policy.model.save_pretrained(tmp)
         policy.tokenizer.save_pretrained(tmp)
@@ -171,16 +169,15 @@ TABLE_COLUMNS = ["decoder", "verifier", "block_size", "forward_window", "accurac
 
 
 def coral_decoders(cfg: Config) -> dict:
-    """Name → :class:`models.coral.decoding.CoralDecoding` of every COrAL decoder the benchmark runs."""
-    from models.coral.config import CoralDecoding
-
+    """Name → :class:`models.coral.config.CoralDecoding` of every COrAL decoder the benchmark runs (the section
+    itself is full COrAL's)."""
     b = cfg.coral_benchmark
-    base = component(CoralDecoding, b, gamma=tuple(b.gamma))
-    ablations = {"no_verifier": replace(base, verify=False), "no_multi_forward": replace(base, forward_window=1)}
-    decoders = {"coral": base, **{f"coral_{name}": ablations[name] for name in b.ablations}}
-    decoders |= {f"coral_no_verifier_b{size}": replace(base, verify=False, block_size=size)
+    ablations = {"no_verifier": b.model_copy(update={"verify": False}),
+                 "no_multi_forward": b.model_copy(update={"forward_window": 1})}
+    decoders = {"coral": b, **{f"coral_{name}": ablations[name] for name in b.ablations}}
+    decoders |= {f"coral_no_verifier_b{size}": b.model_copy(update={"verify": False, "block_size": size})
                  for size in b.ablation_block_sizes if size != b.block_size}
-    decoders |= {f"coral_no_verifier_kf{window}": replace(base, verify=False, forward_window=window)
+    decoders |= {f"coral_no_verifier_kf{window}": b.model_copy(update={"verify": False, "forward_window": window})
                  for window in b.ablation_forward_windows if window != b.forward_window}
     return decoders
 
@@ -189,13 +186,6 @@ def coral_decoders(cfg: Config) -> dict:
 def benchmark_coral_task(cfg: Config) -> StageResult:
     """Next-token greedy vs the COrAL decoders on held-out prompts, on the COrAL-trained model: every decoder on
     the speed prompts at batch 1, interleaved and timed; next-token and full COrAL on the rest, for accuracy."""
-    from tqdm.auto import tqdm
-
-    from models.coral.decoding import CoralStats, coral_generate
-    from models.engine.decoding import GREEDY, hf_decode
-    from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
-    from models.labeling.answers import cut_by_length, is_correct
-
     logger = stage_logger()
     started = time.perf_counter()
     b = cfg.coral_benchmark

@@ -3,12 +3,14 @@
 Thin wrappers around :mod:`models.medusa.training`, :mod:`models.medusa.rlmedusa` and :mod:`models.engine.speculative`:
 they read the data, split it by prompt, log progress, and write each output folder atomically.
 
-* ``train_medusa`` — the policy's greedy responses to the training prompts (or the generated samples) and to
-  training instructions of the general set (:func:`foresight.prompts.general_instructions`), one frozen pass over
-  them (kept in ``distilled/`` for the RL stage, its hidden states read back from disk
-  as training needs them), then Medusa-1 training of K heads; held-out top-1/top-k accuracy per head.
-* ``train_rlmedusa`` — the reward model r(e, h) (MSE on the base model's t + 2 probabilities), then head 1
-  by REINFORCE on r − β·KL; held-out accuracy at t + 2 of the RL head against the supervised head.
+* ``train_medusa`` — one frozen pass over the ``distill`` stage's responses (:mod:`tasks.distill`: the policy's
+  greedy responses to the training prompts, or the generated samples, and to training instructions of the general
+  set), kept in ``distilled/`` for the RL stage, its hidden states read back from disk as training needs them; then
+  Medusa-1 training of K heads; held-out top-1/top-k accuracy per head (the ``distill`` stage's split).
+* ``train_rlmedusa`` — the trajectory states and their candidates over that pass's states
+  (:func:`models.medusa.rlmedusa.trajectory_candidates`), the reward model r(e, h) (MSE on the base model's t + 2
+  probabilities), then head 1 by REINFORCE on r − β·KL; held-out accuracy at t + 2 of the RL head against the
+  supervised head.
 * ``benchmark_medusa`` — HF greedy, HF prompt-lookup, Medusa (supervised heads) and Medusa-RL (head 1
   from RLMedusa) at batch 1 on each prompt set (task, general, files): speedup over greedy in the same run, τ and
   the share of outputs identical to greedy, each with a 95 % interval over prompts (:mod:`foresight.statistics`),
@@ -26,11 +28,11 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
-
 from tqdm.auto import tqdm
 
 from foresight import statistics
@@ -42,84 +44,47 @@ from foresight.benchmark import (
     markdown_table,
     speed_row,
 )
-from foresight.config import Config, component
 from foresight.plots import bar_plot, interval_bar, line_plot
-from foresight.storage import atomic_path, read_table, write_json, write_table
-from tasks.data import (
-    DISTILLED_SPLIT_FILE,
+from foresight.prompts import file_prompts, general_instructions
+from foresight.storage import atomic_path, write_json, write_table
+from models.engine.batched import BatchGreedy, HeadsDrafter, batched_speculative_generate, unsupported_layers
+from models.engine.decoding import GREEDY, hf_decode
+from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
+from models.engine.policy import load_policy
+from models.engine.speculative import AdaptiveDrafting, TreeVerifier, build_tree, likeliest_paths, speculative_generate
+from models.medusa.heads import IGNORE_INDEX, MedusaDrafter, MedusaHeads
+from models.medusa.rlmedusa import evaluate_reward_model, fit_reward_model, train_rl_head, trajectory_candidates
+from models.medusa.training import (
+    accuracy_by_rank,
+    evaluate_heads,
+    load_distilled as load_cache,
+    self_distill,
+    target_ranks,
+    too_long_responses,
+    train_medusa_heads,
+)
+from tasks.common import (
     StageResult,
-    distilled_dir,
     drop_long_prompt_sets,
     gpu_task,
     load_stage_policy,
     markdown_artifact,
     read_prompts,
-    shared_distilled_responses,
-    split_distilled,
     stage_accelerator,
     stage_logger,
     table_artifact,
 )
+from tasks.distilled import DISTILLED_SPLIT_FILE, distilled_dir, shared_distilled_responses
 
-DROPPED_PROMPTS_FILE = "dropped_long_prompts.json"
-"""In ``distilled/``: the prompts left out of the distillation as over the prompt limit, per prompt set
-(``dropped_long_prompts.further`` / ``.general``: :func:`tasks.data.drop_long_prompt_sets`)."""
+if TYPE_CHECKING:
+    from foresight.config import Config
+
 EVAL_RANKS = 10  # held-out accuracy per rank of each head's tokens, up to this rank
 TREE_PATHS = 64  # the most often accepted paths kept in evaluation.json (medusa_benchmark.tree_size ≤ this)
 
 
 def _medusa_dir(cfg: Config) -> Path:
     return cfg.path(cfg.paths.medusa_dir)
-
-
-def _distillation_data(cfg: Config, policy) -> tuple[pd.DataFrame, dict[str, int]]:
-    """The responses Medusa learns from (``medusa.data``): the policy's greedy responses to ``medusa.task_prompts``
-    task prompts (the training prompts, then further prompts of their source), or the first
-    ``medusa.samples_per_prompt`` generated samples per prompt; then, either way, its greedy responses to the first
-    ``medusa.general_prompts`` training instructions of the general set (same chat template, same
-    ``max_new_tokens``), so that the heads also learn to draft open-ended text. Column ``prompt_set`` says which
-    (``task`` / ``general``), column ``further_prompt`` marks the responses to further prompts (the heads' alone:
-    :func:`tasks.data.shared_distilled_responses`).
-
-    The further prompts and the general instructions come from outside the splits ``prepare_prompts`` checked: the
-    ones longer than the prompt limit are dropped (:func:`tasks.data.drop_long_prompt_sets`), and counted in the
-    metrics returned beside the responses (``dropped_long_prompts.further`` / ``.general``)."""
-    from foresight.prompts import further_prompts, general_instructions
-    from models.medusa.training import greedy_responses
-
-    m = cfg.medusa
-    general = general_instructions("train", m.general_prompts)
-
-    def greedy(prompts: pd.DataFrame) -> pd.DataFrame:
-        return greedy_responses(policy, prompts, m.max_new_tokens, m.distill_batch_size, cfg.prompts.system_prompt)
-
-    if m.data == "greedy":
-        prompts = read_prompts(cfg, "train")
-        if prompts.empty:
-            raise ValueError("no training prompts to distil from: set prompts.num_train > 0")
-        further = prompts.iloc[:0]
-        if m.task_prompts > len(prompts):
-            taken = pd.concat([prompts, read_prompts(cfg, "eval")], ignore_index=True)
-            further = further_prompts(cfg.prompts, cfg.root, m.task_prompts - len(prompts), taken)
-        kept, dropped = drop_long_prompt_sets(cfg, policy.tokenizer, {"further": further, "general": general},
-                                              m.max_new_tokens)
-        further, general = kept["further"], kept["general"]
-        if m.task_prompts > len(prompts):
-            stage_logger().info("%d training prompts and %d further prompts of the %s source", len(prompts),
-                                len(further), cfg.prompts.source)
-        responses = greedy(pd.concat([prompts, further, general], ignore_index=True))
-        return responses.assign(prompt_set=["task"] * (len(prompts) + len(further)) + ["general"] * len(general),
-                                further_prompt=[False] * len(prompts) + [True] * len(further) + [False] * len(general)
-                                ), dropped
-    samples = read_table(cfg.path(cfg.paths.samples), "generated samples")
-    if samples.empty:
-        raise ValueError(f"{cfg.path(cfg.paths.samples)} has no samples to distil from: run the generate stage")
-    samples = samples[samples["sample_index"] < m.samples_per_prompt].assign(prompt_set="task", further_prompt=False)
-    kept, dropped = drop_long_prompt_sets(cfg, policy.tokenizer, {"general": general}, m.max_new_tokens)
-    if kept["general"].empty:
-        return samples.reset_index(drop=True), dropped
-    return pd.concat([samples, greedy(kept["general"]).assign(prompt_set="general", further_prompt=False)],
-                     ignore_index=True), dropped
 
 
 def _accuracy_metrics(prefix: str, accuracy: dict[str, list[float]]) -> dict[str, float]:
@@ -129,39 +94,34 @@ def _accuracy_metrics(prefix: str, accuracy: dict[str, list[float]]) -> dict[str
 
 @gpu_task("train-medusa")
 def train_medusa_task(cfg: Config) -> StageResult:
-    """Self-distil (greedy responses or generated samples), train Medusa-1 heads, evaluate them on held-out prompts.
+    """The frozen pass over the ``distill`` stage's responses, Medusa-1 heads trained on it, evaluated on the
+    held-out prompts of the ``distill`` stage's split.
 
-    Writes ``distilled/`` (the responses, the frozen pass's cache — hidden states, targets and RL candidates —
-    and the train/held-out split) and ``supervised/`` (heads, ``evaluation.json``, ``history.json``,
-    ``loss.png``).
+    Writes ``distilled/`` (the frozen pass's cache: hidden states and targets) and ``supervised/`` (heads,
+    ``evaluation.json``, ``history.json``, ``loss.png``).
     """
-    from models.engine.speculative import likeliest_paths
-    from models.medusa.config import MedusaTraining
-    from models.medusa.training import accuracy_by_rank, target_ranks, too_long_responses, train_medusa_heads
-
     logger = stage_logger()
     started = time.perf_counter()
     m = cfg.medusa
-    training = component(MedusaTraining, m)
     policy = load_stage_policy(cfg, "base")
     accelerator = stage_accelerator(policy.device, m.mixed_precision)
-    distill_started = time.perf_counter()
+    pass_started = time.perf_counter()
     if accelerator.is_main_process:  # one pass, one cache on disk: every process then reads it from there
-        _distil(cfg, policy, training, distilled_dir(cfg))
+        _frozen_pass(cfg, policy, _cache_dir(cfg))
     accelerator.wait_for_everyone()
     data, train_rows, eval_rows = load_distilled(cfg)
-    distill_seconds = time.perf_counter() - distill_started
+    pass_seconds = time.perf_counter() - pass_started
     train, held_out = data.subset(train_rows), data.subset(eval_rows)
     logger.info("%d training / %d held-out positions; training %d heads", len(train.hidden), len(held_out.hidden),
                 m.num_heads)
-    prompt_sets = read_table(distilled_dir(cfg) / "responses.parquet", "distilled responses")["prompt_set"]
+    prompt_sets = shared_distilled_responses(cfg, "train_medusa", further=True)["prompt_set"]
 
     def on_step(step: int, num_steps: int, losses: dict[str, float]) -> None:
         if step % max(1, num_steps // 10) == 0 or step == num_steps:
             logger.info("step %d/%d, loss %.4f", step, num_steps, losses["loss"])
 
     train_started = time.perf_counter()
-    heads, history = train_medusa_heads(policy, train, training, accelerator, on_step)
+    heads, history = train_medusa_heads(policy, train, m, accelerator, on_step)
     train_seconds = time.perf_counter() - train_started
     lm_head = policy.model.get_output_embeddings()
     ranks = max(EVAL_RANKS, m.eval_top_k)
@@ -191,11 +151,9 @@ def train_medusa_task(cfg: Config) -> StageResult:
     accelerator.wait_for_everyone()
     metrics = {"num_responses": len(train_rows) + len(eval_rows),
                # responses longer than medusa.max_length: dropped whole, never truncated (models/common/sequences.py)
-               "num_responses_dropped_too_long": too_long_responses(distilled_dir(cfg)),
-               **json.loads((distilled_dir(cfg) / DROPPED_PROMPTS_FILE).read_text()),
-               **{f"num_{name}_responses": int((prompt_sets == name).sum()) for name in sorted(set(prompt_sets))},
+               "num_responses_dropped_too_long": too_long_responses(_cache_dir(cfg)),
                "num_train_positions": len(train.hidden),
-               "num_eval_positions": len(held_out.hidden), "distill_seconds": distill_seconds,
+               "num_eval_positions": len(held_out.hidden), "frozen_pass_seconds": pass_seconds,
                "train_seconds": train_seconds, "final_loss": history["loss"][-1],
                "weights_changed": history["weights_changed"][0],
                **_accuracy_metrics("", accuracy),
@@ -205,67 +163,55 @@ def train_medusa_task(cfg: Config) -> StageResult:
     return StageResult(metrics=metrics, curves=curves, models={"medusa-heads": out})
 
 
-def _distil(cfg: Config, policy, training, folder: Path) -> None:
-    """The responses to learn from, their split by prompt, and the frozen pass over them, written to ``folder``."""
-    from models.medusa.config import RLMedusaCandidates
-    from models.medusa.training import self_distill
+def _cache_dir(cfg: Config) -> Path:
+    """``train_medusa``'s frozen-pass cache (:func:`models.medusa.training.self_distill`)."""
+    return _medusa_dir(cfg) / "distilled"
 
-    logger = stage_logger()
-    m = cfg.medusa
-    logger.info("self-distillation data: %s, and greedy responses to %d instructions of the general set",
-                "greedy responses to the training prompts" if m.data == "greedy" else "the generated samples",
-                m.general_prompts)
-    responses, dropped = _distillation_data(cfg, policy)
-    train_rows, eval_rows = split_distilled(responses, m.eval_fraction, m.seed)
-    logger.info("self-distillation pass over %d responses (%d prompts held out)", len(responses),
-                responses.iloc[eval_rows.tolist()]["prompt_id"].nunique())
+
+def _frozen_pass(cfg: Config, policy, folder: Path) -> None:
+    """The frozen pass over the ``distill`` stage's responses, written to ``folder``."""
+    responses = shared_distilled_responses(cfg, "train_medusa", further=True)
+    stage_logger().info("self-distillation pass over %d responses", len(responses))
     with atomic_path(folder) as tmp:
-        self_distill(policy, responses, training, component(RLMedusaCandidates, cfg.rlmedusa), tmp)
-        save_file({"train_samples": train_rows, "eval_samples": eval_rows}, tmp / DISTILLED_SPLIT_FILE)
-        write_table(responses, tmp / "responses.parquet")
-        write_json(dropped, tmp / DROPPED_PROMPTS_FILE)  # for the metrics of every process, read back from here
+        self_distill(policy, responses, cfg.medusa, tmp)
 
 
 def load_distilled(cfg: Config):
-    """The ``train_medusa`` stage's frozen-pass cache (hidden states memory-mapped) and its train / held-out
-    sample split."""
-    from models.medusa.training import load_distilled as load_cache
-
-    folder = distilled_dir(cfg)
-    if not (folder / DISTILLED_SPLIT_FILE).is_file():
-        raise FileNotFoundError(f"{folder / DISTILLED_SPLIT_FILE} is missing: run the train_medusa stage first")
-    split = load_file(folder / DISTILLED_SPLIT_FILE)
-    return load_cache(folder), split["train_samples"], split["eval_samples"]
+    """The ``train_medusa`` stage's frozen-pass cache (hidden states memory-mapped) and the ``distill`` stage's train
+    / held-out sample split."""
+    path = distilled_dir(cfg) / DISTILLED_SPLIT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run the distill stage first")
+    split = load_file(path)
+    return load_cache(_cache_dir(cfg)), split["train_samples"], split["eval_samples"]
 
 
 @gpu_task("train-rlmedusa")
 def train_rlmedusa_task(cfg: Config) -> StageResult:
-    """Fit r(e, h), train head 1 by REINFORCE, compare it with the supervised head 1 at t + 2.
+    """Draw the trajectory states' candidates, fit r(e, h), train head 1 by REINFORCE, compare it with the
+    supervised head 1 at t + 2.
 
     Writes ``rl/``: per ``rlmedusa.inits`` entry a folder of heads to decode with (the supervised heads
     with head 1 replaced), the reward model, ``evaluation.json`` (held-out accuracy of every head, and of
     head 1 at t + 2 for supervised, each RL head and its start), ``history.json`` and ``rl.png``.
     """
-    from models.medusa.config import RLMedusaTraining
-    from models.medusa.heads import MedusaHeads
-    from models.medusa.rlmedusa import evaluate_reward_model, fit_reward_model, train_rl_head
-    from models.medusa.training import evaluate_heads
-
     logger = stage_logger()
     started = time.perf_counter()
     r = cfg.rlmedusa
-    training = component(RLMedusaTraining, r)
     data, train_rows, eval_rows = load_distilled(cfg)
     # the responses to further task prompts are for the supervised heads alone (here they would nearly triple the
     # stage's time)
     shared = torch.from_numpy(shared_distilled_responses(cfg, "train_rlmedusa").index.to_numpy())
     train_rows, eval_rows = train_rows[torch.isin(train_rows, shared)], eval_rows[torch.isin(eval_rows, shared)]
-    train, held_out = data.subset(train_rows), data.subset(eval_rows)
-    if len(train.rl_rows) == 0:
-        raise ValueError("no RL trajectory states: every training response is shorter than 3 tokens")
+    held_out = data.subset(eval_rows)
     policy = load_stage_policy(cfg, "base", training=True)
     lm_head = policy.model.get_output_embeddings()
     embedding = policy.model.get_input_embeddings()
+    # the LM head over the pass's states, under the pass's autocast: the pass's own logits
+    trajectories = trajectory_candidates(data, lm_head, r, r.seed, cfg.medusa.mixed_precision, shared)
+    train, held_out_states = trajectories.subset(train_rows), trajectories.subset(eval_rows)
+    if len(train.rows) == 0:
+        raise ValueError("no RL trajectory states: every training response is shorter than 3 tokens")
     supervised = MedusaHeads.load(_medusa_dir(cfg) / "supervised", lm_head)
 
     def embed(tokens: torch.Tensor) -> torch.Tensor:
@@ -273,11 +219,11 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
             return embedding(tokens.to(embedding.weight.device))
 
     accelerator = stage_accelerator(policy.device)
-    logger.info("fitting r(e, h) on %d states × %d candidates", len(train.rl_rows), train.rl_candidates.shape[1])
-    reward_model, reward_losses = fit_reward_model(train.rl_states(), embed, train.rl_candidates, train.rl_probs,
-                                                   training, accelerator)
-    reward_eval = evaluate_reward_model(reward_model, held_out.rl_states(), embed, held_out.rl_candidates,
-                                        held_out.rl_probs)
+    logger.info("fitting r(e, h) on %d states × %d candidates", len(train.rows), train.candidates.shape[1])
+    reward_model, reward_losses = fit_reward_model(train.states(data), embed, train.candidates, train.probs, r,
+                                                   accelerator)
+    reward_eval = evaluate_reward_model(reward_model, held_out_states.states(data), embed,
+                                        held_out_states.candidates, held_out_states.probs)
     logger.info("reward model held-out: %s", json.dumps(reward_eval))
 
     def on_step(step: int, num_steps: int, stats: dict[str, float]) -> None:
@@ -290,8 +236,8 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
     for init in r.inits:
         start = supervised if init == "supervised" else supervised.with_fresh_head(0, lm_head)
         logger.info("REINFORCE on head 1 from the %s start", init)
-        rl_heads[init], histories[init] = train_rl_head(start, lm_head, reward_model, embed, train.rl_states(),
-                                                        training, accelerator, on_step)
+        rl_heads[init], histories[init] = train_rl_head(start, lm_head, reward_model, embed, train.states(data),
+                                                        r, accelerator, on_step)
         accuracy[f"rl_{init}"] = evaluate_heads(rl_heads[init], lm_head, held_out, cfg.medusa.eval_top_k)
         accuracy[f"start_{init}"] = (accuracy["supervised"] if start is supervised
                                      else evaluate_heads(start, lm_head, held_out, cfg.medusa.eval_top_k))
@@ -324,7 +270,7 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
                                                              ("KL to start", "kl"))},
                       "RLMedusa: head 1 policy gradient", "step", "value", tmp / "rl.png")
     accelerator.wait_for_everyone()
-    metrics = {"num_trajectory_states": len(train.rl_rows), "reward_model_mse": reward_eval["mse"],
+    metrics = {"num_trajectory_states": len(train.rows), "reward_model_mse": reward_eval["mse"],
                "reward_model_top1_ranked_first": reward_eval["top1_ranked_first"],
                **{f"rl_{init}_final_reward": histories[init]["reward"][-1] for init in r.inits},
                **{f"rl_{init}_final_kl": histories[init]["kl"][-1] for init in r.inits},
@@ -337,16 +283,12 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
 
 def _t2_hits_by_response(heads, lm_head, held_out) -> list[float]:
     """Per held-out response: the positions where head 1's top-1 token is the t + 2 target."""
-    from models.medusa.training import target_ranks
-
     found = target_ranks(heads, lm_head, held_out, ranks=1)[:, 0]  # (M,): 0 where the top-1 token is the target
     return _by_response(held_out, (found == 0).float())
 
 
 def _t2_targets_by_response(held_out) -> list[float]:
     """Per held-out response: the positions with a t + 2 target."""
-    from models.medusa.heads import IGNORE_INDEX
-
     return _by_response(held_out, (held_out.targets[:, 0] != IGNORE_INDEX).float())
 
 
@@ -369,8 +311,6 @@ def _prompt_sets(cfg: Config) -> dict[str, list[str]]:
     prompt file: ``num_prompts`` rows drawn across the whole file with ``medusa_benchmark.seed``, in the drawn order
     (a file sorted by category gives every category its share, the timed first ``speed_prompts`` included; the
     eval split and the general set's held-out part are seeded permutations already)."""
-    from foresight.prompts import file_prompts, general_instructions
-
     s = cfg.medusa_benchmark
     sets = {"held_out": read_prompts(cfg, "eval")["question"].head(s.num_prompts).tolist()}
     if s.general_prompts:
@@ -388,7 +328,7 @@ def _prompt_sets(cfg: Config) -> dict[str, list[str]]:
 
 def benchmark_prompt_sets(cfg: Config, tokenizer) -> tuple[dict[str, list[str]], dict[str, int]]:
     """:func:`_prompt_sets` without the prompts over the prompt limit in the policy's chat template (the rule
-    ``prepare_prompts`` applies to the splits: :func:`tasks.data.drop_long_prompt_sets`), and the metrics
+    ``prepare_prompts`` applies to the splits: :func:`tasks.common.drop_long_prompt_sets`), and the metrics
     ``dropped_long_prompts.<set>``. The general set and prompt files never passed ``prepare_prompts``: an over-long
     prompt there would decode past the policy's context."""
     sets = {name: pd.DataFrame({"question": questions}) for name, questions in _prompt_sets(cfg).items()}
@@ -400,8 +340,6 @@ def candidate_tree(cfg: Config):
     """The configured tree, or (``auto``) the ``tree_size`` paths the supervised heads' held-out drafts had
     accepted most often (:func:`models.engine.speculative.likeliest_paths`, measured by ``train_medusa``). Every
     Medusa decoder uses the same tree, so they differ only in their heads."""
-    from models.engine.speculative import build_tree
-
     s = cfg.medusa_benchmark
     if s.tree != "auto":
         return build_tree(s.tree)
@@ -425,9 +363,6 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
     Identity is judged against HF greedy decoding the whole set in left-padded batches of ``batch_size``. In half
     precision that reference rounds differently from greedy at batch 1 too; the greedy row's own identity share
     (its timed, batch-1 outputs against it) measures by how much."""
-    from models.engine.decoding import GREEDY, hf_decode
-    from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
-
     logger = stage_logger()
     started = time.perf_counter()
     s = cfg.medusa_benchmark
@@ -480,11 +415,6 @@ def _speed_curve(cfg: Config, policy, drafters: dict, prompts: list[list[int]], 
     """Speed against batch size on one prompt set (:func:`foresight.benchmark.batch_speed_curve`): HF batched greedy
     (the reference) and each Medusa drafter in the batched tree engine, greedy-verified, adaptive as configured
     with one decision state per drafter and batch size (a cycle's cost in plain steps grows with the batch)."""
-    from models.engine.batched import BatchGreedy, HeadsDrafter, batched_speculative_generate
-    from models.engine.config import Adaptation
-    from models.engine.decoding import GREEDY, hf_decode
-    from models.engine.speculative import AdaptiveDrafting
-
     s = cfg.medusa_benchmark
     states: dict[tuple[str, int], AdaptiveDrafting | None] = {}
 
@@ -492,7 +422,7 @@ def _speed_curve(cfg: Config, policy, drafters: dict, prompts: list[list[int]], 
         if decoder == "greedy":
             return hf_decode(policy, batch, GREEDY, max_new_tokens, eos, batch_size=len(batch)), None
         if (decoder, len(batch)) not in states:
-            states[decoder, len(batch)] = AdaptiveDrafting(Adaptation()) if s.adaptive else None
+            states[decoder, len(batch)] = AdaptiveDrafting(s.adaptation) if s.adaptive else None
         state, drafter = states[decoder, len(batch)], drafters[decoder]
         return batched_speculative_generate(policy.model, HeadsDrafter(drafter.tree, drafter.draft_logits),
                                             BatchGreedy(), batch, max_new_tokens, eos, state)
@@ -506,18 +436,11 @@ def _medusa_decoders(cfg: Config, policy, tree) -> tuple[dict[str, Callable], di
     """Name → ``decode(ids, max_new_tokens) → (tokens, stats or None)``: HF greedy (batch 1, the speed reference),
     prompt lookup, and one Medusa drafter per trained set of heads, all on ``tree`` with the configured
     verification, adaptive or not (``medusa_benchmark.adaptive``); and the Medusa drafters by name."""
-    from models.engine.config import Adaptation, TypicalAcceptance
-    from models.engine.decoding import GREEDY, hf_decode
-    from models.engine.generation import end_token_ids
-    from models.engine.speculative import AdaptiveDrafting, TreeVerifier, speculative_generate
-    from models.medusa.heads import MedusaDrafter, MedusaHeads
-
     s = cfg.medusa_benchmark
     eos = end_token_ids(policy)
-    acceptance = (None if s.acceptance == "greedy"
-                  else TypicalAcceptance(posterior_threshold=s.typical_threshold, posterior_alpha=s.typical_alpha))
-    verifier = TreeVerifier(acceptance)
-    adaptation = Adaptation() if s.adaptive else None
+    # the section is-a TypicalAcceptance: its typical_* knobs are the rule
+    verifier = TreeVerifier(None if s.acceptance == "greedy" else s)
+    adaptation = s.adaptation if s.adaptive else None
     hf_kwargs = {"greedy": GREEDY}
     if "prompt_lookup" in s.decoders:
         hf_kwargs["prompt_lookup"] = {**GREEDY, "prompt_lookup_num_tokens": s.prompt_lookup_tokens}
@@ -546,8 +469,6 @@ def _medusa_decoders(cfg: Config, policy, tree) -> tuple[dict[str, Callable], di
 def _batched_drafters(cfg: Config, policy, drafters: dict) -> dict:
     """The Medusa drafters to run batched as well (:mod:`models.engine.batched`): all of them under greedy
     verification on a full-attention policy; none otherwise (the batch-1 rows then cover the timed prompts only)."""
-    from models.engine.batched import unsupported_layers
-
     unsupported = unsupported_layers(policy.model)
     if cfg.medusa_benchmark.acceptance != "greedy" or unsupported:
         stage_logger().warning("no batched Medusa rows: batched tree decoding verifies greedily on full-attention "
@@ -560,8 +481,6 @@ def _batched_decoding(cfg: Config, policy, drafters: dict, prompts: list[list[in
                       set_name: str) -> list[dict]:
     """Each drafter's outputs on every prompt, decoded in batches of ``medusa_benchmark.batch_size`` up to an end
     token in ``eos`` (one record per prompt, decoder ``<name>_batched``)."""
-    from models.engine.batched import BatchGreedy, HeadsDrafter, batched_speculative_generate
-
     s = cfg.medusa_benchmark
     records = []
     for name, drafter in drafters.items():
@@ -633,11 +552,8 @@ class _DivergenceChecks:
         self.float32 = None
 
     def _float32_model(self):
-        from models.engine.config import PolicySpec
-        from models.engine.policy import load_policy
-
         if self.float32 is None:
-            spec = component(PolicySpec, self.cfg.policy, dtype="float32")
+            spec = self.cfg.policy.model_copy(update={"dtype": "float32"})
             self.float32 = load_policy(spec, self.cfg.path(self.cfg.paths.policy_dir)).model
         return self.float32
 

@@ -2,7 +2,7 @@
 
 Thin wrappers around :mod:`models.mtp.training` and :mod:`models.mtp.rl`:
 
-* ``train_mtp`` — self-distilled data (the policy's own greedy responses, as ``train_medusa`` distilled them),
+* ``train_mtp`` — self-distilled data (the policy's own greedy responses, as the ``distill`` stage wrote them),
   split by prompt; the main model's states computed once; a K-depth shared MTP module trained with eq. 1's
   weighted CE; held-out per-depth accuracy and expected acceptance length, with 95 % intervals over held-out
   responses; the same for every K of the depth ablation (Table 2).
@@ -27,38 +27,57 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
+import torch
+from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
 from foresight import statistics
 from foresight.benchmark import batch_speed_curve, curve_bars, display_rows, markdown_table
-from foresight.config import Config, component
 from foresight.plots import bar_plot, interval_bar, line_plot
-from foresight.storage import atomic_path, write_json, write_table
-from tasks.data import (
+from foresight.storage import atomic_path, read_table, write_json, write_table
+from models.common.lora import trained_weight_names
+from models.common.sequences import fitting_sft
+from models.common.training import check_update, weight_changes
+from models.engine.batched import BatchGreedy, batched_speculative_generate
+from models.engine.decoding import GREEDY, hf_decode
+from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
+from models.labeling.answers import cut_by_length, is_correct
+from models.labeling.labelers import build_labeler
+from models.mtp.module import MTPBatchDrafter, MTPModule, MTPModuleConfig, draft_parts
+from models.mtp.rl import (
+    rollout_drafting,
+    rollout_generator,
+    sample_plainly,
+    sample_speculatively,
+    train_variant,
+    variant,
+)
+from models.mtp.training import ChainAcceptance, chain_acceptance, depth_weights, frozen_states, train_mtp_module
+from tasks.common import (
     StageResult,
-    drafter_split,
     gpu_task,
     load_stage_policy,
     markdown_artifact,
     progress_artifact,
     read_prompts,
     reference_answers,
-    sft_responses,
     stage_accelerator,
     stage_logger,
     table_artifact,
-    validation_split,
 )
+from tasks.distilled import drafter_split, sft_responses, validation_split
+
+if TYPE_CHECKING:
+    from foresight.config import Config
 
 
 @contextlib.contextmanager
 def _shared_scratch(accelerator, prefix: str) -> Iterator[Path]:
     """A scratch folder that every process of the stage sees (the main process makes it and names it to the
     others; on one machine they share its temporary directory), removed once all are done with it."""
-    from accelerate.utils import broadcast_object_list
-
     name = [tempfile.mkdtemp(prefix=prefix) if accelerator.is_main_process else None]
     broadcast_object_list(name)
     try:
@@ -73,16 +92,9 @@ def _shared_scratch(accelerator, prefix: str) -> Iterator[Path]:
 def train_mtp_task(cfg: Config) -> StageResult:
     """Equip the frozen base policy with a K-depth shared MTP module; run the depth ablation. Runs in every
     process of ``accelerate launch`` (batches split between them); the main process writes the outputs."""
-    import torch
-
-    from models.common.sequences import fitting_sft
-    from models.mtp.config import MTPTraining
-    from models.mtp.training import chain_acceptance, frozen_states, train_mtp_module
-
     logger = stage_logger()
     started = time.perf_counter()
     m = cfg.mtp
-    training = component(MTPTraining, m, ce_weights=tuple(m.ce_weights))
     policy = load_stage_policy(cfg, "base", training=True)
     policy.model.requires_grad_(False).eval()
     accelerator = stage_accelerator(policy.device, m.mixed_precision)
@@ -110,7 +122,7 @@ def train_mtp_task(cfg: Config) -> StageResult:
                     logger.info("K = %d, step %d/%d: loss %.4f", k, step, num_steps, stats["loss"])
 
             depth_started = time.perf_counter()
-            modules[num_depths], histories[num_depths] = train_mtp_module(policy, *train, num_depths, training,
+            modules[num_depths], histories[num_depths] = train_mtp_module(policy, *train, num_depths, m,
                                                                           accelerator, on_step, validation)
             seconds[num_depths] = time.perf_counter() - depth_started
             acceptance[num_depths] = chain_acceptance(policy, modules[num_depths], *held_out)
@@ -155,8 +167,6 @@ def train_mtp_task(cfg: Config) -> StageResult:
 
 def _responses_of(acceptance, mask: torch.Tensor):
     """The counts of the held-out responses ``mask`` selects (:class:`models.mtp.training.ChainAcceptance`)."""
-    from models.mtp.training import ChainAcceptance
-
     return ChainAcceptance(acceptance.hits[mask], acceptance.targets[mask], acceptance.accepted[mask],
                            acceptance.positions[mask])
 
@@ -218,10 +228,6 @@ def _held_out(policy, labeler, prompt_ids: list[list[int]], questions: list[str]
     """The policy's greedy responses to the held-out prompts (HF greedy, ``batch_size`` prompts at a time), judged
     per prompt: ``reward``, the labeler's score; ``accuracy``, 1 for a right final answer and 0 for a wrong one,
     only when every prompt has a reference answer (for the verifiable labeler the two are equal)."""
-    from models.engine.decoding import GREEDY, hf_decode
-    from models.engine.generation import end_token_ids
-    from models.labeling.answers import cut_by_length, is_correct
-
     eos = end_token_ids(policy)
     outputs = hf_decode(policy, prompt_ids, GREEDY, max_new_tokens, eos, batch_size=batch_size)
     responses = [policy.tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
@@ -266,8 +272,6 @@ def _training_prompts(cfg: Config) -> tuple[pd.DataFrame, int, int]:
     """The prompts of GRPO's steps: the rewardable training prompts that ``mtp_rl.prompt_filter`` keeps, shuffled by
     the seed and cut to the steps' need; and how many it kept and dropped. Too few kept: an error naming the
     filter."""
-    from foresight.storage import read_table
-
     r = cfg.mtp_rl
     rewardable = _rl_prompts(cfg, "train")
     kept = (_spread_prompts(rewardable, read_table(cfg.path(cfg.paths.scores), "label-stage scores"))
@@ -293,22 +297,9 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     """GRPO per variant with (or without) MTP-drafted rollouts, rewarded by the configured labeler; τ, rollout
     time, reward, held-out reward (and accuracy). Runs in every process of ``accelerate launch`` (each rolls out and
     scores its share of a step's prompts); the main process writes."""
-    import torch
-
-    from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
-    from models.labeling.config import LabelerSpec
-    from models.common.lora import trained_weight_names
-    from models.common.training import check_update, weight_changes
-    from models.labeling.labelers import build_labeler
-    from models.mtp.config import MTPRLTraining
-    from models.mtp.module import MTPModule, MTPModuleConfig
-    from models.mtp.rl import train_variant, variant
-    from models.mtp.training import depth_weights
-
     logger = stage_logger()
     started = time.perf_counter()
     r = cfg.mtp_rl
-    training = component(MTPRLTraining, r)
     module_dir = cfg.path(cfg.paths.mtp_dir) / "module"
     # K is the saved module's (the one source of truth); reading it fails early, naming the missing stage
     num_depths = MTPModuleConfig.read(module_dir).num_depths
@@ -322,7 +313,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     policy = load_stage_policy(cfg, "base")
     accelerator = stage_accelerator(policy.device, r.mixed_precision)
     # loaded once for every variant, beside the policy on its device (under a launch, each process's own GPU)
-    labeler = build_labeler(component(LabelerSpec, cfg.label, device=cfg.policy.device))
+    labeler = build_labeler(cfg.label.model_copy(update={"device": cfg.policy.device}))
     eos = end_token_ids(policy)
     system = cfg.prompts.system_prompt
     rl_ids = [encode_prompt(policy, p)
@@ -356,7 +347,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
 
     histories, after, changed = {}, {}, {}
     for name in r.variants:
-        var = variant(name, training)
+        var = variant(name, r)
         policy = load_stage_policy(cfg, "base")
         initial, trained_names = Path(policy.model.name_or_path), []
         module = MTPModule.load(module_dir, policy.model) if var.drafts else None
@@ -367,7 +358,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                         record["acceptance_rate"], record["reward"], record["nonzero_advantage_share"])
 
         histories[name] = train_variant(policy, module, var, rl_ids, train_prompts["question"].tolist(),
-                                        reference_answers(train_prompts), labeler.score, training, weights, eos,
+                                        reference_answers(train_prompts), labeler.score, r, weights, eos,
                                         accelerator, on_step, on_rollout,
                                         on_trained=lambda model: trained_names.extend(trained_weight_names(model)))
         if main:  # nothing is saved: the weights evaluated below against their checkpoint files, tensor by tensor
@@ -389,7 +380,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-    rows = _summary(histories, {name: variant(name, training).drafts for name in histories}, before, after,
+    rows = _summary(histories, {name: variant(name, r).drafts for name in histories}, before, after,
                     r.adaptive, r.tau_window)
     logger.info("\n%s", markdown_table(rows, SUMMARY_COLUMNS))
     out = cfg.path(cfg.paths.mtp_rl_dir)
@@ -448,23 +439,14 @@ def _mtp_curves(cfg: Config, policy, module, train_prompts: list[list[int]], eva
     - ``rollout``: the training prompts (cycled) at the rollout temperature — ``vanilla`` (HF batched sampling)
       against ``mtp`` (batched speculative sampling), the j-th batch of both from the same per-row seeded streams.
     """
-    import torch
-
-    from models.engine.batched import BatchGreedy, batched_speculative_generate
-    from models.engine.decoding import GREEDY, hf_decode
-    from models.mtp.config import MTPRLTraining
-    from models.mtp.module import MTPBatchDrafter, draft_parts
-    from models.mtp.rl import rollout_drafting, rollout_generator, sample_plainly, sample_speculatively
-
     r = cfg.mtp_rl
-    training = component(MTPRLTraining, r)
     device = policy.model.get_output_embeddings().weight.device
     draft_base, draft_module = draft_parts(policy.model, module.eval(), getattr(torch, r.draft_dtype))
     states, calls = {}, {"vanilla": 0, "mtp": 0}
 
     def drafting(curve: str, batch: list[list[int]]):
         if (curve, len(batch)) not in states:
-            states[curve, len(batch)] = rollout_drafting(training)
+            states[curve, len(batch)] = rollout_drafting(r)
         return states[curve, len(batch)]
 
     def decode(decoder: str, batch: list[list[int]], max_new_tokens: int):

@@ -29,8 +29,8 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -47,12 +47,27 @@ from foresight.benchmark import (
     synchronize,
     win_tie_loss,
 )
-from foresight.config import Config, component
 from foresight.pairs import split_pairs
 from foresight.plots import bar_plot, interval_bar, line_plot
 from foresight.storage import atomic_path, read_table, write_table
+from models.common.sequences import padding_id
+from models.engine.decoding import generate_kwargs, hf_decode
+from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
+from models.labeling.answers import cut_by_length, is_correct
+from models.labeling.labelers import build_labeler
 from models.sla.config import SLASearch
-from tasks.data import (
+from models.sla.dpo import fitting_pairs as fitting_dpo_pairs, pair_logps, preference_accuracy, train_dpo
+from models.sla.reward_training import (
+    LOGPROB,
+    evaluate_reward_heads,
+    fitting_pairs as fitting_reward_pairs,
+    pair_wins,
+    score_pairs,
+    train_reward_heads,
+)
+from models.sla.reward_transformer import RewardHeadConfig, RewardTransformer
+from models.sla.search import sla_generate, sla_generate_batch
+from tasks.common import (
     StageResult,
     gpu_task,
     load_stage_policy,
@@ -63,6 +78,9 @@ from tasks.data import (
     stage_logger,
     table_artifact,
 )
+
+if TYPE_CHECKING:
+    from foresight.config import Config
 
 
 def plot_reward_curves(curves: dict[str, dict], path: Path) -> Path:
@@ -122,10 +140,6 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     Under ``accelerate launch`` every process runs this task: batches are split between them, each evaluates
     the (identical) trained heads, and only the main process writes.
     """
-    from models.sla.config import RewardTraining
-    from models.sla.reward_training import LOGPROB, evaluate_reward_heads, fitting_pairs, train_reward_heads
-    from models.sla.reward_transformer import RewardHeadConfig
-
     logger = stage_logger()
     started = time.perf_counter()
     pairs_path = cfg.path(cfg.paths.pairs)
@@ -145,7 +159,7 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     # pairs too long for reward.max_length are dropped whole, never truncated (models/common/sequences.py)
     split = _prompt_split(train_pairs, held_out)  # split_pairs' prompts: the benchmark never tunes on these
     (train_pairs, train_too_long), (held_out, eval_too_long) = (
-        fitting_pairs(policy.tokenizer, side, cfg.reward.max_length) for side in (train_pairs, held_out))
+        fitting_reward_pairs(policy.tokenizer, side, cfg.reward.max_length) for side in (train_pairs, held_out))
     if train_too_long or eval_too_long:
         logger.warning("dropped %d training and %d held-out pairs longer than reward.max_length %d tokens",
                        train_too_long, eval_too_long, cfg.reward.max_length)
@@ -171,15 +185,14 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
             logger.info("step %d/%d, loss %s", step, num_steps, ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))
 
     train_started = time.perf_counter()
-    training = component(RewardTraining, cfg.reward)
-    models, histories = train_reward_heads(policy, train_pairs, training, heads, accelerator, on_step)
+    models, histories = train_reward_heads(policy, train_pairs, cfg.reward, heads, accelerator, on_step)
     metrics["train_seconds"] = time.perf_counter() - train_started
     # all heads train together: the share of their elements that changed, as saved (models/common/training.py)
     metrics["weights_changed"] = next(iter(histories.values()))["weights_changed"][0]
     curves: dict[str, dict] = {}
     prompt_ids = held_out["prompt_id"].tolist()
     # every process evaluates (a small held-out set), all heads in one pass: all return the metrics
-    evaluations = evaluate_reward_heads(models, policy.tokenizer, held_out, training, logprobs=True)
+    evaluations = evaluate_reward_heads(models, policy.tokenizer, held_out, cfg.reward, logprobs=True)
     for name, model in models.items():
         curves[name] = evaluation = with_intervals(evaluations[name], prompt_ids,
                                                    {"pair_accuracy": "pair_correct", "autrc": "pair_autrc"})
@@ -241,9 +254,6 @@ def _write_reward_heads(out_dir: Path, models: dict, curves: dict[str, dict],
 @gpu_task("train-dpo", log_prints=False)
 def dpo_task(cfg: Config) -> StageResult:
     """Train the DPO policy into ``paths.dpo_dir`` (atomically) and evaluate it on the held-out pairs."""
-    from models.sla.config import DPOTraining
-    from models.sla.dpo import fitting_pairs, pair_logps, preference_accuracy, train_dpo
-
     logger = stage_logger()
     started = time.perf_counter()
     pairs_path = cfg.path(cfg.paths.pairs)
@@ -255,25 +265,24 @@ def dpo_task(cfg: Config) -> StageResult:
                              "re-run the validate stage, or set dpo.pairs: all")
         train_pairs = train_pairs[train_pairs["best_worst"].astype(bool)].reset_index(drop=True)
     policy = load_stage_policy(cfg, "base", training=True)
-    training = component(DPOTraining, cfg.dpo)
     logger.info("DPO on %d pairs (dpo.pairs: %s; %d held out) on %s, beta=%g", len(train_pairs), cfg.dpo.pairs,
-                len(held_out), policy.device, training.beta)
-    metrics = train_dpo(policy, train_pairs, training, cfg.path(cfg.paths.dpo_dir))
+                len(held_out), policy.device, cfg.dpo.beta)
+    metrics = train_dpo(policy, train_pairs, cfg.dpo, cfg.path(cfg.paths.dpo_dir))
 
     # The saved folder is what later stages load, so that is what gets evaluated, on every held-out pair that fits
     # dpo.max_length whole (as the reward heads are); the untouched base policy is the reference.
-    held_out, heldout_too_long = fitting_pairs(policy.tokenizer, held_out, training.max_length)
+    held_out, heldout_too_long = fitting_dpo_pairs(policy.tokenizer, held_out, cfg.dpo.max_length)
     if held_out.empty:
-        raise ValueError(f"no held-out pair fits dpo.max_length {training.max_length} tokens: raise it to the longest "
+        raise ValueError(f"no held-out pair fits dpo.max_length {cfg.dpo.max_length} tokens: raise it to the longest "
                          "prompt + response + end token")
     if metrics["num_pairs_dropped_too_long"] or heldout_too_long:
         logger.warning("dropped %d training and %d held-out pairs longer than dpo.max_length %d tokens",
-                       metrics["num_pairs_dropped_too_long"], heldout_too_long, training.max_length)
+                       metrics["num_pairs_dropped_too_long"], heldout_too_long, cfg.dpo.max_length)
     tuned = load_stage_policy(cfg, "dpo", training=True)
-    reference_logps, tuned_logps = (pair_logps(model, policy.tokenizer, held_out, training.max_length)
+    reference_logps, tuned_logps = (pair_logps(model, policy.tokenizer, held_out, cfg.dpo.max_length)
                                     for model in (policy.model, tuned.model))
     prompt_ids = held_out["prompt_id"].tolist()
-    before, after = (with_intervals(preference_accuracy(logps, reference_logps, beta=training.beta), prompt_ids,
+    before, after = (with_intervals(preference_accuracy(logps, reference_logps, beta=cfg.dpo.beta), prompt_ids,
                                     {"accuracy": "pair_outcomes"}) for logps in (reference_logps, tuned_logps))
     metrics.update({
         "num_heldout": len(held_out),
@@ -302,8 +311,6 @@ OVERHEAD_COLUMNS = ["policy", "forward", "repeats", "policy_ms", "reward_transfo
 
 def _load(cfg: Config, which: str):
     """(policy, reward transformer) for ``base`` or ``dpo``, each with the reward head trained on it."""
-    from models.sla.reward_transformer import RewardTransformer
-
     policy = load_stage_policy(cfg, which)
     head = cfg.path(cfg.paths.reward_dir) / which / "channel"
     return policy, RewardTransformer.from_head(policy.model, head).eval()
@@ -368,9 +375,6 @@ def _decode_all(cfg: Config, loaded: tuple, which: str, questions: list[str], de
     prompt. The rest goes untimed, in batches (:func:`_decode_batched`). ``decoders``: the classical ones by name
     (greedy first), ``sla`` for ``sla_settings``; the SLA settings named in ``untimed`` (an ablation) are not timed.
     """
-    from models.engine.generation import end_token_ids
-    from models.sla.search import sla_generate
-
     b = cfg.sla_benchmark
     policy, reward_model = loaded
     eos = end_token_ids(policy)
@@ -425,16 +429,12 @@ def _decode_all(cfg: Config, loaded: tuple, which: str, questions: list[str], de
 
 def _prompt_ids(cfg: Config, policy, questions: list[str]) -> list[torch.Tensor]:
     """The questions in the policy's chat template, (1, T_p) token ids each."""
-    from models.engine.generation import chat_prompts, encode_prompt
-
     return [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt)]
 
 
 def _output_columns(tokenizer, tokens: list[int], eos: set[int], max_new_tokens: int) -> dict:
     """An output record's ``new_tokens``, ``truncated`` (cut at ``max_new_tokens`` before an end token) and the decoded
     ``response``."""
-    from models.labeling.answers import cut_by_length
-
     return {"new_tokens": len(tokens), "truncated": cut_by_length(tokens, eos, max_new_tokens),
             "response": tokenizer.decode(tokens, skip_special_tokens=True).strip()}
 
@@ -446,12 +446,6 @@ def _decode_batched(cfg: Config, policy, reward_model, prompt_ids: list[torch.Te
     ``name`` (beam search holds ``num_beams`` rows per prompt; a sampling decoder seeds batch j with ``seed + j``),
     or by SLA with ``setting``, the batch's trees searched in lockstep (:func:`models.sla.search.sla_generate_batch`:
     k^d rows per prompt). ``desc``: show a progress bar of SLA's batches."""
-    from models.common.sequences import padding_id
-    from models.engine.config import ClassicalDecoding
-    from models.engine.decoding import generate_kwargs, hf_decode
-    from models.engine.generation import end_token_ids
-    from models.sla.search import sla_generate_batch
-
     b = cfg.sla_benchmark
     batch_size = batch_size or b.batch_size
     eos = end_token_ids(policy)
@@ -459,7 +453,7 @@ def _decode_batched(cfg: Config, policy, reward_model, prompt_ids: list[torch.Te
         return []
     if setting is None:
         return hf_decode(policy, [ids[0].tolist() for ids in prompt_ids],
-                         generate_kwargs(name, component(ClassicalDecoding, b)), max_new_tokens, eos,
+                         generate_kwargs(name, b), max_new_tokens, eos,
                          batch_size=batch_size, seed=seed)
     responses: list[list[int]] = []
     with tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=desc is None) as progress:
@@ -478,12 +472,12 @@ def setting_name(setting: SLASearch) -> str:
 
 def _sla_settings(cfg: Config) -> dict[str, SLASearch]:
     """The paper's setting (``sla``) plus the optional sweep (Figure 3: vary one of d, k, n at a time)."""
-    main = component(SLASearch, cfg.sla)
+    main = cfg.sla
     settings = {"sla": main} if "sla" in cfg.sla_benchmark.decoders else {}
     for field, values in (("depth", cfg.sla_benchmark.sweep_depth), ("width", cfg.sla_benchmark.sweep_width),
                           ("step", cfg.sla_benchmark.sweep_step)):
         for value in values:
-            variant = replace(main, **{field: value})
+            variant = main.model_copy(update={field: value})
             settings[setting_name(variant)] = variant
     return settings
 
@@ -510,8 +504,6 @@ def _tune(cfg: Config, loaded: tuple, held_out: pd.DataFrame) -> tuple[SLASearch
     (untimed, batched); return the chosen setting (:func:`choose_setting`), the tuning table (one row per decoder
     with its win rate against greedy and accuracy, 95 % intervals over the tuning prompts, d, k, n, whether it
     could be chosen, ``streaming``, and whether it was, ``chosen``) and the scored tuning outputs."""
-    from models.engine.generation import end_token_ids
-
     b = cfg.sla_benchmark
     split_path = cfg.path(cfg.paths.reward_dir) / "base" / SPLIT_FILE
     if not split_path.is_file():
@@ -521,7 +513,7 @@ def _tune(cfg: Config, loaded: tuple, held_out: pd.DataFrame) -> tuple[SLASearch
     prompts = tuning_split(read_prompts(cfg, "train"), held_out, set(split["train_prompt_ids"]), b.tuning_prompts)
     if prompts.empty:
         raise ValueError("no tuning prompts: every training prompt was trained on; raise prompts.num_train")
-    grid = {setting_name(s): s for s in (replace(component(SLASearch, cfg.sla), depth=d, width=k, step=n)
+    grid = {setting_name(s): s for s in (cfg.sla.model_copy(update={"depth": d, "width": k, "step": n})
                                          for d, k, n in b.tuning_grid)}
     policy, reward_model = loaded
     eos = end_token_ids(policy)
@@ -586,7 +578,7 @@ def _tuned_settings(tuned: SLASearch, ablation: bool) -> dict[str, SLASearch]:
     settings = {TUNED: tuned}
     if ablation:
         other = "last" if tuned.leaf_score == "mean" else "mean"
-        settings[f"{TUNED}_{other}"] = replace(tuned, leaf_score=other)
+        settings[f"{TUNED}_{other}"] = tuned.model_copy(update={"leaf_score": other})
     return settings
 
 
@@ -662,9 +654,6 @@ def _onpolicy_ranking(cfg: Config, base: tuple, outputs: pd.DataFrame, questions
     (by eq. 17's mean token reward), against the policy's own mean token log-prob as the ranker: the choice SLA's
     search faces, measured on the benchmark's outputs (a diagnostic: it chooses nothing). Intervals resample
     prompts. ``onpolicy_*``; none without known answers."""
-    from models.engine.generation import chat_prompts
-    from models.sla.reward_training import pair_wins, score_pairs
-
     policy, reward_model = base
     pairs = onpolicy_pairs(outputs, chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt))
     if pairs.empty:
@@ -680,15 +669,11 @@ def _onpolicy_ranking(cfg: Config, base: tuple, outputs: pd.DataFrame, questions
 
 def _scored(outputs: pd.DataFrame, held_out: pd.DataFrame, cfg: Config) -> pd.DataFrame:
     """The decoded outputs with their prompt id, question, known answer, the labeler's score and correctness."""
-    from models.labeling.answers import is_correct
-    from models.labeling.config import LabelerSpec
-    from models.labeling.labelers import build_labeler
-
     answers = reference_answers(held_out)
     outputs["prompt_id"] = [held_out["prompt_id"].iloc[i] for i in outputs["prompt_index"]]
     outputs["question"] = [held_out["question"].iloc[i] for i in outputs["prompt_index"]]
     outputs["answer"] = [answers[i] for i in outputs["prompt_index"]]
-    labeler = build_labeler(component(LabelerSpec, cfg.label))
+    labeler = build_labeler(cfg.label)
     cut = outputs["truncated"].tolist()  # credited only for a marked answer (models/labeling/answers.py)
     outputs["score"] = labeler.score(outputs["question"].tolist(), outputs["response"].tolist(),
                                      outputs["answer"].tolist(), truncated=cut)

@@ -203,7 +203,7 @@ def test_a_copied_instruction_is_never_a_marked_answer():
     ``<number>``; a concrete example, "The answer is 42.", was copied by 54 % and read as the answer 42). The default
     holds no number a copy could be credited for: a copy alone is never right, and after worked steps only their last
     number counts, and only in a response that was not cut."""
-    from foresight.config import PromptsConfig
+    from foresight.params import PromptsConfig
 
     instruction = PromptsConfig().instruction
     assert not any(ch.isdigit() for ch in instruction)

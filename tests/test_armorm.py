@@ -1,5 +1,5 @@
 """Native ArmoRM (models/labeling/armorm.py) against the published forward of ``LlamaForRewardModelWithGating``
-(RLHFlow/ArmoRM-Llama3-8B-v0.1, ``modeling_custom.py``), transcribed below from raw checkpoint tensors.
+(RLHFlow/ArmoRM-Llama3-8B-v0.1, ``modeling_custom.py``), transcribed from raw checkpoint tensors in tests/helpers.py.
 
 The tiny checkpoint (tests.tiny.build_tiny_armorm) has the real key names, two safetensors shards, a Llama-3 chat
 template, and gating temperature, logit scale and transform that are not their identity values.
@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoTokenizer, LlamaConfig, LlamaModel
+from transformers import AutoTokenizer
 
 from models.labeling import armorm as armorm_module
 from models.labeling.armorm import (
@@ -26,11 +25,8 @@ from models.labeling.armorm import (
     gating_positions,
     load_armorm,
 )
+from tests.helpers import REFERENCE_PATTERN_TEXT, find_token_for_gating, read_checkpoint, reference_armorm_forward
 from tests.tiny import build_tokenizer
-
-# modeling_custom.py: token_pattern = tokenizer.encode("<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
-# add_special_tokens=False) = [128009, 128006, 78191, 128007, 271] with Llama-3's tokenizer
-REFERENCE_PATTERN_TEXT = "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
 
 # four conversations of clearly different lengths (19 to 135 tokens), one with paragraphs in the response
 QUESTIONS = [
@@ -46,60 +42,6 @@ RESPONSES = [
     "Ben has 4 + 2 = 6 bags.\n\nAva has 3 bags.\n\n6 + 3 = 9 bags in total. The answer is 9.",
 ]
 MAX_LENGTH = 256
-
-
-def read_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the sharded checkpoint, read shard by shard through its index."""
-    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-    tensors = {}
-    for shard in sorted(set(weight_map.values())):
-        tensors.update(load_file(folder / shard))
-    assert tensors.keys() == weight_map.keys()
-    return tensors
-
-
-def find_token_for_gating(lst: list[int], token_pattern: list[int]) -> int:
-    """modeling_custom.find_token_for_gating (the pattern is a module global there)."""
-    token_pattern_len = len(token_pattern)
-    for j in range(len(lst) - token_pattern_len, -1, -1):
-        if lst[j:j + token_pattern_len] == token_pattern:
-            return j
-    raise ValueError("Token pattern not found in the list.")
-
-
-def reference_armorm_forward(folder: Path, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                             pad_token_id: int, transform_transposed: bool = False,
-                             temperature: float | None = None) -> dict[str, torch.Tensor]:
-    """LlamaForRewardModelWithGating.forward, op by op, on a plain LlamaModel and the raw head tensors.
-
-    ``transform_transposed`` / ``temperature`` are the negative controls: a wrong transform or temperature.
-    """
-    tensors = read_checkpoint(folder)
-    config_dict = json.loads((folder / "config.json").read_text())
-    backbone = LlamaModel(LlamaConfig.from_pretrained(folder, attn_implementation="eager")).eval()
-    backbone.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")},
-                             strict=True)
-    token_pattern = AutoTokenizer.from_pretrained(folder).encode(REFERENCE_PATTERN_TEXT, add_special_tokens=False)
-    with torch.no_grad():
-        tokens_hidden_states = backbone(input_ids, attention_mask=attention_mask)[0]
-        # pooling exactly as published: the token before the first pad id (mod T when there is none)
-        sequence_lengths = torch.eq(input_ids, pad_token_id).int().argmax(-1) - 1
-        sequence_lengths = sequence_lengths % input_ids.shape[-1]
-        dummy_iterator = torch.arange(input_ids.shape[0])
-        hidden_states = tokens_hidden_states[dummy_iterator, sequence_lengths]
-        rewards = hidden_states @ tensors["regression_layer.weight"].T  # (B, K)
-        gating_token_positions = [find_token_for_gating(ids.tolist(), token_pattern) for ids in input_ids]
-        x = tokens_hidden_states[dummy_iterator, gating_token_positions, :]
-        n_layers = config_dict["gating_n_hidden"] + 1
-        for i in range(n_layers):
-            x = x @ tensors[f"gating.layers.{i}.weight"].T + tensors[f"gating.layers.{i}.bias"]
-            x = torch.relu(x) if i < n_layers - 1 else x
-        x = torch.softmax(x / (temperature or config_dict["gating_temperature"]), dim=1)
-        gating_output = x * tensors["gating.logit_scale"][0]
-        transform = tensors["reward_transform_matrix"]
-        rewards_adjusted = rewards @ (transform.T if transform_transposed else transform)
-        score = torch.sum(gating_output * rewards_adjusted, dim=1)
-    return {"score": score, "rewards": rewards, "gating": gating_output}
 
 
 @pytest.fixture(scope="module")

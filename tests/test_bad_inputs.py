@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -23,7 +22,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from tests.conftest import make_dvc_repo, tiny_params
+from tests.helpers import make_dvc_repo, subprocess_env, tiny_params
 
 ROWS = [{"prompt": f"Ben has {i} apples and finds {i + 1} more. How many apples does Ben have now?",
          "answer": str(2 * i + 1)} for i in range(1, 13)]
@@ -42,7 +41,7 @@ def _run(cmd: list[str], repo: Path, env: dict) -> subprocess.CompletedProcess:
 
 
 def _foresight(*args: str) -> list[str]:
-    return [sys.executable, "-m", "foresight.cli", *args]
+    return [sys.executable, "-m", "flows.cli", *args]
 
 
 def _dvc(*args: str) -> list[str]:
@@ -65,11 +64,7 @@ def workspace(tmp_path_factory, tiny_llama, prefect_server):
     params = tiny_params(repo, tiny_llama, prompts={
         "source": "file", "file": {"path": "prompts.jsonl", "text_column": "prompt", "answer_column": "answer"},
         "num_train": 6, "num_eval": 2})
-    env = dict(os.environ, PREFECT_API_URL=prefect_server,
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               GIT_AUTHOR_NAME="test", GIT_AUTHOR_EMAIL="test@example.com",
-               GIT_COMMITTER_NAME="test", GIT_COMMITTER_EMAIL="test@example.com")
-    env.pop("FORESIGHT_MLFLOW_PARENT_RUN_ID", None)
+    env = subprocess_env(PREFECT_API_URL=prefect_server)
     make_dvc_repo(repo, params, env)
     ran = _run(_foresight("run", "prepare_prompts"), repo, env)
     assert ran.returncode == 0, (ran.stdout + ran.stderr)[-4000:]

@@ -14,8 +14,17 @@ from models.engine.batched import (
     batched_speculative_generate,
 )
 from models.engine.speculative import accepted_paths, build_tree, chain_tree, greedy_match
-from tests.test_speculative import CHOICES, WINDOW, _greedy, _sliding_model
-from tests.tiny import load_spiky_tiny_llama
+from tests.helpers import (
+    CHOICES,
+    RecordingBatchDrafter,
+    assert_agrees_up_to_ties,
+    bf16_tiny,
+    chi_square_p,
+    hf_greedy,
+    perturbed_module,
+    random_prompts,
+)
+from tests.tiny import SLIDING_WINDOW, load_spiky_tiny_llama, sliding_model
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +35,6 @@ def model(tiny_llama):
 def batched_tree_generate(model, drafter: HeadsDrafter, prompts, max_new_tokens: int, eos: set[int]):
     """Greedy-verified batched decoding with a heads drafter."""
     return batched_speculative_generate(model, drafter, BatchGreedy(), prompts, max_new_tokens, eos)
-
-
-def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
-    """``count`` random prompts of 2 to 19 tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 20, (count,), generator=gen).tolist()
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 class HiddenOracle:
@@ -74,11 +76,11 @@ class HiddenOracle:
 @pytest.mark.parametrize("batch", [1, 2, 5, 16])
 @torch.no_grad()
 def test_batched_tree_decoding_equals_per_row_greedy(model, batch):
-    prompts = _prompts(batch, model.config.vocab_size, seed=batch)
+    prompts = random_prompts(batch, model.config.vocab_size, seed=batch)
     tree = build_tree(CHOICES)
     multi_token_steps = 0
     for eos, max_new_tokens in ((set(), 30), ({7, 11, 13}, 30), (set(), 4), (set(), 1)):
-        references = [_greedy(model, torch.tensor([p]), max_new_tokens, eos) for p in prompts]
+        references = [hf_greedy(model, torch.tensor([p]), max_new_tokens, eos) for p in prompts]
         oracle = HiddenOracle(model, prompts, references, tree.depth, seed=batch)
         outputs, stats = batched_tree_generate(model, HeadsDrafter(tree, oracle), prompts, max_new_tokens, eos)
         assert outputs == references, (eos, max_new_tokens)
@@ -111,8 +113,8 @@ def test_rejected_nodes_stay_as_masked_junk_until_compacted(model, monkeypatch):
 
     compact = batched.compact_cache
     monkeypatch.setattr(batched, "compact_cache", counting)
-    prompts = _prompts(3, model.config.vocab_size, seed=21)
-    references = [_greedy(model, torch.tensor([p]), 60, set()) for p in prompts]
+    prompts = random_prompts(3, model.config.vocab_size, seed=21)
+    references = [hf_greedy(model, torch.tensor([p]), 60, set()) for p in prompts]
     tree = build_tree(CHOICES)
     wrong = HeadsDrafter(tree, lambda h, r: torch.full((len(h), tree.depth, model.config.vocab_size), -1e4)
                          .index_fill_(2, torch.tensor([1, 2]), 1e4))  # tokens 1 and 2 at every depth
@@ -125,9 +127,9 @@ def test_rejected_nodes_stay_as_masked_junk_until_compacted(model, monkeypatch):
 def test_rows_that_end_early_leave_the_batch(model):
     """One row ends after its first token (an end token), the others run on: their outputs stay greedy's and the
     ended row takes part in no tree forward."""
-    prompts = _prompts(3, model.config.vocab_size, seed=7)
-    first = _greedy(model, torch.tensor([prompts[1]]), 1, set())[0]
-    references = [_greedy(model, torch.tensor([p]), 12, {first}) for p in prompts]
+    prompts = random_prompts(3, model.config.vocab_size, seed=7)
+    first = hf_greedy(model, torch.tensor([prompts[1]]), 1, set())[0]
+    references = [hf_greedy(model, torch.tensor([p]), 12, {first}) for p in prompts]
     assert references[1] == [first] and any(len(r) > 1 for r in references)
     chain = chain_tree(2)
     noise = torch.Generator().manual_seed(0)
@@ -161,34 +163,10 @@ def test_each_row_sees_its_own_prefix_and_ancestors():
 
 
 def test_a_sliding_window_model_is_refused_naming_its_layers():
-    model = _sliding_model("mistral")
+    model = sliding_model("mistral")
     drafter = HeadsDrafter(chain_tree(1), lambda h, r: torch.zeros(len(h), 1, model.config.vocab_size))
     with pytest.raises(NotImplementedError, match="DynamicSlidingWindowLayer"):
-        batched_tree_generate(model, drafter, [[1, 2, 3] * WINDOW, [4, 5]], 4, set())
-
-
-class RecordingBatchDrafter:
-    """Wraps a batch drafter and records every row's draft tokens per cycle, by prompt."""
-
-    def __init__(self, inner):
-        self.inner, self.tree = inner, inner.tree
-
-    def start(self, prompts, hidden, roots):
-        self.rows, self.drafts = list(range(len(prompts))), [[] for _ in prompts]
-        self.inner.start(prompts, hidden, roots)
-
-    def propose(self, roots):
-        tokens, probs = self.inner.propose(roots)
-        for row, prompt in enumerate(self.rows):
-            self.drafts[prompt].append(tokens[row, 1:].tolist())
-        return tokens, probs
-
-    def accept(self, hidden, tokens):
-        self.inner.accept(hidden, tokens)
-
-    def keep(self, rows):
-        self.rows = [self.rows[i] for i in rows.tolist()]
-        self.inner.keep(rows)
+        batched_tree_generate(model, drafter, [[1, 2, 3] * SLIDING_WINDOW, [4, 5]], 4, set())
 
 
 @pytest.mark.parametrize("batch", [1, 2, 5, 16])
@@ -198,7 +176,6 @@ def test_batched_mtp_drafting_equals_per_row_greedy_and_drafts_as_at_batch_1(mod
     by cycle, are the ones the batch-1 MTP drafter proposes on that prompt (each row reads its own depth caches)."""
     from models.engine.speculative import TreeVerifier, speculative_generate
     from models.mtp.module import MTPBatchDrafter, MTPDrafter
-    from tests.test_mtp import _perturbed_module
 
     class RecordingDrafter(MTPDrafter):
         def propose(self, room):
@@ -206,9 +183,9 @@ def test_batched_mtp_drafting_equals_per_row_greedy_and_drafts_as_at_batch_1(mod
             drafts.append(draft.tokens[1:].tolist())
             return draft
 
-    prompts = _prompts(batch, model.config.vocab_size, seed=100 + batch)
-    module = _perturbed_module(model, 2, scale=0.0)
-    references = [_greedy(model, torch.tensor([p]), 24, set()) for p in prompts]
+    prompts = random_prompts(batch, model.config.vocab_size, seed=100 + batch)
+    module = perturbed_module(model, 2, scale=0.0)
+    references = [hf_greedy(model, torch.tensor([p]), 24, set()) for p in prompts]
     drafter = RecordingBatchDrafter(MTPBatchDrafter(model, module))
     outputs, stats = batched_speculative_generate(model, drafter, BatchGreedy(), prompts, 24, set())
     assert outputs == references
@@ -251,12 +228,11 @@ def test_batched_speculative_sampling_keeps_every_rows_distribution(model, draft
     a drafted position) follow that prompt's exact laws (χ² per row position). Keeping every draft (the negative
     control) fails the same test on the second token."""
     from models.mtp.module import MTPBatchDrafter
-    from tests.test_mtp import _chi_square_p, _perturbed_module
 
     prompts = [[5, 9, 14], [3, 8, 21, 7, 30, 11, 6], [12, 4]]
     copies = 400
     laws = _second_token_laws(model, prompts)
-    module = _perturbed_module(model, 2, scale=0.3)
+    module = perturbed_module(model, 2, scale=0.3)
     rows = [prompts[i % len(prompts)] for i in range(copies * len(prompts))]  # neighbouring rows: other prompts
 
     def sample(verifier_class) -> tuple[list[list[int]], list]:
@@ -270,7 +246,7 @@ def test_batched_speculative_sampling_keeps_every_rows_distribution(model, draft
             mine = torch.tensor(outputs[i :: len(prompts)])  # (copies, 2)
             for position, law in enumerate((first, second)):
                 counts = dict(enumerate(torch.bincount(mine[:, position], minlength=len(law)).tolist()))
-                values.append(_chi_square_p(counts, {v: float(law[v]) for v in range(len(law))}, copies))
+                values.append(chi_square_p(counts, {v: float(law[v]) for v in range(len(law))}, copies))
         return values
 
     outputs, stats = sample(BatchSampling)
@@ -286,11 +262,10 @@ def test_adaptive_batched_decoding_runs_plain_steps_and_stays_greedy(model):
     its output is still every row's greedy decoding."""
     from models.engine.config import Adaptation
     from models.mtp.module import MTPBatchDrafter
-    from tests.test_mtp import _perturbed_module
 
-    prompts = _prompts(5, model.config.vocab_size, seed=3)
-    references = [_greedy(model, torch.tensor([p]), 30, set()) for p in prompts]
-    drafter = MTPBatchDrafter(model, _perturbed_module(model, 2, scale=0.05))
+    prompts = random_prompts(5, model.config.vocab_size, seed=3)
+    references = [hf_greedy(model, torch.tensor([p]), 30, set()) for p in prompts]
+    drafter = MTPBatchDrafter(model, perturbed_module(model, 2, scale=0.05))
     outputs, stats = batched_speculative_generate(model, drafter, BatchGreedy(), prompts, 30, set(),
                                                   adaptation=Adaptation(window=2, probe_every=4, cycle_cost=4.0))
     assert outputs == references
@@ -305,16 +280,14 @@ def test_batched_mtp_decoding_of_a_bfloat16_policy(tiny_llama, device):
     """A bf16 policy (on the GPU under cuda): batched MTP drafting greedy-verified agrees with per-row greedy up to
     bf16 near-ties, and batched speculative sampling draws with generators on the policy's device."""
     from models.mtp.module import MTPBatchDrafter
-    from tests.test_mtp import _perturbed_module
-    from tests.test_speculative import _assert_agrees_up_to_ties, _bf16_tiny
 
-    model = _bf16_tiny(tiny_llama, device)
-    prompts = _prompts(5, model.config.vocab_size, seed=11)
-    module = _perturbed_module(model, 2, scale=0.0)
+    model = bf16_tiny(tiny_llama, device)
+    prompts = random_prompts(5, model.config.vocab_size, seed=11)
+    module = perturbed_module(model, 2, scale=0.0)
     outputs, _ = batched_speculative_generate(model, MTPBatchDrafter(model, module), BatchGreedy(), prompts, 16, set())
     for prompt, tokens in zip(prompts, outputs, strict=True):
         ids = torch.tensor([prompt], device=device)
-        _assert_agrees_up_to_ties(model, ids, tokens, _greedy(model, ids, 16, set()))
+        assert_agrees_up_to_ties(model, ids, tokens, hf_greedy(model, ids, 16, set()))
     generators = [torch.Generator(device=device).manual_seed(i) for i in range(len(prompts))]
     sampled, stats = batched_speculative_generate(model, MTPBatchDrafter(model, module, 1.0, generators),
                                                   BatchSampling(1.0, generators), prompts, 16, set())

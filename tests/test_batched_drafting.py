@@ -14,8 +14,7 @@ import torch
 
 from models.engine.batched import BatchGreedy, BatchSampling, HeadsDrafter, batched_speculative_generate
 from models.engine.speculative import chain_tree, prefill, speculative_cache, tree_forward
-from tests.test_batched import _prompts
-from tests.test_speculative import _greedy
+from tests.helpers import RecordingBatchDrafter, hf_greedy, perturbed_module, random_prompts
 from tests.tiny import load_spiky_tiny_llama
 
 
@@ -55,13 +54,12 @@ def test_a_batched_mtp_draft_runs_the_shared_layer_once_per_depth(model):
     """6 rows, K = 3: every draft runs the MTP layer 3 times for the whole batch (one row at a time ran it 18
     times), and the output is still every row's greedy decoding."""
     from models.mtp.module import MTPBatchDrafter
-    from tests.test_mtp import _perturbed_module
 
-    prompts = _prompts(6, model.config.vocab_size, seed=7)
-    drafter = MTPBatchDrafter(model, _perturbed_module(model, 3, scale=0.05))
+    prompts = random_prompts(6, model.config.vocab_size, seed=7)
+    drafter = MTPBatchDrafter(model, perturbed_module(model, 3, scale=0.05))
     calls = LayerCalls(drafter)
     outputs, _ = batched_speculative_generate(model, drafter, BatchGreedy(), prompts, 20, set())
-    assert outputs == [_greedy(model, torch.tensor([p]), 20, set()) for p in prompts]
+    assert outputs == [hf_greedy(model, torch.tensor([p]), 20, set()) for p in prompts]
     assert calls.drafts > 3
     assert calls.layer == 3 * calls.drafts
 
@@ -74,8 +72,6 @@ def test_batched_mtp_sampling_is_batch_1_sampling_token_for_token_across_compact
     that prompt's generator."""
     import models.mtp.module as mtp
     from models.engine.speculative import SamplingVerifier, speculative_generate
-    from tests.test_batched import RecordingBatchDrafter
-    from tests.test_mtp import _perturbed_module
 
     compactions = []
     compact = mtp.compact_cache
@@ -88,8 +84,8 @@ def test_batched_mtp_sampling_is_batch_1_sampling_token_for_token_across_compact
             drafts.append(draft.tokens[1:].tolist())
             return draft
 
-    prompts = _prompts(4, model.config.vocab_size, seed=9)
-    module = _perturbed_module(model, 3, scale=0.0)
+    prompts = random_prompts(4, model.config.vocab_size, seed=9)
+    module = perturbed_module(model, 3, scale=0.0)
     generators = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
     drafter = RecordingBatchDrafter(mtp.MTPBatchDrafter(model, module, 1.0, generators))
     outputs, stats = batched_speculative_generate(model, drafter, BatchSampling(1.0, generators), prompts, 40, set())
@@ -107,14 +103,13 @@ def test_batched_speculative_sampling_draws_without_a_multinomial_per_row(model,
     """Under speculative sampling with each row's own generator, no draw goes through torch.multinomial (two host
     syncs per call, one call per row per depth and per verdict before): drafts and verdicts draw every row at once."""
     from models.mtp.module import MTPBatchDrafter
-    from tests.test_mtp import _perturbed_module
 
     calls = []
     multinomial = torch.multinomial
     monkeypatch.setattr(torch, "multinomial", lambda *a, **k: calls.append(1) or multinomial(*a, **k))
-    prompts = _prompts(5, model.config.vocab_size, seed=8)
+    prompts = random_prompts(5, model.config.vocab_size, seed=8)
     generators = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
-    drafter = MTPBatchDrafter(model, _perturbed_module(model, 2, scale=0.3), draft_temperature, generators)
+    drafter = MTPBatchDrafter(model, perturbed_module(model, 2, scale=0.3), draft_temperature, generators)
     layer_calls = LayerCalls(drafter)
     outputs, stats = batched_speculative_generate(model, drafter, BatchSampling(1.0, generators), prompts, 12, set())
     assert [len(o) for o in outputs] == [12] * len(prompts) and sum(s.drafted_tokens for s in stats) > 0
@@ -242,17 +237,16 @@ def test_no_decoding_forward_keeps_every_layers_hidden_states(deep):
     """The prefill and tree forward at batch 1, the batched prefill and steps (MTP's and Medusa's drafters): when the
     LM head runs, no earlier layer's output is alive any more."""
     from models.mtp.module import MTPBatchDrafter
-    from tests.test_mtp import _perturbed_module
 
-    drafter = MTPBatchDrafter(deep, _perturbed_module(deep, 2, scale=0.05))  # before the hooks (its layer is a copy)
+    drafter = MTPBatchDrafter(deep, perturbed_module(deep, 2, scale=0.05))  # before the hooks (its layer is a copy)
     live = LiveLayerStates(deep)
     prompt = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(2))
     cache = speculative_cache(deep)
     prefill(deep, prompt, cache)
     tree_forward(deep, torch.tensor([5, 6, 7]), chain_tree(2), cache)
-    batched_speculative_generate(deep, drafter, BatchGreedy(), _prompts(3, 64, seed=4), 6, set())
+    batched_speculative_generate(deep, drafter, BatchGreedy(), random_prompts(3, 64, seed=4), 6, set())
     heads = HeadsDrafter(chain_tree(1), lambda h, r: torch.zeros(len(h), 1, 64))
-    batched_speculative_generate(deep, heads, BatchGreedy(), _prompts(2, 64, seed=5), 4, set())
+    batched_speculative_generate(deep, heads, BatchGreedy(), random_prompts(2, 64, seed=5), 4, set())
     assert len(live.live) > 6 and max(live.live) == 0
 
 

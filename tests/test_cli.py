@@ -3,7 +3,6 @@ loopback, both gone after SIGTERM)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -14,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from foresight.cli import main
+from flows.cli import main
+from tests.helpers import REPO, subprocess_env
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _free_port() -> int:
@@ -45,11 +44,10 @@ def test_ui_serves_mlflow_and_prefect_on_loopback_and_stops_both(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(f"tracking:\n  mlflow_uri: sqlite:///{tmp_path / 'mlflow.db'}\n")
     mlflow_port, prefect_port = _free_port(), _free_port()
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    env.pop("PREFECT_API_URL", None)
+    env = subprocess_env(PREFECT_HOME=str(tmp_path / "prefect"))
     log = tmp_path / "ui.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "foresight.cli", "ui", "--params", str(params),
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--params", str(params),
                                  "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port)],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -136,5 +136,39 @@ def test_study_profile_recipe_is_valid():
     assert cfg.mtp_rl.steps >= 30 and tuple(cfg.sla_benchmark.tuning_grid[-1]) == (3, 2, 10)
     from foresight.prompts import general_instructions
 
-    assert cfg.medusa.general_prompts <= len(general_instructions("train"))  # the general set can supply them
+    assert cfg.distill.general_prompts <= len(general_instructions("train"))  # the general set can supply them
     assert cfg.medusa_benchmark.general_prompts <= len(general_instructions("eval"))
+
+
+def test_committed_params_yaml_is_the_generated_one():
+    """params.yaml is generated from the knobs' classes (one declaration per knob: type, default, range, docstring):
+    a default changed in a class and not regenerated, or an edit of the file by hand, fails here."""
+    from foresight.params import render_params_yaml
+
+    assert (REPO / "params.yaml").read_text() == render_params_yaml(), "run: foresight params-yaml > params.yaml"
+
+
+def test_every_component_config_is_reachable_from_params():
+    """No silent fall-through: each component config that model code takes (a ``Knobs`` class in
+    ``models/*/config.py``) is a params section or a base of one (so every field it has is a params key, and a
+    section can never lack one), or the type of a section's field (``adaptation``, ``prompt_files``)."""
+    import importlib
+    import inspect
+
+    from foresight.params import SECTIONS, section_class
+    from models.common.config import Knobs
+
+    sections = [section_class(name) for name in SECTIONS]
+    reachable = {base for cls in sections for base in cls.__mro__}
+    for cls in sections:  # nested sub-sections
+        for field in cls.model_fields.values():
+            for arg in (field.annotation, *getattr(field.annotation, "__args__", ())):
+                for inner in (arg, *getattr(arg, "__args__", ())):
+                    if isinstance(inner, type):
+                        reachable.add(inner)
+    components = {cls for path in (REPO / "models").glob("*/config.py")
+                  for _, cls in inspect.getmembers(importlib.import_module(f"models.{path.parent.name}.config"),
+                                                   inspect.isclass)
+                  if issubclass(cls, Knobs) and cls is not Knobs}
+    assert len(components) >= 15
+    assert sorted(cls.__name__ for cls in components - reachable) == []

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -56,6 +55,7 @@ from models.coral.training import (
 from models.engine.config import PolicySpec
 from models.engine.policy import load_pretrained
 from models.engine.speculative import build_tree
+from tests.helpers import distinct_sequences, tiny_params
 
 VOCAB = 64
 ROOT = Path(__file__).resolve().parent.parent
@@ -228,7 +228,7 @@ def test_two_stage_training_changes_the_right_parameters(tiny_llama):
     assert any(not math.isnan(v) for v in history["ce_reconstruct_0"])  # corrupted tokens were reconstructed (not all NaN)
 
     after_stage1 = {name: p.detach().clone() for name, p in model.named_parameters()}
-    only_stage2 = replace(only_stage1, stage1_epochs=0, stage2_epochs=1, stage2_learning_rate=1e-3)
+    only_stage2 = only_stage1.model_copy(update={"stage1_epochs": 0, "stage2_epochs": 1, "stage2_learning_rate": 1e-3})
     train_coral(policy, sequences, only_stage2)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, after_stage1[n])}
     assert changed and not changed & last_names
@@ -295,7 +295,7 @@ def test_verification_scores_are_eq6_eq7_eq8_by_hand():
     c2 = sum(passes(table[k], 2) for k in ((1, 1), (2, 0))) / 3
     assert confidences == pytest.approx([c1, c2])
     # over the dependencies the path supplies: node 2, the block's last, has 2 (next-token, itself), not k_b + 2
-    _, available, _ = _path_scores(forward, [0, 1, 2], replace(settings, confidence_over="available"))
+    _, available, _ = _path_scores(forward, [0, 1, 2], settings.model_copy(update={"confidence_over": "available"}))
     assert available == pytest.approx([c1, c2 * 3 / 2])
 
 
@@ -313,7 +313,7 @@ def test_next_token_probability_accepts_what_eq8_alone_rejects():
     forward = _synthetic_forward(tree, tokens, settings.offsets(), table)
     draft = BlockDraft(tree, tokens)
     for accept_next_token, expected in ((False, (0.33, 0.11)), (True, (1.0, 1.0))):
-        verifier = CoralVerifier(replace(settings, accept_next_token=accept_next_token))
+        verifier = CoralVerifier(settings.model_copy(update={"accept_next_token": accept_next_token}))
         accepted = [len(verifier(draft, forward).tokens) for _ in range(600)]
         assert [sum(a >= k for a in accepted) / 600 for k in (1, 2)] == pytest.approx(expected, abs=0.08)
 
@@ -323,7 +323,7 @@ def test_candidate_tree_contains_the_top1_chain_and_follows_confidence():
     log_pi = torch.log_softmax(torch.tensor([[5.0, 4.9, 0.0], [0.0, 3.0, 2.9], [9.0, 0.0, 0.0]]), -1)
     choices = candidate_choices(log_pi, num_new_from=1, settings=settings)
     assert (0, 0, 0) in choices and (1,) in choices  # the near-tie at the first position is explored
-    assert candidate_choices(log_pi, 1, replace(settings, verify=False)) == [(0, 0, 0)]
+    assert candidate_choices(log_pi, 1, settings.model_copy(update={"verify": False})) == [(0, 0, 0)]
 
 
 @pytest.mark.parametrize("settings", [CoralDecoding(block_size=6), CoralDecoding(block_size=6, verify=False),
@@ -341,7 +341,7 @@ def test_decoding_terminates_and_is_deterministic(settings):
     assert len(stats.accepted_lengths) == stats.forwards - 1  # one step per forward after the prefill
     assert stats.forwards <= 20 * 3 + 2  # progress every few steps (the stall guard bounds the rest)
     assert sum(stats.accepted_lengths) == 20
-    different_seed = coral_generate(model, prompt, 20, set(), replace(settings, seed=settings.seed + 1))
+    different_seed = coral_generate(model, prompt, 20, set(), settings.model_copy(update={"seed": settings.seed + 1}))
     assert len(different_seed) == 20
 
 
@@ -390,20 +390,65 @@ def test_config_rejects_decoding_offsets_the_model_never_learned(tmp_path):
         load_config(path)
 
 
+class _Handed(Exception):
+    """Raised by a stand-in for model code: the task got as far as handing it its config."""
+
+
+def test_coral_sections_are_their_components_and_their_keys_reach_the_model_code(tiny_llama, monkeypatch):
+    """No silent fall-through: ``coral`` is-a :class:`CoralTraining` and ``coral_benchmark`` a
+    :class:`CoralDecoding`, and the stages hand the model code the sections themselves, so a params.yaml key naming
+    a component's field reaches it: ``coral.stage1_epochs`` and ``coral.forward_window`` the held-out evaluation
+    (``offset_hits``) and the training (``train_coral``), ``coral_benchmark.epsilon`` every decoder the benchmark
+    runs (full COrAL and its ablations)."""
+    import tasks.coral as task
+    from models.coral.config import CoralBenchmarkConfig, CoralConfig
+
+    assert issubclass(CoralConfig, CoralTraining) and issubclass(CoralBenchmarkConfig, CoralDecoding)
+    cfg = load_config(ROOT / "params.yaml", {
+        "coral.stage1_epochs": 7, "coral.forward_window": 3, "coral.data": "correct", "coral.mixed_precision": "no",
+        "coral_benchmark.forward_window": 3, "coral_benchmark.epsilon": 0.3,
+        "coral_benchmark.ablations": ["no_verifier", "no_multi_forward"], "coral_benchmark.ablation_block_sizes": [3]})
+
+    # train_coral: the SFT responses of four prompts on the tiny policy; the model code gets the section itself
+    policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
+    responses = pd.DataFrame({"prompt_id": [f"p{i}" for i in range(4)], "prompt": [f"Question {i}?" for i in range(4)],
+                              "response": [f"The answer is {i}." for i in range(4)]})
+    monkeypatch.setattr(task, "load_stage_policy", lambda *args, **kwargs: policy)
+    monkeypatch.setattr(task, "sft_responses", lambda *args: responses)
+    handed = {}
+    offset_hits = task.offset_hits
+
+    def evaluate(policy, sequences, settings):
+        handed["offset_hits"] = settings
+        return offset_hits(policy, sequences, settings)
+
+    def train(policy, sequences, settings, *args, **kwargs):
+        handed["train_coral"] = settings
+        raise _Handed
+
+    monkeypatch.setattr(task, "offset_hits", evaluate)
+    monkeypatch.setattr(task, "train_coral", train)
+    with pytest.raises(_Handed):
+        task.train_coral_task.fn(cfg)
+    assert set(handed) == {"offset_hits", "train_coral"} and handed["train_coral"] is cfg.coral
+    for settings in handed.values():
+        assert isinstance(settings, CoralTraining) and (settings.stage1_epochs, settings.forward_window) == (7, 3)
+
+    # benchmark_coral: every decoder is the section, ablations changing only their own knobs
+    decoders = task.coral_decoders(cfg)
+    assert list(decoders) == ["coral", "coral_no_verifier", "coral_no_multi_forward", "coral_no_verifier_b3"]
+    assert all(isinstance(d, CoralDecoding) and d.epsilon == 0.3 for d in decoders.values())
+    assert decoders["coral"] is cfg.coral_benchmark
+    assert [(d.verify, d.block_size, d.forward_window) for d in decoders.values()] == [
+        (True, 8, 3), (False, 8, 3), (True, 8, 1), (False, 3, 3)]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # precision, memory knobs, several processes, the GPU
 
 DECODERS = (CoralDecoding(block_size=4), CoralDecoding(block_size=4, verify=False),
             CoralDecoding(block_size=4, forward_window=1))
 """The benchmark's decoders: full COrAL, w/o verifier, w/o multi-forward (its ablations only change numbers)."""
-
-
-def _distinct_sequences(count: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    """``count`` sequences of 4 prompt + 10 response tokens, distinct within each sequence (tiny vocabulary ids
-    3 … 252): a 1-token patch replaced by another position's token always changes, so with corruption ratio 1
-    every sequence has as many reconstruction targets as any other."""
-    generator = torch.Generator().manual_seed(seed)
-    return [((torch.randperm(250, generator=generator)[:14] + 3).tolist(), [0] * 4 + [1] * 10) for _ in range(count)]
 
 
 def _decode_with_every_decoder(model, prompt: torch.Tensor, max_new_tokens: int) -> None:
@@ -418,8 +463,8 @@ def test_corruption_is_drawn_per_sequence_and_epoch():
     """A sequence is corrupted alike wherever it sits in a batch (so on whichever process it lands) and afresh
     each epoch; the same text at two indices is corrupted differently."""
     cfg = CoralTraining(corruption_ratio=0.5)
-    sequence = _distinct_sequences(1)[0]
-    batch = right_pad([sequence, sequence, _distinct_sequences(1, seed=1)[0]], 0)
+    sequence = distinct_sequences(1)[0]
+    batch = right_pad([sequence, sequence, distinct_sequences(1, seed=1)[0]], 0)
     corrupted, changed = corrupt_batch({**batch, "index": torch.tensor([0, 1, 2])}, cfg, epoch=0)
     assert changed.any() and not torch.equal(corrupted[0], corrupted[1])
     reordered = {key: value[[2, 0]] for key, value in batch.items()}
@@ -462,7 +507,7 @@ def test_bf16_policy_trains_float32_master_weights_and_decodes(tiny_llama, tmp_p
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     cfg = CoralTraining(batch_size=2, stage1_epochs=1, stage2_epochs=1, stage1_learning_rate=1e-3,
                         stage2_learning_rate=1e-3)
-    history = train_coral(policy, _distinct_sequences(4), cfg,
+    history = train_coral(policy, distinct_sequences(4), cfg,
                           on_step=lambda stage, *_: seen.append((stage, last.dtype, trunk.dtype)))
     assert seen == [("stage 1", torch.float32, torch.bfloat16)] * 2 + [("stage 2", torch.bfloat16, torch.float32)] * 2
     assert all(math.isfinite(loss) for loss in history["loss"])
@@ -471,9 +516,9 @@ def test_bf16_policy_trains_float32_master_weights_and_decodes(tiny_llama, tmp_p
     assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
     policy.model.save_pretrained(tmp_path)
     assert {t.dtype for t in load_file(tmp_path / "model.safetensors").values()} == {torch.bfloat16}
-    hits, counts = offset_hits(policy, _distinct_sequences(2, seed=1), cfg)
+    hits, counts = offset_hits(policy, distinct_sequences(2, seed=1), cfg)
     assert (hits <= counts).all() and counts[:, :4].tolist() == [[10] * 4] * 2
-    _decode_with_every_decoder(policy.model, torch.tensor([_distinct_sequences(1, seed=2)[0][0][:6]]), 8)
+    _decode_with_every_decoder(policy.model, torch.tensor([distinct_sequences(1, seed=2)[0][0][:6]]), 8)
 
 
 def test_lora_stage_two_trains_adapters_outside_the_last_layer_and_merges(tiny_llama):
@@ -488,7 +533,7 @@ def test_lora_stage_two_trains_adapters_outside_the_last_layer_and_merges(tiny_l
     model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))
     cfg = CoralTraining(stage1_epochs=0, stage2_epochs=1, batch_size=2, stage2_learning_rate=1e-2, lora_rank=2,
                         gradient_checkpointing=True)
-    train_coral(policy, _distinct_sequences(4), cfg,
+    train_coral(policy, distinct_sequences(4), cfg,
                 on_step=lambda *_: trained.append({n for n, p in model.named_parameters() if p.requires_grad}))
     assert len(trained) == 2 and trained[0] == trained[1]
     names = trained[0]
@@ -513,7 +558,7 @@ TWO_PROCESS_RUNS = {
                                        warmup_ratio=0.5, lora_rank=2, gradient_checkpointing=True),
 }
 """Per-process batch 2 (the one-process run takes 4). Corruption ratio 1 with 1-token patches on
-:func:`_distinct_sequences`: every sequence has as many targets, so the mean of two half-batch losses is the
+:func:`distinct_sequences`: every sequence has as many targets, so the mean of two half-batch losses is the
 global batch's loss. Warm-up 0.5: a whole number of steps in both runs (the shared loop rounds it per process)."""
 
 
@@ -526,7 +571,7 @@ def _train_coral_on_two_ranks(folder: str, out: str) -> None:
     results = {}
     for name, cfg in TWO_PROCESS_RUNS.items():
         policy = load_pretrained(Path(folder), PolicySpec(device="cpu", dtype="float32"))
-        history = train_coral(policy, _distinct_sequences(8), cfg, accelerator)
+        history = train_coral(policy, distinct_sequences(8), cfg, accelerator)
         weights = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
         gathered = accelerator.gather(weights[None])  # (2, P)
         assert torch.equal(gathered[0], gathered[1]), name
@@ -542,11 +587,11 @@ def test_offset_hits_per_sequence_by_hand(tiny_llama):
     n − o + 1 targets in an n-token response; a response that is the model's own greedy continuation is hit at
     every +1 target (offset +1 is the next-token prediction)."""
     policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
-    prompt = torch.tensor([_distinct_sequences(1, seed=4)[0][0][:4]])
+    prompt = torch.tensor([distinct_sequences(1, seed=4)[0][0][:4]])
     greedy = policy.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10,
                                    min_new_tokens=10, do_sample=False, pad_token_id=0)[0]
     long = (greedy.tolist(), [0] * 4 + [1] * 10)
-    short = _distinct_sequences(1, seed=5)[0]
+    short = distinct_sequences(1, seed=5)[0]
     short = (short[0][3:9], [0] + [1] * 5)  # 1 prompt + 5 response tokens
     sequences = [long, short, long]
     cfg = CoralTraining(batch_size=2, backward_window=2, corruption_ratio=1.0)
@@ -593,17 +638,16 @@ def test_benchmark_times_every_decoder_on_the_speed_prompts_and_judges_coral_on_
     forwards, next-token's speedup over itself is 1; table, report, artifact and metrics carry the intervals."""
     from prefect.logging import disable_run_logger
 
-    from foresight.config import component, parse_config
+    from foresight.config import parse_config
     from foresight.prompts import PROMPT_COLUMNS
     from foresight.storage import write_table
-    from models.labeling import answers
-    from tasks import data
+    import tasks.coral
+    from tasks import common
     from tasks.coral import benchmark_coral_task
-    from tests.conftest import tiny_params
 
     cfg = parse_config(tiny_params(tmp_path, tiny_llama, policy={"dtype": "float32"},
                                    coral_benchmark={"num_prompts": 3, "speed_prompts": 1}), root=tmp_path)
-    policy = load_pretrained(tiny_llama, component(PolicySpec, cfg.policy))
+    policy = load_pretrained(tiny_llama, cfg.policy)
     policy.model.save_pretrained(cfg.path(cfg.paths.coral_dir))
     policy.tokenizer.save_pretrained(cfg.path(cfg.paths.coral_dir))
     questions = ["What is 1 + 2?", "What is 3 * 3?", "What is 7 - 5?", "What is 2 + 2?"]
@@ -613,8 +657,8 @@ def test_benchmark_times_every_decoder_on_the_speed_prompts_and_judges_coral_on_
     # prompt 0 by every decoder, then prompts 1 and 2 by next-token, then by COrAL
     verdicts = [True, False, True, False, False, True, True, False, False, True]
     judged = iter(verdicts)
-    monkeypatch.setattr(answers, "is_correct", lambda response, answer, truncated=False: next(judged))
-    data.PENDING_ARTIFACTS.clear()
+    monkeypatch.setattr(tasks.coral, "is_correct", lambda response, answer, truncated=False: next(judged))
+    common.PENDING_ARTIFACTS.clear()
     with disable_run_logger():
         result = benchmark_coral_task.fn(cfg)
     out = cfg.path(cfg.paths.benchmarks_dir) / "coral"
@@ -645,7 +689,7 @@ def test_benchmark_times_every_decoder_on_the_speed_prompts_and_judges_coral_on_
     assert "coral.tokens_per_forward_high" in metrics and "coral.speedup_vs_reference" in metrics
     report = (out / "report.md").read_text()
     assert f"| coral | True | 6 | 4 | {rows.loc['coral', 'accuracy']:.3g} [" in report
-    (table_artifact,) = [a for a in data.PENDING_ARTIFACTS if a["key"] == "coral-benchmark"]
+    (table_artifact,) = [a for a in common.PENDING_ARTIFACTS if a["key"] == "coral-benchmark"]
     assert table_artifact["table"][1]["accuracy"].startswith(f"{rows.loc['coral', 'accuracy']:.3g} [")
 
 
@@ -664,7 +708,7 @@ def test_two_processes_train_like_one_on_the_same_global_batch(tiny_llama, tmp_p
     two_processes = torch.load(out)
     for name, cfg in TWO_PROCESS_RUNS.items():
         policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
-        history = train_coral(policy, _distinct_sequences(8), replace(cfg, batch_size=2 * cfg.batch_size),
+        history = train_coral(policy, distinct_sequences(8), cfg.model_copy(update={"batch_size": 2 * cfg.batch_size}),
                               Accelerator(cpu=True))
         state, two_history = two_processes[name]
         assert two_history["stage"] == history["stage"] and two_history["learning_rate"] == history["learning_rate"]
@@ -685,14 +729,14 @@ def test_cuda_bf16_one_step_of_each_stage_and_every_decoder(tiny_llama):
                             stage2_learning_rate=1e-2,
                             lora_rank=lora_rank,
                             gradient_checkpointing=lora_rank > 0)
-        history = train_coral(policy, _distinct_sequences(2), cfg)
+        history = train_coral(policy, distinct_sequences(2), cfg)
         assert history["stage"] == [1, 2] and all(math.isfinite(loss) for loss in history["loss"])
         assert {(p.device.type, p.dtype) for p in policy.model.parameters()} == {("cuda", torch.bfloat16)}
         changed = {n for n, p in policy.model.named_parameters() if not torch.equal(p, before[n])}
         assert "model.layers.1.self_attn.q_proj.weight" in changed and "model.layers.0.mlp.up_proj.weight" in changed
-        hits, counts = offset_hits(policy, _distinct_sequences(2, seed=1), cfg)
+        hits, counts = offset_hits(policy, distinct_sequences(2, seed=1), cfg)
         assert (hits <= counts).all() and counts[:, :4].tolist() == [[10] * 4] * 2
-    _decode_with_every_decoder(policy.model, torch.tensor([_distinct_sequences(1, seed=2)[0][0][:6]]), 8)
+    _decode_with_every_decoder(policy.model, torch.tensor([distinct_sequences(1, seed=2)[0][0][:6]]), 8)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -709,7 +753,7 @@ def test_cached_trunk_outputs_give_the_uncached_stage1_loss_and_gradients(tiny_l
     e < stage1_corruption_draws, as without the cache); the trunk gets no gradient."""
     policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
     model = policy.model
-    sequences = _distinct_sequences(3)
+    sequences = distinct_sequences(3)
     sequences[1] = (sequences[1][0][:9], sequences[1][1][:9])  # padded in the batch
     cfg = CoralTraining(batch_size=2, corruption_ratio=0.5, stage1_corruption_draws=2)
     cache = trunk_cache(model, sequences, cfg, range(cfg.stage1_corruption_draws), 0, Accelerator(cpu=True))
@@ -735,7 +779,7 @@ def test_cached_trunk_outputs_give_the_uncached_stage1_loss_and_gradients(tiny_l
 def test_cached_corruption_draws_cycle_over_epochs(tiny_llama):
     """Epoch e trains on draw e mod D; the held-out cache's one draw is the held-out key's, for every epoch."""
     model = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32")).model
-    sequences = _distinct_sequences(2)
+    sequences = distinct_sequences(2)
     cfg = CoralTraining(corruption_ratio=0.5)
     cache = trunk_cache(model, sequences, cfg, range(2), 0, Accelerator(cpu=True))
     batch = _padded_batch(sequences, [0, 1])
@@ -755,7 +799,7 @@ def test_stage1_stops_early_on_the_held_out_loss_and_keeps_its_best_epoch(tiny_l
     from models.coral.training import held_out_loss
 
     policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32"))
-    train, held_out = _distinct_sequences(4), _distinct_sequences(4, seed=3)
+    train, held_out = distinct_sequences(4), distinct_sequences(4, seed=3)
     cfg = CoralTraining(stage1_epochs=8, stage1_patience=1, stage2_epochs=0, batch_size=2, stage1_learning_rate=0.3,
                         warmup_ratio=0.0)
     history = train_coral(policy, train, cfg, validation=held_out)

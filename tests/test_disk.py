@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, project_cache_type
+from tests.helpers import REPO, project_cache_type, subprocess_env
 
 WRITER = '''\
 """Writes out/ from params.yaml's n, as the stages do: into a temporary folder, then renamed over the output."""
@@ -36,7 +36,7 @@ os.replace("out.tmp", "out")
 
 def _dvc(repo: Path, *args: str) -> str:
     proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, capture_output=True, text=True,
-                          env=dict(os.environ, DVC_NO_ANALYTICS="1"), timeout=300)
+                          env=subprocess_env(), timeout=300)
     assert proc.returncode == 0, f"dvc {' '.join(args)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     return proc.stdout + proc.stderr
 
@@ -122,7 +122,7 @@ def test_pipeline_pushes_only_when_asked(monkeypatch):
     results through the remote), ``foresight serve``'s do not."""
     import flows.pipeline
     from flows.serve import _deployment_specs, deployments
-    from foresight.cli import main
+    from flows.cli import main
 
     assert inspect.signature(flows.pipeline.pipeline_flow.fn).parameters["push"].default is False
     calls = []

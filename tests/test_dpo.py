@@ -4,38 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict, replace
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
-from foresight.config import component, parse_config
-from foresight.pairs import PAIR_COLUMNS
+from foresight.config import parse_config
 from foresight.storage import write_table
 from models.engine.config import PolicySpec
-from models.engine.generation import chat_prompts
 from models.engine.policy import load_pretrained, prepare_policy
 from models.sla.config import DPOTraining
 from models.sla.dpo import build_trainer, pair_logps, preference_accuracy, tokenize_pair, train_dpo, with_eos
-from tests.conftest import tiny_params
-
-# A learning rate far above the real one, so a handful of steps visibly moves the tiny model.
-FAST = DPOTraining(learning_rate=1e-3, epochs=2, batch_size=2, max_length=128, seed=0)
-
-
-def make_pairs(tokenizer, n: int) -> pd.DataFrame:
-    """``n`` hand-made pairs in the pipeline's format: templated prompt, right vs wrong answer."""
-    questions = [f"Ben has {i} apples. Ava gives Ben 2 more apples. How many apples does Ben have now?"
-                 for i in range(1, n + 1)]
-    rows = [{
-        "prompt_id": f"p{i}", "question": q, "prompt": prompt, "answer": str(i + 2),
-        "chosen": f"Ben has {i} + 2 = {i + 2} apples. The answer is {i + 2}.", "rejected": f"The answer is {i}.",
-        "chosen_score": 1.0, "rejected_score": 0.0, "score_gap": 1.0,
-        "chosen_sample_id": f"p{i}/0", "rejected_sample_id": f"p{i}/1", "best_worst": True,
-    } for i, (q, prompt) in enumerate(zip(questions, chat_prompts(tokenizer, questions)), start=1)]
-    return pd.DataFrame(rows, columns=PAIR_COLUMNS)
+from tests.helpers import DPO_FAST, long_response, make_pairs, tiny_params
 
 
 def folder_digest(folder: Path) -> str:
@@ -58,7 +39,7 @@ def test_train_dpo_first_loss_is_log2_and_only_the_copy_changes(policy, tiny_lla
     initial_digest = folder_digest(tiny_llama)
     out_dir = tmp_path / "dpo"
 
-    metrics = train_dpo(policy, make_pairs(policy.tokenizer, 6), FAST, out_dir)
+    metrics = train_dpo(policy, make_pairs(policy.tokenizer, 6), DPO_FAST, out_dir)
 
     # Hand-worked: at step 1 the policy is the reference, so every log-ratio and the margin are 0 and
     # the loss is −log σ(β·0) = log 2, whatever β.
@@ -85,9 +66,9 @@ def test_bf16_autocast_does_not_outlive_the_dpo_run(policy, tmp_path, monkeypatc
     from models.sla import dpo
 
     monkeypatch.setattr(dpo, "cpu_has_bf16_units", lambda: True)
-    trainer = build_trainer(policy, make_pairs(policy.tokenizer, 2), FAST, tmp_path / "unused")
+    trainer = build_trainer(policy, make_pairs(policy.tokenizer, 2), DPO_FAST, tmp_path / "unused")
     assert trainer.args.bf16 and trainer.accelerator.mixed_precision == "bf16"
-    train_dpo(policy, make_pairs(policy.tokenizer, 2), replace(FAST, epochs=1), tmp_path / "dpo")
+    train_dpo(policy, make_pairs(policy.tokenizer, 2), DPO_FAST.model_copy(update={"epochs": 1}), tmp_path / "dpo")
     assert Accelerator(cpu=True).mixed_precision == "no"
 
 
@@ -97,7 +78,7 @@ def test_responses_end_with_exactly_one_eos(policy, tmp_path):
     pairs.loc[0, "chosen"] += tok.eos_token  # a response that already carries its end token keeps just one
     assert with_eos("x" + tok.eos_token, tok.eos_token) == "x" + tok.eos_token
 
-    dataset = build_trainer(policy, pairs, FAST, tmp_path / "unused").train_dataset
+    dataset = build_trainer(policy, pairs, DPO_FAST, tmp_path / "unused").train_dataset
     for example, pair in zip(dataset, pairs.itertuples()):
         for ids in (example["chosen_ids"], example["rejected_ids"]):
             assert ids[-1] == tok.eos_token_id and ids[-2] != tok.eos_token_id
@@ -105,14 +86,6 @@ def test_responses_end_with_exactly_one_eos(policy, tmp_path):
         # evaluation scores exactly the tokens TRL trains on
         ours = tokenize_pair(tok, pair.prompt, pair.chosen, pair.rejected)
         assert ours == {k: example[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
-
-
-def long_response(tokenizer, tokens: int) -> str:
-    """A response of exactly ``tokens`` tokens (without its end token) in ``tokenizer``."""
-    base = len(tokenizer("Ben has", add_special_tokens=False)["input_ids"])
-    text = "Ben has" + " apples" * (tokens - base)
-    assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) == tokens
-    return text
 
 
 def test_dpo_trains_on_the_ids_generation_decoded_from_with_one_bos(tiny_llama3_bos, tmp_path):
@@ -125,7 +98,7 @@ def test_dpo_trains_on_the_ids_generation_decoded_from_with_one_bos(tiny_llama3_
     tok = policy.tokenizer
     assert tok("x")["input_ids"][0] == tok.bos_token_id  # the fixture adds a BOS, as Llama-3's tokenizer does
     pairs = make_pairs(tok, 2)
-    trainer = build_trainer(policy, pairs, FAST, tmp_path / "unused")
+    trainer = build_trainer(policy, pairs, DPO_FAST, tmp_path / "unused")
     for example, pair in zip(trainer.train_dataset, pairs.itertuples(), strict=True):
         prompt_ids = encode_prompt(policy, pair.prompt)[0].tolist()  # what the policy decoded from
         assert prompt_ids[0] == tok.bos_token_id
@@ -148,13 +121,14 @@ def test_a_pair_too_long_for_max_length_is_dropped_and_counted_never_cut(policy,
     pairs.loc[0, "chosen"] = long_response(tok, 512)
     prompt_ids = tok(pairs["prompt"][0], add_special_tokens=False)["input_ids"]
     fitting = len(prompt_ids) + 512 + 1  # the prompt, the response and its end token
-    trainer = build_trainer(policy, pairs, replace(FAST, max_length=fitting), tmp_path / "unused")
+    trainer = build_trainer(policy, pairs, DPO_FAST.model_copy(update={"max_length": fitting}), tmp_path / "unused")
     example = trainer.train_dataset[0]
     collate = DataCollatorForPreference(pad_token_id=tok.pad_token_id, max_length=fitting)  # TRL's own
     chosen = collate([example])["input_ids"][0].tolist()
     assert len(chosen) == fitting and chosen[-1] == tok.eos_token_id
 
-    metrics = train_dpo(policy, pairs, replace(FAST, max_length=fitting - 1, epochs=1), tmp_path / "dpo")
+    metrics = train_dpo(policy, pairs, DPO_FAST.model_copy(update={"max_length": fitting - 1, "epochs": 1}),
+                        tmp_path / "dpo")
     assert (metrics["num_pairs"], metrics["num_pairs_dropped_too_long"]) == (2, 1)
     with pytest.raises(ValueError, match="longer than max_length"):  # evaluation never cuts either
         pair_logps(policy.model, tok, pairs, max_length=fitting - 1)
@@ -176,8 +150,9 @@ def test_preference_accuracy_against_hand_worked_margins():
 
 
 def _stage_config(root: Path, tiny_llama: Path, num_pairs: int):
-    cfg = parse_config(tiny_params(root, tiny_llama, dpo=asdict(FAST), reward={"eval_fraction": 0.25}), root=root)
-    spec = component(PolicySpec, cfg.policy)
+    cfg = parse_config(tiny_params(root, tiny_llama, dpo=DPO_FAST.model_dump(), reward={"eval_fraction": 0.25}),
+                       root=root)
+    spec = cfg.policy
     prepare_policy(spec, cfg.path(cfg.paths.policy_dir))
     tokenizer = load_pretrained(tiny_llama, spec).tokenizer
     write_table(make_pairs(tokenizer, num_pairs), cfg.path(cfg.paths.pairs))
@@ -218,26 +193,30 @@ def test_dpo_trains_on_best_worst_pairs_unless_all_are_asked_for(tiny_llama, tmp
     clearly under ``best_worst``."""
     from prefect.logging import disable_run_logger
 
-    import models.sla.dpo
+    import tasks.sla
     from tasks.sla import dpo_task
 
     cfg, _ = _stage_config(tmp_path, tiny_llama, num_pairs=8)
     pairs = make_pairs(load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="float32")).tokenizer, 8)
     second = pairs.assign(rejected="I do not know.", best_worst=False)
     write_table(pd.concat([pairs, second], ignore_index=True), cfg.path(cfg.paths.pairs))
-    trained_on = []
+    trained_on, trainings = [], []
 
     def fake_train_dpo(policy, train_pairs, training, out_dir):  # records the pairs; saves the policy untouched
         trained_on.append(train_pairs)
+        trainings.append(training)
         policy.model.save_pretrained(out_dir)
         policy.tokenizer.save_pretrained(out_dir)
         return {"num_pairs": len(train_pairs), "num_pairs_dropped_too_long": 0}
 
-    monkeypatch.setattr(models.sla.dpo, "train_dpo", fake_train_dpo)
+    monkeypatch.setattr(tasks.sla, "train_dpo", fake_train_dpo)
     with disable_run_logger():
         best_worst = dpo_task.fn(cfg).metrics
         everything = dpo_task.fn(cfg.model_copy(update={"dpo": cfg.dpo.model_copy(update={"pairs": "all"})})).metrics
     assert len(trained_on[0]) == 6 and trained_on[0]["best_worst"].all()  # 6 training prompts, one pair each
+    # the dpo section is the DPOTraining handed to train_dpo: its keys (DPO_FAST's, not the defaults) reach it
+    assert isinstance(trainings[0], DPOTraining) and trainings[0].model_dump() == cfg.dpo.model_dump()
+    assert trainings[0].learning_rate == DPO_FAST.learning_rate != DPOTraining().learning_rate
     assert len(trained_on[1]) == 12 and trained_on[1]["prompt_id"].nunique() == 6
     assert best_worst["num_heldout"] == everything["num_heldout"] == 4  # the 2 held-out prompts' pairs, all
     assert best_worst["num_heldout_prompts"] == 2
@@ -289,7 +268,8 @@ def test_bf16_policy_trains_and_saves_a_plain_bf16_model(tiny_llama, tmp_path, l
     cache the Trainer switches off is on again in the saved config."""
     policy = load_pretrained(tiny_llama, PolicySpec(device="cpu", dtype="bfloat16"))
     initial = {k: v.clone() for k, v in policy.model.state_dict().items()}
-    cfg = replace(FAST, epochs=1, lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing)
+    cfg = DPO_FAST.model_copy(update={"epochs": 1, "lora_rank": lora_rank,
+                                  "gradient_checkpointing": gradient_checkpointing})
     metrics = train_dpo(policy, make_pairs(policy.tokenizer, 4), cfg, tmp_path / "dpo")
     assert metrics["loss_first"] == pytest.approx(math.log(2), abs=1e-3)  # step 1: policy = reference
     assert metrics["steps"] == 2 and math.isfinite(metrics["loss_last"])
@@ -305,7 +285,8 @@ def test_lora_trains_adapters_only_and_the_reference_is_the_model_with_adapters_
     from models.common.lora import adapters_disabled, is_lora
 
     pairs = make_pairs(policy.tokenizer, 4)
-    trainer = build_trainer(policy, pairs, replace(FAST, epochs=1, lora_rank=4), tmp_path / "unused")
+    trainer = build_trainer(policy, pairs, DPO_FAST.model_copy(update={"epochs": 1, "lora_rank": 4}),
+                            tmp_path / "unused")
     assert trainer.ref_model is None and is_lora(trainer.model)
     initial = {k: v.clone() for k, v in trainer.model.named_parameters()}
     trained_names = {k for k, v in trainer.model.named_parameters() if v.requires_grad}
@@ -332,7 +313,7 @@ def test_dpo_step_on_the_gpu_in_bf16(tiny_llama, tmp_path, lora_rank):
     """One DPO step on CUDA with the policy in bf16 (autocast, float32 master weights or adapters), saved bf16."""
     policy = load_pretrained(tiny_llama, PolicySpec(device="cuda", dtype="bfloat16"))
     initial = {k: v.cpu().clone() for k, v in policy.model.state_dict().items()}
-    cfg = replace(FAST, epochs=1, lora_rank=lora_rank, gradient_checkpointing=lora_rank > 0)
+    cfg = DPO_FAST.model_copy(update={"epochs": 1, "lora_rank": lora_rank, "gradient_checkpointing": lora_rank > 0})
     metrics = train_dpo(policy, make_pairs(policy.tokenizer, 2), cfg, tmp_path / "dpo")
     assert metrics["steps"] == 1 and metrics["loss_first"] == pytest.approx(math.log(2), abs=1e-2)
     _saved_policy_checks(tmp_path / "dpo", initial, torch.bfloat16)

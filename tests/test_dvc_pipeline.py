@@ -21,9 +21,8 @@ import pytest
 import yaml
 
 import foresight.stages
-from tests.conftest import make_dvc_repo, tiny_params
+from tests.helpers import make_dvc_repo, subprocess_env, tiny_params
 
-REPO = Path(__file__).resolve().parent.parent
 STAGES = [stage.name for stage in foresight.stages.STAGES]  # every stage's run checks its declared reads
 NUM_TRAIN, NUM_SAMPLES = 6, 3
 RUNNING = re.compile(r"Running stage '([^']+)'")
@@ -64,11 +63,7 @@ def dvc_repo(tmp_path_factory, tiny_llama, tiny_armorm, prefect_server):
                          validate={"min_response_chars": 0},
                          tracking={"large_file_mb": 0.05})  # the tiny policies' weights (60-120 kB) are large
     # MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL: every second (default 10), for the tiny stages to have some
-    env = dict(os.environ, PREFECT_API_URL=prefect_server, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               GIT_AUTHOR_NAME="test", GIT_AUTHOR_EMAIL="test@example.com",
-               GIT_COMMITTER_NAME="test", GIT_COMMITTER_EMAIL="test@example.com")
-    env.pop("FORESIGHT_MLFLOW_PARENT_RUN_ID", None)
+    env = subprocess_env(PREFECT_API_URL=prefect_server, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1")
     make_dvc_repo(repo, params, env, remote)
     yield repo, remote, env
 

@@ -32,7 +32,7 @@ from foresight.storage import read_table
 from models.engine.config import PolicySpec, Sampling
 from models.engine.generation import Completion
 from models.engine.vllm_sampling import WORKER, VLLMSampler, sampling_params, vllm_completions, worker_environment
-from tests.conftest import tiny_params
+from tests.helpers import tiny_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ import os, signal, sys
 from prefect.logging import disable_run_logger
 from foresight.config import load_config
 from foresight.shards import ShardStore
-from tasks.data import generate_task
+from tasks.generate import generate_task
 
 write, written = ShardStore.write, []
 def write_then_die(self, unit, table):
@@ -61,7 +61,8 @@ def _project(root: Path, tiny_llama: Path, **generate) -> Path:
     """A project under ``root`` with the tiny policy prepared and 7 training prompts split: 4 batches of 2."""
     from prefect.logging import disable_run_logger
 
-    from tasks.data import prepare_policy_task, prepare_prompts_task
+    from tasks.policy import prepare_policy_task
+    from tasks.prompts import prepare_prompts_task
 
     params = tiny_params(root, tiny_llama, prompts={"num_train": 7, "num_eval": 2},
                          generate={"batch_size": 2, "num_samples": 2, "max_new_tokens": 10, **generate})
@@ -78,7 +79,7 @@ def _project(root: Path, tiny_llama: Path, **generate) -> Path:
 def _generate(params_path: Path):
     from prefect.logging import disable_run_logger
 
-    from tasks.data import generate_task
+    from tasks.generate import generate_task
 
     with disable_run_logger():
         return generate_task.fn(load_config(params_path))
@@ -460,7 +461,7 @@ def test_generation_in_two_processes_writes_the_one_process_table(tiny_llama, tm
 
     twice = _project(tmp_path / "twice", tiny_llama)
     launch = ("import sys; from prefect.logging import disable_run_logger; from foresight.config import load_config; "
-              "from tasks.data import generate_task\nwith disable_run_logger():\n"
+              "from tasks.generate import generate_task\nwith disable_run_logger():\n"
               "    print('RESULT', generate_task.fn(load_config(sys.argv[1])).metrics)")
     script = tmp_path / "launch_generate.py"
     script.write_text(launch)
@@ -479,7 +480,8 @@ def _budget_project(root: Path, tiny_llama: Path) -> Path:
     prompts under a token budget that fits three short prompts but not a long one beside them."""
     from prefect.logging import disable_run_logger
 
-    from tasks.data import prepare_policy_task, prepare_prompts_task
+    from tasks.policy import prepare_policy_task
+    from tasks.prompts import prepare_prompts_task
 
     short = [f"{name} has {n} apples. How many apples does {name} have?" for name, n in
              (("Ben", 2), ("Ivy", 3), ("Ava", 4), ("Omar", 5), ("Emma", 6), ("Hugo", 7))]
@@ -507,7 +509,7 @@ def test_a_token_budget_forms_the_same_batches_in_a_resumed_run(tiny_llama, tmp_
 
     from foresight.prompts import prompt_token_counts
     from models.engine.generation import batch_plan, batch_tokens
-    from tasks.data import read_prompts
+    from tasks.common import read_prompts
 
     uninterrupted = _budget_project(tmp_path / "once", tiny_llama)
     with caplog.at_level(logging.WARNING):

@@ -11,7 +11,9 @@ import torch
 from prefect import flow
 
 from flows.pipeline import reproduce_task
-from tasks.data import GPU_TAG, gpu_task, is_transient_cuda_error
+from foresight.stages import GPU_TAG
+from tasks.common import gpu_task, is_transient_cuda_error
+from tests.helpers import make_dvc_repo, subprocess_env, tiny_params
 
 
 def _flaky(error: Exception, attempts: list[int]):
@@ -53,6 +55,8 @@ def test_only_stage_tasks_take_gpu_slots():
     assert GPU_TAG not in reproduce_task.tags
     gpu_stages = {stage.name for stage in STAGES if GPU_TAG in _task(stage).tags}
     assert gpu_stages == set(STAGE_FLOWS) - {"prepare_policy", "prepare_prompts", "validate"}
+    # the stage table's flag (what deployments and the README read) says the same as the tasks' tags
+    assert gpu_stages == {stage.name for stage in STAGES if stage.gpu}
 
 
 def test_deployments_on_work_pools(prefect_server, tmp_path):
@@ -63,7 +67,7 @@ def test_deployments_on_work_pools(prefect_server, tmp_path):
     from prefect.client.schemas.actions import WorkPoolCreate
 
     from flows.serve import ROOT
-    from foresight.cli import main
+    from flows.cli import main
     from foresight.stages import STAGES
 
     with get_client(sync_client=True) as client:
@@ -124,15 +128,10 @@ def test_workers_run_two_deployments_at_once_through_dvc(prefect_server, tmp_pat
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.deployments import run_deployment
 
-    from foresight.cli import main
-    from tests.conftest import make_dvc_repo, tiny_params
+    from flows.cli import main
 
     repo, remote = tmp_path / "repo", tmp_path / "remote"
-    env = dict(os.environ, PREFECT_API_URL=prefect_server, PREFECT_WORKER_QUERY_SECONDS="1",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               GIT_AUTHOR_NAME="test", GIT_AUTHOR_EMAIL="test@example.com",
-               GIT_COMMITTER_NAME="test", GIT_COMMITTER_EMAIL="test@example.com")
-    env.pop("FORESIGHT_MLFLOW_PARENT_RUN_ID", None)
+    env = subprocess_env(PREFECT_API_URL=prefect_server, PREFECT_WORKER_QUERY_SECONDS="1")
     make_dvc_repo(repo, tiny_params(repo, tiny_llama, prompts={"num_train": 5, "num_eval": 3}), env, remote)
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name="worker-test-pool", type="process"), overwrite=True)
@@ -185,7 +184,7 @@ def test_workers_run_two_deployments_at_once_through_dvc(prefect_server, tmp_pat
     # another machine: a clone with the committed (empty) dvc.lock and only the remote in common
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(repo), str(clone)], env=env, check=True)
-    result = subprocess.run([sys.executable, "-m", "foresight.cli", "run", "prepare_prompts",
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "run", "prepare_prompts",
                              "--params", str(clone / "params.yaml")], cwd=clone, env=env, capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from models.common.sequences import padding_id
+from models.engine.config import Adaptation
 from models.engine.speculative import SpeculativeStats
 from models.labeling.config import LabelerSpec
 from models.labeling.labelers import LabelerError, build_labeler
@@ -38,6 +39,7 @@ from models.mtp.rl import (
     train_variant,
     variant,
 )
+from tests.helpers import perturbed_module
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ("What is 2 + 3?", "Ben has 4 apples. How many apples?")
@@ -231,6 +233,21 @@ def test_rewards_with_a_spread_move_the_policy(policy, name):
     assert policy_changed
 
 
+def _assert_drafting_counts(h: dict, depths: int) -> None:
+    """A drafted step's counters checked against each other, by hand: each policy forward of a row (prefill, plain
+    step or draft–verify cycle) emits one token, a cycle its accepted drafts besides, so the rollout tokens beyond
+    one per forward are τ − 1 per cycle; each cycle offers the module's ``depths`` chained drafts; the accepted
+    drafts are the cycles' tokens beyond their bonus token, plus at most one per row (its last cycle, which an end
+    token or the length limit cut before the bonus)."""
+    rollouts = h["rollouts"]
+    cycles, forwards = h["cycles"], sum(r["forwards"] for r in rollouts)
+    accepted, drafted = sum(r["accepted"] for r in rollouts), sum(r["drafted"] for r in rollouts)
+    assert cycles > 0 and drafted == depths * cycles and h["tau"] <= 1 + depths
+    assert h["rollout_tokens"] - forwards == pytest.approx((h["tau"] - 1) * cycles)
+    beyond_bonus = sum(r["cycle_tokens"] for r in rollouts) - cycles
+    assert 0 <= accepted - beyond_bonus <= sum(r["rows"] for r in rollouts)
+
+
 def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
     from models.engine.config import PolicySpec
     from models.engine.generation import end_token_ids
@@ -257,7 +274,7 @@ def test_every_variant_runs_a_short_rl_loop(policy, tiny_llama):
             assert h["tokens_per_forward"] == pytest.approx(h["rollout_tokens"] / sum(r["forwards"] for r in rollouts))
             assert h["nonzero_advantage_share"] in (0.0, 1.0)  # one group
             if var.drafts:
-                assert h["tau"] >= 1 and 0 <= h["acceptance_rate"] <= 1
+                _assert_drafting_counts(h, 2)
                 assert sum(r["cycles"] for r in rollouts) == h["cycles"]
                 assert h["tau"] == pytest.approx(sum(r["cycle_tokens"] for r in rollouts) / h["cycles"])
                 assert h["acceptance_rate"] == pytest.approx(sum(r["accepted"] for r in rollouts)
@@ -381,7 +398,7 @@ def test_nonzero_advantage_share_and_tokens_per_forward_per_step_by_hand(policy)
 def test_a_step_at_the_default_learning_rate_changes_every_parameter(policy):
     """TRL's check of a training step (its tests compare every parameter before and after): one vanilla GRPO step at
     the pipeline's default policy learning rate, on rewards with a spread, moves every weight tensor."""
-    from foresight.config import MTPRLConfig
+    from models.mtp.config import MTPRLConfig
 
     cfg = MTPRLTraining(steps=1, group_size=2, max_new_tokens=6, learning_rate=MTPRLConfig().learning_rate)
     before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
@@ -395,7 +412,7 @@ def test_a_step_at_the_default_learning_rate_moves_much_of_a_bfloat16_policy(tin
     """The policy samples in bf16, rounded from its float32 master weights: an update far below a weight's bf16
     spacing leaves it as it was. One step at the default rate changes over a fifth of the tiny bf16 policy's
     weights (measured: 30 % at 3e-5, 16 % at 1e-5, 3.8 % at the former default 2e-6)."""
-    from foresight.config import MTPRLConfig
+    from models.mtp.config import MTPRLConfig
 
     policy = _load(tiny_llama, dtype="bfloat16")
     cfg = MTPRLTraining(steps=1, group_size=2, max_new_tokens=6, learning_rate=MTPRLConfig().learning_rate)
@@ -565,9 +582,8 @@ def test_a_drafted_rollout_does_not_depend_on_its_batch(policy, draft_temperatur
     one at a time, two by two or all six together are the same tokens (always drafting; an adaptive batch decides
     for all its rows at once); vanilla rollouts too are sampled as batches."""
     from models.engine.generation import end_token_ids
-    from tests.test_mtp import _perturbed_module
 
-    module = _perturbed_module(policy.model, 2, scale=0.0)
+    module = perturbed_module(policy.model, 2, scale=0.0)
     prompts, eos = _prompts(policy.tokenizer), end_token_ids(policy)
 
     def rollouts(batch_size: int | None, drafts: bool = True):
@@ -677,7 +693,7 @@ def test_a_reward_model_rewards_prompts_without_answers(policy, tiny_classifier)
     # a fixed cycle cost: the adaptive decisions (carried across a call's rollouts) then depend on acceptance alone,
     # so the step redraws exactly the reference's rollouts; a measured cost would make them depend on timing
     cfg = MTPRLTraining(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=6, learning_rate=1e-2,
-                        mtp_learning_rate=1e-2, cycle_cost=2.0)
+                        mtp_learning_rate=1e-2, adaptation=Adaptation(cycle_cost=2.0))
     module = MTPModule(policy.model, MTPModuleConfig(2))
     prompts, eos = _prompts(policy.tokenizer), end_token_ids(policy)
     reference = collect_rollouts(policy.model, policy.tokenizer, module, prompts, QUESTIONS, [None, None],
@@ -709,7 +725,9 @@ def test_every_variant_rolls_out_and_updates_on_cuda_in_bfloat16(tiny_llama, nam
     prompts = [ids.cuda() for ids in _prompts(policy.tokenizer)[:1]]
     history = train_variant(policy, module, var, prompts, QUESTIONS[:1], ["5"], VERIFIABLE, cfg, [0.6, 0.4],
                             end_token_ids_of(policy.model, policy.tokenizer))
-    assert history[0]["rollout_tokens"] > 0 and (history[0]["tau"] >= 1 if var.drafts else True)
+    assert history[0]["rollout_tokens"] > 0
+    if var.drafts:  # the drafted rollouts' counters add up as on the CPU
+        _assert_drafting_counts(history[0], 2)
     params = list(policy.model.parameters()) + (list(module.parameters()) if module is not None else [])
     assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in params)
     if var.trains_module:

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.conftest import make_dvc_repo, tiny_params
+from tests.helpers import make_dvc_repo, subprocess_env, tiny_params
 
 INTERRUPT_BOUND_S = 30  # measured 4-5 s on a loaded 2-core CPU; the old code took minutes (its API died with it)
 
@@ -43,17 +43,14 @@ def test_ctrl_c_stops_promptly_marks_runs_and_keeps_outputs(tmp_path, tiny_llama
     # uninterrupted on an idle 2-core CPU (6 prompts, 13 s, could end before the interrupt reached it)
     params = tiny_params(repo, tiny_llama, prompts={"num_train": 48, "num_eval": 2},
                          generate={"num_samples": 16, "max_new_tokens": 192, "batch_size": 1})
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith("PREFECT_API_") and key != "FORESIGHT_MLFLOW_PARENT_RUN_ID"}
-    # its own PREFECT_HOME: the temporary API's database, read below, and a marker to find its processes by
-    env.update(PREFECT_HOME=str(home), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               GIT_AUTHOR_NAME="test", GIT_AUTHOR_EMAIL="test@example.com", GIT_COMMITTER_NAME="test",
-               GIT_COMMITTER_EMAIL="test@example.com")
+    # no Prefect API named (foresight starts a temporary one) and its own PREFECT_HOME: the temporary API's database,
+    # read below, and a marker to find its processes by
+    env = subprocess_env(PREFECT_HOME=str(home))
     make_dvc_repo(repo, params, env)
 
     # SIGINT at its default, as in a terminal's foreground job: a process that inherits it ignored (pytest-xdist's
     # workers ignore it; so does a shell for its background jobs) keeps it ignored, Python included
-    proc = subprocess.Popen([sys.executable, "-m", "foresight.cli", "run", "generate"], cwd=repo, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "generate"], cwd=repo, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
@@ -62,7 +59,7 @@ def test_ctrl_c_stops_promptly_marks_runs_and_keeps_outputs(tmp_path, tiny_llama
     def read() -> None:
         for line in proc.stdout:
             lines.append(line)
-            if "sampling " in line:  # tasks/data.py: the generate stage's sampling loop has begun
+            if "sampling " in line:  # tasks/generate.py: the generate stage's sampling loop has begun
                 started.set()
 
     reader = threading.Thread(target=read, daemon=True)
@@ -111,7 +108,7 @@ def test_ctrl_c_stops_promptly_marks_runs_and_keeps_outputs(tmp_path, tiny_llama
 
     # and a run that finishes, through a temporary API of its own, ends cleanly: nothing is sent after it stops
     started = time.monotonic()
-    rerun = subprocess.run([sys.executable, "-m", "foresight.cli", "run", "prepare_prompts"], cwd=repo, env=env,
+    rerun = subprocess.run([sys.executable, "-m", "flows.cli", "run", "prepare_prompts"], cwd=repo, env=env,
                            capture_output=True, text=True, timeout=300)
     print(f"an up-to-date `foresight run prepare_prompts`: {time.monotonic() - started:.1f} s")
     output = rerun.stdout + rerun.stderr

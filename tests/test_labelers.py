@@ -4,14 +4,13 @@ objectives), HF sequence classifiers, remote code only by explicit opt-in, and r
 The answer reading itself is tested in tests/test_answers.py, ArmoRM's forward against the published one in
 tests/test_armorm.py."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from foresight.config import parse_config
 from models.labeling.config import LabelerSpec
 from models.labeling.labelers import LabelerError, build_labeler
+from tests.helpers import tiny_params
 
 QUESTIONS = ["Ben has 4 apples. How many?", "What is 2 + 3?", "Ivy has 3 cookies and gives 1 of them to Omar.",
              "Sum 1 and 1"]
@@ -71,7 +70,7 @@ def test_armorm_labeler_scores_are_the_native_models_in_the_rows_order(tiny_armo
         assert rewards == pytest.approx(alone.rewards[0].tolist(), abs=1e-5)
     assert len(set(scores)) == 4 and len(objectives[0]) == labeler.model.regression_layer.out_features
     # a batch of one gives the same scores
-    assert build_labeler(replace(cfg, batch_size=1)).score(QUESTIONS, RESPONSES, [None] * 4) == pytest.approx(
+    assert build_labeler(cfg.model_copy(update={"batch_size": 1})).score(QUESTIONS, RESPONSES, [None] * 4) == pytest.approx(
         scores, abs=1e-5)
 
 
@@ -170,8 +169,7 @@ def test_the_label_stage_credits_a_cut_sample_only_for_a_marked_answer(tiny_llam
     from foresight.config import load_config
     from foresight.pairs import SAMPLE_COLUMNS
     from foresight.storage import read_table, write_table
-    from tasks.data import label_task
-    from tests.conftest import tiny_params
+    from tasks.label import label_task
 
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params(tmp_path, tiny_llama)))
     cfg = load_config(tmp_path / "params.yaml")
@@ -190,3 +188,33 @@ def test_the_label_stage_credits_a_cut_sample_only_for_a_marked_answer(tiny_llam
     assert scores["correct"].tolist() == [True, False, True]
     assert [None if pd.isna(a) else a for a in scores["extracted_answer"]] == ["6", None, "6"]
     assert metrics["sample_accuracy"] == pytest.approx(2 / 3)
+
+
+def test_the_label_section_is_the_labeler_spec_and_its_keys_reach_the_labeler(tiny_llama, tmp_path, monkeypatch):
+    """``label`` is-a LabelerSpec, handed to :func:`build_labeler` as it is (no copy that could drop a key): a
+    params.yaml key naming a LabelerSpec field reaches the labeler."""
+    import pandas as pd
+    import yaml
+    from prefect.logging import disable_run_logger
+
+    import tasks.label as task
+    from foresight.config import load_config
+    from models.labeling.config import LabelConfig
+
+    class Handed(Exception):
+        pass
+
+    def built(spec):
+        handed.append(spec)
+        raise Handed
+
+    assert issubclass(LabelConfig, LabelerSpec)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params(tmp_path, tiny_llama)))
+    cfg = load_config(tmp_path / "params.yaml", {"label.batch_size": 3, "label.score_max": 5.0})
+    handed = []
+    monkeypatch.setattr(task, "read_table", lambda path, name: pd.DataFrame({"prompt_id": ["p"], "answer": ["6"]}))
+    monkeypatch.setattr(task, "build_labeler", built)
+    with disable_run_logger(), pytest.raises(Handed):
+        task.label_task.fn(cfg)
+    assert isinstance(handed[0], LabelerSpec) and (handed[0].batch_size, handed[0].score_range) == (3, (0.0, 1.0))
+    assert handed[0].score_max == 5.0

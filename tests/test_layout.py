@@ -78,3 +78,29 @@ def test_loading_the_params_loads_no_model_code():
              " and m.count('.') > 1))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+FLOORS = ("models", "foresight", "tasks", "flows")
+"""The packages from the ground up: a module imports its own floor and the ones below, never one above (the CLI is
+``flows/cli.py``, on the top floor)."""
+
+
+def test_imports_go_one_way_and_the_module_graph_has_no_cycle():
+    import graphlib
+
+    graph: dict[str, set[str]] = {}
+    upward = []
+    for floor, package in enumerate(FLOORS):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            for module in imported_modules(path):
+                top = module.split(".")[0]
+                if top in FLOORS:
+                    graph.setdefault(name, set()).add(module)
+                    if FLOORS.index(top) > floor:
+                        upward.append(f"{name} imports {module}")
+    assert upward == []
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
+    # negative control: the checker sees an upward import and a cycle
+    with pytest.raises(graphlib.CycleError):
+        graphlib.TopologicalSorter({"a": {"b"}, "b": {"a"}}).prepare()

@@ -11,15 +11,17 @@ import pytest
 import torch
 
 from models.common.splits import split_by_prompt
+from models.engine.decoding import greedy_responses
 from models.engine.policy import Policy
 from models.engine.speculative import chain_tree
 from models.medusa.config import MedusaTraining, RLMedusaCandidates
 from models.medusa.heads import IGNORE_INDEX, MedusaDrafter, MedusaHeads, heads_for, medusa_loss
+from models.medusa.rlmedusa import TrajectoryStates, sample_candidates, trajectory_candidates
 from models.medusa.training import (
+    HiddenStates,
     _head_targets,
     evaluate_heads,
-    greedy_responses,
-    sample_candidates,
+    pass_autocast,
     self_distill,
     train_medusa_heads,
 )
@@ -119,8 +121,7 @@ def test_head_accuracies_per_rank():
 
     head_logits = torch.tensor([[[0.0, 3.0, 2.0, 1.0]], [[3.0, 2.0, 1.0, 0.0]], [[0.0, 1.0, 2.0, 3.0]]])  # (3, 1, 4)
     targets = torch.tensor([[1], [1], [IGNORE_INDEX]])  # rank 0 at the first position, rank 1 at the second
-    empty = torch.zeros(0, dtype=torch.long)
-    data = DistilledStates(HiddenStates(torch.zeros(3, 2)), targets, torch.zeros(3, dtype=torch.long), empty, empty, empty)
+    data = DistilledStates(HiddenStates(torch.zeros(3, 2)), targets, torch.zeros(3, dtype=torch.long))
     lm_head = torch.nn.Linear(2, 4)
     accuracy = evaluate_heads(lambda hidden, _: head_logits[: len(hidden)], lm_head, data, top_k=2, ranks=3)
     assert accuracy == {"top1": [0.5], "top2": [1.0], "rank_accuracy": [[0.5, 0.5, 0.0]]}
@@ -152,7 +153,8 @@ def test_sample_candidates_mix():
 def test_self_distill_targets_and_states_match_a_plain_forward(policy, samples, tmp_path):
     cfg = MedusaTraining(num_heads=2, distill_batch_size=3, mixed_precision="no")
     rl_cfg = RLMedusaCandidates(trajectory_tokens=4, top_candidates=2, top_pool=10, random_candidates=3)
-    data = self_distill(policy, samples, cfg, rl_cfg, tmp_path)
+    data = self_distill(policy, samples, cfg, tmp_path)
+    rl = trajectory_candidates(data, policy.model.get_output_embeddings(), rl_cfg, seed=0, mixed_precision="no")
     from models.common.sequences import tokenize_sequence
 
     row, done = 0, 0
@@ -168,13 +170,87 @@ def test_self_distill_targets_and_states_match_a_plain_forward(policy, samples, 
         assert (data.sample[row : row + n] == i).all()
         # trajectory states: the first min(4, n − 1) positions, candidates scored by p(x_{t+2} | x_{≤t+1})
         steps = min(4, n - 1)
-        assert data.rl_rows[done : done + steps].tolist() == list(range(row, row + steps))
+        assert rl.rows[done : done + steps].tolist() == list(range(row, row + steps))
+        assert (rl.sample[done : done + steps] == i).all()
         probs = torch.softmax(out.logits[0, first : first + steps], dim=-1)
-        torch.testing.assert_close(data.rl_probs[done : done + steps],
-                                   probs.gather(1, data.rl_candidates[done : done + steps]), rtol=0, atol=1e-6)
-        assert (data.rl_candidates[done : done + steps, 0] == probs.argmax(-1)).all()
+        torch.testing.assert_close(rl.probs[done : done + steps],
+                                   probs.gather(1, rl.candidates[done : done + steps]), rtol=0, atol=1e-6)
+        assert (rl.candidates[done : done + steps, 0] == probs.argmax(-1)).all()
         row, done = row + n, done + steps
-    assert row == len(data.hidden) and done == len(data.rl_rows)
+    assert row == len(data.hidden) and done == len(rl.rows)
+
+
+def _in_pass_candidates(policy: Policy, samples: pd.DataFrame, cfg: MedusaTraining, rl_cfg: RLMedusaCandidates,
+                        seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RLMedusa's candidates as the frozen pass drew them before the ``distill`` stage: inside the pass, from its
+    batch forward's states, one response after another with one generator (rows, candidates, probabilities)."""
+    from models.common.sequences import fits, padding_id, right_pad, sft_sequences
+
+    tok, model = policy.tokenizer, policy.model
+    lm_head = model.get_output_embeddings()
+    generator = torch.Generator().manual_seed(seed)
+    sequences = sft_sequences(tok, samples)
+    kept = [i for i, sequence in enumerate(sequences) if fits(sequence, cfg.max_length)]
+    rows, candidates, probabilities, rows_so_far = [], [], [], 0
+    for start in range(0, len(kept), cfg.distill_batch_size):
+        chunk = [sequences[i] for i in kept[start : start + cfg.distill_batch_size]]
+        batch = right_pad(chunk, padding_id(tok))
+        with torch.no_grad(), pass_autocast(policy.device, cfg.mixed_precision):
+            hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                                      ).last_hidden_state
+        for row, (ids, mask) in enumerate(chunk):
+            first = mask.index(1) if 1 in mask else len(ids)
+            positions = torch.arange(first - 1, len(ids) - 1)
+            if len(positions) == 0:
+                continue
+            with torch.no_grad(), pass_autocast(policy.device, cfg.mixed_precision):
+                logits = lm_head(hidden[row, positions])
+            steps = min(rl_cfg.trajectory_tokens, len(positions) - 1)
+            if steps > 0:
+                probs = torch.softmax(logits[1 : steps + 1].float(), dim=-1)
+                drawn = sample_candidates(probs, generator, rl_cfg.top_candidates, rl_cfg.top_pool,
+                                          rl_cfg.random_candidates)
+                rows.append(rows_so_far + torch.arange(steps))
+                candidates.append(drawn)
+                probabilities.append(probs.gather(1, drawn))
+            rows_so_far += len(positions)
+    return torch.cat(rows), torch.cat(candidates), torch.cat(probabilities)
+
+
+@pytest.mark.parametrize("dtype, mixed_precision", [(torch.float32, "no"), (torch.float32, "bf16"),
+                                                    (torch.bfloat16, "bf16")])
+def test_trajectory_candidates_are_the_in_pass_draw_bit_for_bit(tiny_llama, samples, tmp_path, dtype,
+                                                                mixed_precision):
+    """RLMedusa's candidates, drawn by train_rlmedusa over the frozen pass's cache, are exactly those the pass itself
+    drew before (same logits: the cache's states through the LM head under the pass's autocast, each response's rows
+    at once; same generator draws in the same order), whatever the policy's dtype and the autocast; the LM head of a
+    float32 copy of a bf16 pass's policy (a training stage's) gives them too; responses left out only take their
+    draws, the others' candidates unchanged."""
+    from transformers import AutoTokenizer
+
+    from tests.tiny import load_spiky_tiny_llama
+
+    policy = Policy(model=load_spiky_tiny_llama(tiny_llama, dtype=dtype),
+                    tokenizer=AutoTokenizer.from_pretrained(tiny_llama), device=torch.device("cpu"), name="tiny")
+    cfg = MedusaTraining(num_heads=2, distill_batch_size=3, mixed_precision=mixed_precision)
+    rl_cfg = RLMedusaCandidates(trajectory_tokens=4, top_candidates=2, top_pool=10, random_candidates=3)
+    data = self_distill(policy, samples, cfg, tmp_path)
+    rows, candidates, probs = _in_pass_candidates(policy, samples, cfg, rl_cfg, seed=5)
+    heads = [policy.model.get_output_embeddings()]
+    if dtype != torch.float32:
+        heads.append(load_spiky_tiny_llama(tiny_llama, dtype=torch.float32).get_output_embeddings())
+    for lm_head in heads:
+        drawn = trajectory_candidates(data, lm_head, rl_cfg, seed=5, mixed_precision=mixed_precision)
+        assert torch.equal(drawn.rows, rows) and torch.equal(drawn.candidates, candidates)
+        assert torch.equal(drawn.probs, probs)
+        wanted = torch.tensor([1, 4, 6])
+        some = trajectory_candidates(data, lm_head, rl_cfg, seed=5, mixed_precision=mixed_precision, samples=wanted)
+        keep = torch.isin(drawn.sample, wanted)
+        assert 0 < int(keep.sum()) < len(keep) and torch.equal(some.sample, drawn.sample[keep])
+        assert torch.equal(some.rows, rows[keep]) and torch.equal(some.candidates, candidates[keep])
+        assert torch.equal(some.probs, probs[keep])
+    other = trajectory_candidates(data, heads[0], rl_cfg, seed=6, mixed_precision=mixed_precision)
+    assert not torch.equal(other.candidates, candidates)  # rlmedusa.seed seeds the draw
 
 
 def test_self_distill_drops_responses_longer_than_max_length_and_counts_them(policy, samples, tmp_path):
@@ -187,8 +263,7 @@ def test_self_distill_drops_responses_longer_than_max_length_and_counts_them(pol
                for r in samples.itertuples()]
     max_length = sorted(set(lengths))[-2]  # the longest sequences do not fit
     cfg = MedusaTraining(num_heads=2, distill_batch_size=3, mixed_precision="no", max_length=max_length)
-    rl_cfg = RLMedusaCandidates(trajectory_tokens=4, top_candidates=2, top_pool=10, random_candidates=3)
-    data = self_distill(policy, samples, cfg, rl_cfg, tmp_path)
+    data = self_distill(policy, samples, cfg, tmp_path)
     fitting = [i for i, length in enumerate(lengths) if length <= max_length]
     assert 0 < len(fitting) < len(samples) and too_long_responses(tmp_path) == len(samples) - len(fitting)
     assert sorted(set(data.sample.tolist())) == fitting
@@ -212,7 +287,9 @@ def test_greedy_responses_are_the_policys_greedy_decoding(policy):
 
 def test_split_by_prompt_and_subset(policy, samples, tmp_path):
     cfg = MedusaTraining(num_heads=2, distill_batch_size=4, mixed_precision="no")
-    data = self_distill(policy, samples, cfg, RLMedusaCandidates(trajectory_tokens=3, top_pool=10), tmp_path)
+    data = self_distill(policy, samples, cfg, tmp_path)
+    rl = trajectory_candidates(data, policy.model.get_output_embeddings(), RLMedusaCandidates(trajectory_tokens=3,
+                               top_pool=10), seed=0, mixed_precision="no")
     train_rows, eval_rows = split_by_prompt(samples, eval_fraction=0.25, seed=0)
     assert len(eval_rows) == 2 and samples.iloc[eval_rows.tolist()]["prompt_id"].nunique() == 1
     assert not set(samples.iloc[train_rows.tolist()]["prompt_id"]) & set(samples.iloc[eval_rows.tolist()]["prompt_id"])
@@ -220,15 +297,17 @@ def test_split_by_prompt_and_subset(policy, samples, tmp_path):
     assert set(held_out.sample.tolist()) == set(eval_rows.tolist())
     expected = data.hidden[torch.isin(data.sample, eval_rows)]
     torch.testing.assert_close(held_out.hidden[:], expected, rtol=0, atol=0)
-    # trajectory states still point at their own positions after re-indexing
-    keep = torch.isin(data.sample[data.rl_rows], eval_rows)
-    torch.testing.assert_close(held_out.hidden[held_out.rl_rows], data.hidden[data.rl_rows[keep]], rtol=0, atol=0)
+    # the held-out trajectory states: those of the held-out responses, rows of the whole cache
+    held_out_states = rl.subset(eval_rows)
+    assert set(held_out_states.sample.tolist()) == set(eval_rows.tolist())
+    assert torch.equal(data.sample[held_out_states.rows], held_out_states.sample)
+    torch.testing.assert_close(held_out_states.states(data)[:], data.hidden[held_out_states.rows], rtol=0, atol=0)
 
 
 def test_training_changes_the_heads_not_the_backbone_and_lowers_the_loss(policy, samples, tmp_path):
     cfg = MedusaTraining(num_heads=2, epochs=4, batch_size=8, learning_rate=1e-2, distill_batch_size=4,
                        mixed_precision="no", warmup_ratio=0.0)
-    data = self_distill(policy, samples, cfg, RLMedusaCandidates(trajectory_tokens=3, top_pool=10), tmp_path)
+    data = self_distill(policy, samples, cfg, tmp_path)
     backbone = {k: v.clone() for k, v in policy.model.state_dict().items()}
     lm_head = policy.model.get_output_embeddings()
     before = evaluate_heads(heads_for(policy.model, 2), lm_head, data)
@@ -310,7 +389,7 @@ def _medusa_end_to_end(policy: Policy, samples: pd.DataFrame, folder: Path) -> N
     assert accelerator.device.type == device.type
     cfg = MedusaTraining(num_heads=2, epochs=1, batch_size=16, learning_rate=1e-2, distill_batch_size=4,
                          mixed_precision="no")
-    data = self_distill(policy, samples, cfg, RLMedusaCandidates(trajectory_tokens=4, top_pool=10), folder / "cache")
+    data = self_distill(policy, samples, cfg, folder / "cache")
     # the cache keeps the policy's dtype on disk and is read through a memory map, not loaded into RAM
     assert data.hidden.dtype == dtype and data.hidden[:2].dtype == dtype
     hidden_size = policy.model.config.hidden_size
@@ -331,11 +410,12 @@ def _medusa_end_to_end(policy: Policy, samples: pd.DataFrame, folder: Path) -> N
 
     rl_cfg = RLMedusaTraining(reward_width=16, reward_epochs=2, reward_batch_size=8, num_actions=4, batch_size=8,
                               epochs=1, learning_rate=1e-2)
-    reward_model, losses = fit_reward_model(data.rl_states(), embed, data.rl_candidates, data.rl_probs, rl_cfg,
-                                            accelerator)
-    evaluation = evaluate_reward_model(reward_model, data.rl_states(), embed, data.rl_candidates, data.rl_probs)
+    rl = trajectory_candidates(data, lm_head, RLMedusaCandidates(trajectory_tokens=4, top_pool=10), rl_cfg.seed,
+                               cfg.mixed_precision)
+    reward_model, losses = fit_reward_model(rl.states(data), embed, rl.candidates, rl.probs, rl_cfg, accelerator)
+    evaluation = evaluate_reward_model(reward_model, rl.states(data), embed, rl.candidates, rl.probs)
     assert math.isfinite(evaluation["mse"]) and all(math.isfinite(x) for x in losses)
-    rl_heads, rl_history = train_rl_head(loaded, lm_head, reward_model, embed, data.rl_states(), rl_cfg, accelerator)
+    rl_heads, rl_history = train_rl_head(loaded, lm_head, reward_model, embed, rl.states(data), rl_cfg, accelerator)
     assert all(p.dtype == dtype and p.device.type == device.type for p in rl_heads.parameters())
     assert not torch.equal(rl_heads.blocks[0][0].linear.weight, loaded.blocks[0][0].linear.weight)  # head 1 learned
     assert torch.equal(rl_heads.blocks[1][0].linear.weight, loaded.blocks[1][0].linear.weight)
@@ -463,7 +543,7 @@ def test_divergences_report_the_margin_at_the_first_differing_token(spiky_policy
     float32 weights on disk — each compared with an independent forward over the whole greedy output."""
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
-    from tasks.data import load_stage_policy
+    from tasks.common import load_stage_policy
     from tasks.medusa import _DivergenceChecks
 
     cfg = _policy_cfg(spiky_policy_dir, tmp_path, dtype="bfloat16")
@@ -506,10 +586,14 @@ def test_divergences_report_the_margin_at_the_first_differing_token(spiky_policy
 
 
 def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spiky_policy_dir, tmp_path):
-    """train_medusa on task + general prompts, then benchmark_medusa on a float32 policy: each prompt set reported
-    separately, τ from the decoded outputs, greedy-verified (adaptive) Medusa identical to HF greedy everywhere."""
+    """distill and train_medusa on task + general prompts, then benchmark_medusa on a float32 policy: each prompt set
+    reported separately, τ from the decoded outputs, greedy-verified (adaptive) Medusa identical to HF greedy
+    everywhere."""
     from foresight.prompts import general_instructions
-    from tasks.data import drafter_split, sft_responses
+    from models.medusa.rlmedusa import trajectory_candidates
+    from tasks.common import load_stage_policy
+    from tasks.distilled import drafter_split, sft_responses
+    from tasks.distill import distill_task
     from tasks.medusa import (
         benchmark_medusa_task,
         candidate_tree,
@@ -527,15 +611,16 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
                                                                        lines=True)
     cfg = _policy_cfg(
         spiky_policy_dir, tmp_path,
-        medusa={"num_heads": 2, "epochs": 1, "batch_size": 16, "distill_batch_size": 4, "mixed_precision": "no",
-                "task_prompts": 6, "general_prompts": 3, "max_new_tokens": 8, "eval_fraction": 0.4},
+        distill={"batch_size": 4, "task_prompts": 6, "general_prompts": 3, "max_new_tokens": 8, "eval_fraction": 0.4},
+        medusa={"num_heads": 2, "epochs": 1, "batch_size": 16, "distill_batch_size": 4, "mixed_precision": "no"},
         rlmedusa={"trajectory_tokens": 4, "top_pool": 10},
         medusa_benchmark={"tree": [[0], [1], [0, 0]], "num_prompts": 3, "speed_prompts": 2, "general_prompts": 2,
                           "max_new_tokens": 8, "decoders": ["greedy", "prompt_lookup", "medusa_supervised"],
                           "curve_batch_sizes": [1, 2], "curve_batches": 2, "curve_sets": ["held_out", "general"]})
 
+    distilled = distill_task.fn(cfg)
     trained = train_medusa_task.fn(cfg)
-    responses = pd.read_parquet(tmp_path / "data/medusa/distilled/responses.parquet")
+    responses = pd.read_parquet(tmp_path / "data/distill/responses.parquet")
     general = general_instructions("train", 3)["question"].tolist()
     # the 4 training prompts, 2 further arithmetic problems (task_prompts 6), then the general instructions
     assert responses["prompt_set"].tolist() == ["task"] * 6 + ["general"] * 3
@@ -543,10 +628,10 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     assert all(q in p for q, p in zip(general, responses["prompt"][6:], strict=True))
     assert all("'The answer is <number>.'" in p for p in responses["prompt"][4:6])
     assert responses["prompt"][6].startswith("<|im_start|>user\n") and responses["prompt"][6].endswith("assistant\n")
-    assert (trained.metrics["num_task_responses"], trained.metrics["num_general_responses"]) == (6, 3)
-    assert trained.metrics["num_responses_dropped_too_long"] == 0
-    # prompts over the prompt limit: none here, counted per set all the same (read back from distilled/)
-    assert trained.metrics["dropped_long_prompts.further"] == trained.metrics["dropped_long_prompts.general"] == 0
+    assert (distilled.metrics["num_task_responses"], distilled.metrics["num_general_responses"]) == (6, 3)
+    assert trained.metrics["num_responses"] == 9 and trained.metrics["num_responses_dropped_too_long"] == 0
+    # prompts over the prompt limit: none here, counted per set all the same
+    assert distilled.metrics["dropped_long_prompts.further"] == distilled.metrics["dropped_long_prompts.general"] == 0
     # the further prompts' responses are the heads' alone: COrAL and the MTP module fine-tune on the others
     assert sft_responses(cfg, "distilled", "coral.data")["prompt_id"].tolist() == (
         responses["prompt_id"][~responses["further_prompt"]].tolist())
@@ -570,7 +655,9 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     data, train_rows, _ = load_distilled(cfg)
     kept = torch.tensor([row for row in train_rows.tolist() if not responses["further_prompt"][row]])
     assert 0 < len(kept) < len(train_rows)  # further prompts' responses are among the training split's, left out
-    assert rl.metrics["num_trajectory_states"] == int(torch.isin(data.sample[data.rl_rows], kept).sum()) > 0
+    states = trajectory_candidates(data, load_stage_policy(cfg, "base").model.get_output_embeddings(), cfg.rlmedusa,
+                                   cfg.rlmedusa.seed, cfg.medusa.mixed_precision)
+    assert rl.metrics["num_trajectory_states"] == int(torch.isin(states.sample, kept).sum()) > 0
     auto = cfg.model_copy(update={"medusa_benchmark": cfg.medusa_benchmark.model_copy(update={"tree": "auto",
                                                                                               "tree_size": 2})})
     assert [list(choice) for choice in candidate_tree(auto).choices] == sorted(
@@ -613,3 +700,91 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     assert curve.loc[curve["decoder"] == "greedy", "speedup_vs_reference"].isna().all()  # no ratio to itself
     assert (out / "speed_curve.png").is_file() and "## Speed against batch size" in report
     assert "held_out.medusa_supervised.batch2.speedup_vs_reference_low" in result.metrics
+
+
+class _Handed(Exception):
+    """Raised by a stand-in for model code: the task got as far as handing it its config."""
+
+
+def _handed_to(handed: dict, name: str):
+    """A stand-in for model code ``name`` that keeps its arguments in ``handed[name]`` and stops the task."""
+    def stand_in(*args):
+        handed[name] = args
+        raise _Handed(name)
+    return stand_in
+
+
+def test_medusa_sections_are_their_components_and_their_keys_reach_the_model_code(policy, samples, monkeypatch,
+                                                                                  tmp_path):
+    """Each section is-a component its task hands to the model code (no copy that could drop a key): a params.yaml
+    key naming a component field reaches the object the model code gets."""
+    import tasks.medusa as task
+    from foresight.config import load_config
+    from models.engine.config import TypicalAcceptance
+    from models.medusa.config import MedusaBenchmarkConfig, MedusaConfig, RLMedusaConfig, RLMedusaTraining
+
+    assert issubclass(MedusaConfig, MedusaTraining) and issubclass(MedusaBenchmarkConfig, TypicalAcceptance)
+    assert issubclass(RLMedusaConfig, RLMedusaCandidates) and issubclass(RLMedusaConfig, RLMedusaTraining)
+    cfg = load_config(Path(__file__).resolve().parent.parent / "params.yaml", {
+        "paths.medusa_dir": str(tmp_path / "medusa"), "medusa.num_heads": 3, "medusa.mixed_precision": "no",
+        "rlmedusa.top_pool": 7, "rlmedusa.beta": 0.25, "rlmedusa.seed": 3, "medusa_benchmark.acceptance": "typical",
+        "medusa_benchmark.typical_alpha": 0.5})
+    handed = {}
+    monkeypatch.setattr(task, "load_stage_policy", lambda *args, **kwargs: policy)
+
+    # train_medusa: the frozen pass gets medusa (MedusaTraining)
+    monkeypatch.setattr(task, "shared_distilled_responses", lambda *args, **kwargs: samples.assign(further_prompt=False))
+    monkeypatch.setattr(task, "self_distill", _handed_to(handed, "self_distill"))
+    with pytest.raises(_Handed):
+        task.train_medusa_task.fn(cfg)
+    _, _, medusa, _ = handed["self_distill"]
+    assert isinstance(medusa, MedusaTraining) and medusa.num_heads == 3
+
+    # train_rlmedusa: the candidates' draw gets rlmedusa (RLMedusaCandidates), its seed and the pass's autocast; the
+    # reward model's fit gets rlmedusa (RLMedusaTraining)
+    heads_for(policy.model, 3).save(tmp_path / "medusa" / "supervised")
+    data = type("Distilled", (), {"subset": lambda self, rows: self, "hidden": HiddenStates(torch.zeros(2, 4))})()
+    monkeypatch.setattr(task, "load_distilled", lambda *args: (data, torch.tensor([0]), torch.tensor([1])))
+    monkeypatch.setattr(task, "shared_distilled_responses", lambda *args: pd.DataFrame(index=[0, 1]))
+
+    def draw(data, lm_head, candidates, seed, mixed_precision, samples):
+        handed["trajectory_candidates"] = candidates, seed, mixed_precision
+        return TrajectoryStates(torch.tensor([0, 1]), torch.tensor([0, 1]), torch.zeros(2, 2, dtype=torch.long),
+                                torch.zeros(2, 2))
+
+    monkeypatch.setattr(task, "trajectory_candidates", draw)
+    monkeypatch.setattr(task, "fit_reward_model", _handed_to(handed, "fit_reward_model"))
+    with pytest.raises(_Handed):
+        task.train_rlmedusa_task.fn(cfg)
+    candidates, seed, mixed_precision = handed["trajectory_candidates"]
+    assert isinstance(candidates, RLMedusaCandidates) and candidates.top_pool == 7
+    assert (seed, mixed_precision) == (3, "no")
+    rl = handed["fit_reward_model"][4]
+    assert isinstance(rl, RLMedusaTraining) and rl.beta == 0.25
+
+
+def test_the_benchmarks_adaptation_and_typical_acceptance_come_from_params(policy, monkeypatch, tmp_path):
+    """``medusa_benchmark.adaptation`` is the rule of every AdaptiveDrafting the benchmark builds (batch 1 and the
+    speed curve), and the section itself, with its ``typical_*`` knobs, the typical verifier's rule."""
+    import tasks.medusa as task
+    from foresight.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "params.yaml", {
+        "paths.medusa_dir": str(tmp_path / "medusa"), "medusa_benchmark.adaptation.window": 5,
+        "medusa_benchmark.acceptance": "typical", "medusa_benchmark.typical_alpha": 0.5})
+    heads_for(policy.model, 2).save(tmp_path / "medusa" / "supervised")
+    rules, verifiers = [], []
+    monkeypatch.setattr(task, "AdaptiveDrafting", lambda adaptation: rules.append(adaptation))
+    monkeypatch.setattr(task, "TreeVerifier", lambda acceptance: verifiers.append(acceptance))
+    _, drafters = task._medusa_decoders(cfg, policy, chain_tree(2))
+    assert list(drafters) == ["medusa_supervised"] and len(rules) == 1
+    assert verifiers == [cfg.medusa_benchmark] and verifiers[0].typical_alpha == 0.5
+
+    def one_batch(decoders, prompts, decode, *args):
+        decode("medusa_supervised", prompts[:1], 2)
+        return []
+
+    monkeypatch.setattr(task, "batch_speed_curve", one_batch)
+    monkeypatch.setattr(task, "batched_speculative_generate", lambda *args: ([[]], []))
+    task._speed_curve(cfg, policy, drafters, [[1, 2, 3]], set(), "held_out")
+    assert len(rules) == 2 and all(rule.window == 5 and rule == cfg.medusa_benchmark.adaptation for rule in rules)

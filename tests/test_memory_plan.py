@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from foresight.cli import main
+from flows.cli import main
 from foresight.config import parse_config
 from foresight.memory import (GIB, PROMPT_TOKENS, Shapes, disk_plan, labeler_shape, model_shape, plan,
                               policy_config)
@@ -226,6 +226,7 @@ def test_every_layers_hidden_states_only_where_the_reward_channel_reads_them(tmp
     prompts.max_prompt_tokens (1024 here)."""
     cfg = _cfg(tmp_path, llama3_8b, **{
         **LORA_EVERYWHERE, "prompts": {"max_prompt_tokens": 1024}, "reward": {"batch_size": 4, "max_length": 1600},
+        "generate": {"max_batch_tokens": None},  # every row's KV cache: by hand below
         "sla_benchmark": {"batch_size": 8}, "medusa_benchmark": {"batch_size": 16},
         "mtp": {"batch_size": 8, "max_length": 1600},
         "mtp_rl": {"lora_rank": 16, "prompts_per_step": 4, "group_size": 8, "eval_batch_size": 8}})
@@ -255,10 +256,11 @@ def test_the_generate_kv_cache_is_capped_by_the_token_budget(tmp_path, llama3_8b
                    generate={"batch_size": 16, "num_samples": 4, "max_new_tokens": 512, **generate})
         return _by_stage(plan(cfg, 80, 1, shapes=llama3_shapes))["generate"].estimate.parts["KV cache"]
 
-    assert kv() == 16 * 4 * (1024 + 512) * per_token
+    assert kv(max_batch_tokens=None) == 16 * 4 * (1024 + 512) * per_token
+    assert kv() == 32768 * per_token  # the default budget
     assert kv(max_batch_tokens=65536) == 65536 * per_token
     assert kv(max_batch_tokens=1000) == 4 * (1024 + 512) * per_token  # one prompt's 4 rows, alone over the budget
-    assert kv(max_batch_tokens=10**7) == kv()
+    assert kv(max_batch_tokens=10**7) == kv(max_batch_tokens=None)
 
 
 def test_armorm_is_counted_as_its_native_module(tmp_path, llama3_8b, llama3_shapes):

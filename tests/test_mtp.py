@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from models.engine.speculative import (
     SpeculativeStats,
@@ -29,20 +28,10 @@ from models.mtp.module import (
     mtp_generate,
     mtp_logits,
 )
+from tests.helpers import chi_square_p, perturbed_module, rl_stage, run_rl_stage, scores_table
 from tests.tiny import load_spiky_tiny_llama
 
 QUESTIONS = ["Ben has 4 apples. How many?", "Ivy has 3 cookies and gives 1 to Omar.", "What is 7 * 8?"]
-
-
-def _perturbed_module(model, num_depths: int, scale: float = 0.3, seed: int = 0) -> MTPModule:
-    """A module whose drafts are sometimes right, sometimes wrong (a fresh copy of the last layer would mostly
-    repeat the model's own guesses)."""
-    module = MTPModule(model, MTPModuleConfig(num_depths=num_depths)).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_((torch.randn(p.shape, generator=gen) * scale).to(p.device, p.dtype))
-    return module.requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +83,7 @@ def test_depth_targets_by_hand():
 
 def test_cross_entropy_weights_each_depth(tiny):
     model, _ = tiny
-    module = _perturbed_module(model, 2)
+    module = perturbed_module(model, 2)
     input_ids = torch.randint(0, model.config.vocab_size, (2, 8))
     mask = torch.ones_like(input_ids)
     hidden = model(input_ids, output_hidden_states=True).hidden_states[-1]
@@ -114,7 +103,7 @@ def test_cached_chained_drafts_equal_a_teacher_forced_forward(tiny, chunks):
     """After any sequence of updates, each depth's draft logits are those of one teacher-forced forward over the
     final tokens followed by the drafts (the caches keep exactly the positions whose inputs are final)."""
     model, _ = tiny
-    module = _perturbed_module(model, 3)
+    module = perturbed_module(model, 3)
     # seeded: an unseeded draw once landed 2.35e-4 from the teacher-forced logits (float32 sums in another order)
     sequence = torch.randint(0, model.config.vocab_size, (1, sum(chunks) + 1),
                              generator=torch.Generator().manual_seed(len(chunks)))
@@ -139,7 +128,7 @@ def test_cached_chained_drafts_equal_a_teacher_forced_forward(tiny, chunks):
 @pytest.mark.parametrize("draft_dtype", [None, torch.bfloat16])
 def test_greedy_mtp_decoding_equals_greedy(tiny, draft_dtype):
     model, prompts = tiny
-    module = _perturbed_module(model, 3, scale=0.05)
+    module = perturbed_module(model, 3, scale=0.05)
     accepted_some = False
     for ids in prompts:
         reference = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None,
@@ -158,7 +147,7 @@ def test_mtp_decoding_stops_at_an_end_token_accepted_mid_chunk(tiny):
     """An end token that arrives inside a cycle's accepted chunk (drafts + bonus) ends the output right there:
     the chunk's later tokens reach neither the output nor the counters."""
     model, prompts = tiny
-    module = _perturbed_module(model, 3, scale=0.05)
+    module = perturbed_module(model, 3, scale=0.05)
     checked = 0
     for ids in prompts:
         chunks = list(speculative_stream(model, MTPDrafter(model, module), TreeVerifier(), ids, 24, set()))
@@ -174,17 +163,6 @@ def test_mtp_decoding_stops_at_an_end_token_accepted_mid_chunk(tiny):
             assert stats.generated_tokens == position + 1
             checked += 1
     assert checked, "no chunk of several tokens: the test would not exercise a mid-chunk end token"
-
-
-def _chi_square_p(counts: dict, expected: dict, draws: int) -> float:
-    """Pearson's test of observed counts against exact probabilities, rare outcomes pooled into one cell."""
-    keys = [k for k, p in expected.items() if p * draws >= 5]
-    observed = [counts.get(k, 0) for k in keys] + [draws - sum(counts.get(k, 0) for k in keys)]
-    wanted = [expected[k] * draws for k in keys] + [draws * (1 - sum(expected[k] for k in keys))]
-    if wanted[-1] < 1e-9:
-        observed, wanted = observed[:-1], wanted[:-1]
-    scale = sum(observed) / sum(wanted)
-    return float(chisquare(observed, [w * scale for w in wanted]).pvalue)
 
 
 @pytest.mark.parametrize("top1_drafts", [False, True])
@@ -208,8 +186,8 @@ def test_speculative_sampling_preserves_the_target_distribution(top1_drafts):
         naive[d[0]] = naive.get(d[0], 0) + 1
     # the first emitted token's law is p[0] (later tokens condition on it; p here is context-free for d ≥ 1)
     exact = {v: float(target[0, v]) for v in range(vocab)}
-    assert _chi_square_p(emitted, exact, draws) > 1e-3
-    assert _chi_square_p(naive, exact, draws) < 1e-6
+    assert chi_square_p(emitted, exact, draws) > 1e-3
+    assert chi_square_p(naive, exact, draws) < 1e-6
 
 
 @pytest.mark.parametrize("draft_temperature", [1.0, 0.0])
@@ -218,7 +196,7 @@ def test_speculative_sampling_with_mtp_drafts_samples_the_model_exactly(tiny, dr
     sampling (the first drafted position) has exactly the model's marginal Σ_a p(a) p(b | a), computed over the
     whole vocabulary."""
     model, prompts = tiny
-    module = _perturbed_module(model, 2, scale=0.3)
+    module = perturbed_module(model, 2, scale=0.3)
     ids = prompts[2]
     with torch.no_grad():
         first = torch.softmax(model(ids).logits[0, -1], dim=-1)  # (V,)
@@ -233,10 +211,10 @@ def test_speculative_sampling_with_mtp_drafts_samples_the_model_exactly(tiny, dr
         tokens = mtp_generate(model, model, module, ids, 2, set(), 1.0, gen, stats, draft_temperature)
         counts[tokens[1]] = counts.get(tokens[1], 0) + 1
     assert 0 < stats.accepted_drafts < stats.drafted_tokens  # both acceptance and residual draws happened
-    assert _chi_square_p(counts, exact, draws) > 1e-3
+    assert chi_square_p(counts, exact, draws) > 1e-3
     # negative control: the first token's distribution is not the second's
     first_law = {v: float(first[v]) for v in range(len(first))}
-    assert _chi_square_p(counts, first_law, draws) < 1e-6
+    assert chi_square_p(counts, first_law, draws) < 1e-6
 
 
 def _distilled_sequences(tokenizer, count: int = 8):
@@ -330,7 +308,7 @@ def test_chain_acceptance_counts_each_response_alone(tiny, tiny_llama, tmp_path)
 
     model, prompts = tiny
     policy = Policy(model, AutoTokenizer.from_pretrained(tiny_llama), torch.device("cpu"), "spiky")
-    module = _perturbed_module(model, 2, scale=0.05)
+    module = perturbed_module(model, 2, scale=0.05)
     sequences = []
     for ids, n in zip(prompts, (24, 12, 3), strict=True):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
@@ -423,7 +401,7 @@ def test_equip_training_in_bfloat16(tiny_llama, tmp_path):
 
 def test_module_round_trips_through_save_and_load(tiny, tmp_path):
     model, _ = tiny
-    module = _perturbed_module(model, 3)
+    module = perturbed_module(model, 3)
     module.save(tmp_path / "module")
     loaded = MTPModule.load(tmp_path / "module", model)
     assert loaded.config == module.config
@@ -433,62 +411,15 @@ def test_module_round_trips_through_save_and_load(tiny, tmp_path):
         MTPModule.load(tmp_path / "nothing", model)
 
 
-def _rl_stage(root, tiny_llama, train: dict[str, str | None], held_out: dict[str, str | None],
-              scores: dict[str, list[float]] | None = None, **sections):
-    """A config for the ``train_mtp_rl`` task with what it reads in place: the prepared policy, an (untrained) MTP
-    module, the prompt splits (question → answer, None: none) and the label stage's scores of the training
-    prompts' samples (question → scores; default: 1 and 0 for every prompt, so ``prompt_filter: spread`` keeps
-    them all)."""
-    import pandas as pd
-
-    from foresight.config import component, parse_config
-    from foresight.prompts import PROMPT_COLUMNS
-    from foresight.storage import write_table
-    from models.engine.config import PolicySpec
-    from models.engine.policy import load_pretrained, prepare_policy
-    from tests.conftest import tiny_params
-
-    cfg = parse_config(tiny_params(root, tiny_llama, **sections), root=root)
-    spec = component(PolicySpec, cfg.policy)
-    prepare_policy(spec, cfg.path(cfg.paths.policy_dir))
-    MTPModule(load_pretrained(tiny_llama, spec).model, MTPModuleConfig(2)).save(cfg.path(cfg.paths.mtp_dir) / "module")
-    for split, prompts in (("train", train), ("eval", held_out)):
-        table = pd.DataFrame({"prompt_id": [f"{split}{i}" for i in range(len(prompts))], "question": list(prompts),
-                              "answer": list(prompts.values()), "source": "file"})
-        write_table(table[PROMPT_COLUMNS], cfg.path(cfg.paths.prompts_dir) / f"{split}.jsonl")
-    write_table(_scores_table({f"train{i}": values for i, values in enumerate(
-        (scores or {}).get(question, [1.0, 0.0]) for question in train)}), cfg.path(cfg.paths.scores))
-    return cfg
-
-
-def _scores_table(scores: dict[str, list[float]]):
-    """A label stage's table: one row per sample of each prompt id, its score and (for 0 / 1 scores) correctness."""
-    import pandas as pd
-
-    rows = [(prompt_id, score) for prompt_id, values in scores.items() for score in values]
-    table = pd.DataFrame(rows, columns=["prompt_id", "score"])
-    table["correct"] = pd.array([score == 1.0 if score in (0.0, 1.0) else None for _, score in rows], dtype="boolean")
-    return table
-
-
-def _run_rl_stage(cfg):
-    from prefect.logging import disable_run_logger
-
-    from tasks.mtp import train_mtp_rl_task
-
-    with disable_run_logger():
-        return train_mtp_rl_task.fn(cfg)
-
-
 OPEN_PROMPTS = {"Write a haiku about autumn.": None, "Describe a quiet harbour at dawn.": None}
 
 
 @pytest.fixture
 def scored(monkeypatch) -> list[tuple]:
     """Every call of the score method of the labelers the stage builds: (questions, responses, answers, scores)."""
-    from models.labeling import labelers
+    import tasks.mtp
 
-    calls, build = [], labelers.build_labeler
+    calls, build = [], tasks.mtp.build_labeler
 
     def building(spec):
         labeler = build(spec)
@@ -502,7 +433,7 @@ def scored(monkeypatch) -> list[tuple]:
         labeler.score = recording
         return labeler
 
-    monkeypatch.setattr(labelers, "build_labeler", building)
+    monkeypatch.setattr(tasks.mtp, "build_labeler", building)
     return calls
 
 
@@ -523,10 +454,10 @@ def test_rl_stage_rewarded_by_a_reward_model_uses_prompts_without_answers(tiny_l
 
     label = {"labeler": "hf-classifier", "model": str(tiny_classifier), "device": "cpu"}
     held_out = {"What is 2 + 3?": "5", **OPEN_PROMPTS}
-    cfg = _rl_stage(tmp_path / "rm", tiny_llama, OPEN_PROMPTS, held_out, label=label,
-                    mtp_rl={"variants": ["vanilla", "mtp_rl"], "rollout_batch_size": 1,  # 2 units
-                            "curve_batch_sizes": [1, 2], "curve_batches": 2})
-    result = _run_rl_stage(cfg)
+    cfg = rl_stage(tmp_path / "rm", tiny_llama, OPEN_PROMPTS, held_out, label=label,
+                   mtp_rl={"variants": ["vanilla", "mtp_rl"], "rollout_batch_size": 1,  # 2 units
+                           "curve_batch_sizes": [1, 2], "curve_batches": 2})
+    result = run_rl_stage(cfg)
     out = cfg.path(cfg.paths.mtp_rl_dir)
     history = json.loads((out / "history.json").read_text())
     m = result.metrics
@@ -581,18 +512,18 @@ def test_rl_stage_rewarded_by_a_reward_model_uses_prompts_without_answers(tiny_l
     assert (out / "speed_curve.png").is_file()
     assert f"hf-classifier `{tiny_classifier}`" in (out / "report.md").read_text()
 
-    verifiable = _rl_stage(tmp_path / "verifiable", tiny_llama, OPEN_PROMPTS, OPEN_PROMPTS)
+    verifiable = rl_stage(tmp_path / "verifiable", tiny_llama, OPEN_PROMPTS, OPEN_PROMPTS)
     with pytest.raises(ValueError, match="no train prompt has a known answer"):
-        _run_rl_stage(verifiable)
+        run_rl_stage(verifiable)
 
 
 def test_rl_stage_with_the_verifiable_labeler_leaves_out_prompts_without_answers(tiny_llama, tmp_path, scored):
     """label.labeler verifiable: prompts without an answer are left out of training and the held-out set, and the
     held-out reward is the accuracy."""
-    cfg = _rl_stage(tmp_path, tiny_llama, {"Write a haiku about autumn.": None, "What is 2 + 3?": "5"},
-                    {"What is 4 * 2?": "8", "Describe a quiet harbour at dawn.": None, "What is 9 - 7?": "2"},
-                    mtp_rl={"variants": ["vanilla"]})
-    m = _run_rl_stage(cfg).metrics
+    cfg = rl_stage(tmp_path, tiny_llama, {"Write a haiku about autumn.": None, "What is 2 + 3?": "5"},
+                   {"What is 4 * 2?": "8", "Describe a quiet harbour at dawn.": None, "What is 9 - 7?": "2"},
+                   mtp_rl={"variants": ["vanilla"]})
+    m = run_rl_stage(cfg).metrics
     assert [(call[0], call[2]) for call in scored] == [
         (["What is 4 * 2?", "What is 9 - 7?"], ["8", "2"]), (["What is 2 + 3?"] * 2, ["5"] * 2),
         (["What is 4 * 2?", "What is 9 - 7?"], ["8", "2"])]
@@ -697,8 +628,8 @@ def test_spread_prompts_keep_exactly_those_with_a_pass_rate_strictly_between_0_a
 
     prompts = pd.DataFrame({"prompt_id": ["quarter", "none", "all", "three", "unsampled", "rm_flat", "rm_spread"],
                             "question": list("abcdefg")})
-    scores = _scores_table({"quarter": [1.0, 0.0, 0.0, 0.0], "none": [0.0] * 4, "all": [1.0] * 4,
-                            "three": [1.0, 1.0, 0.0, 1.0], "rm_flat": [0.3] * 4, "rm_spread": [0.3, 0.3, 0.31, 0.3]})
+    scores = scores_table({"quarter": [1.0, 0.0, 0.0, 0.0], "none": [0.0] * 4, "all": [1.0] * 4,
+                           "three": [1.0, 1.0, 0.0, 1.0], "rm_flat": [0.3] * 4, "rm_spread": [0.3, 0.3, 0.31, 0.3]})
     pass_rates = scores.dropna(subset=["correct"]).groupby("prompt_id")["correct"].mean()
     assert pass_rates.to_dict() == {"all": 1.0, "none": 0.0, "quarter": 0.25, "three": 0.75}
     kept = _spread_prompts(prompts, scores)
@@ -713,22 +644,23 @@ def test_rl_stage_draws_its_prompts_from_those_with_a_reward_spread(tiny_llama, 
     held_out = {"What is 9 - 7?": "2"}
     flat = {"What is 2 + 3?": [0.0, 0.0, 0.0, 0.0], "What is 4 * 2?": [1.0, 0.0, 0.0, 1.0]}
     one_step = {"variants": ["vanilla"], "steps": 1, "curve_batch_sizes": []}
-    m = _run_rl_stage(_rl_stage(tmp_path / "spread", tiny_llama, train, held_out, flat, mtp_rl=one_step)).metrics
+    m = run_rl_stage(rl_stage(tmp_path / "spread", tiny_llama, train, held_out, flat, mtp_rl=one_step)).metrics
     assert (m["rl_prompts_kept"], m["rl_prompts_dropped"]) == (1, 1)
     assert scored[1][0] == ["What is 4 * 2?"] * 2  # the step's rollouts (held out before, then the step)
     assert 0.0 <= m["vanilla.nonzero_advantage_share"] <= 1.0
-    every = _rl_stage(tmp_path / "all", tiny_llama, train, held_out, flat, mtp_rl={**one_step, "steps": 2,
-                                                                                    "prompt_filter": "all"})
-    assert _run_rl_stage(every).metrics["rl_prompts_kept"] == 2
-    none = _rl_stage(tmp_path / "none", tiny_llama, train, held_out, {q: [0.0] * 4 for q in train}, mtp_rl=one_step)
+    every = rl_stage(tmp_path / "all", tiny_llama, train, held_out, flat, mtp_rl={**one_step, "steps": 2,
+                                                                                  "prompt_filter": "all"})
+    assert run_rl_stage(every).metrics["rl_prompts_kept"] == 2
+    none = rl_stage(tmp_path / "none", tiny_llama, train, held_out, {q: [0.0] * 4 for q in train}, mtp_rl=one_step)
     with pytest.raises(ValueError, match="prompt_filter spread: 0 of 2 training prompts qualify"):
-        _run_rl_stage(none)
+        run_rl_stage(none)
 
 
 def test_rl_config_fields_validate():
     """The MTP-RL section's new fields: the prompt filter's two values, groups of at least 2, a window of a step
     or more; the defaults draw from prompts with a spread in groups of 8."""
-    from foresight.config import ConfigError, MTPRLConfig, parse_config
+    from foresight.config import ConfigError, parse_config
+    from models.mtp.config import MTPRLConfig
 
     defaults = MTPRLConfig()
     assert (defaults.prompt_filter, defaults.group_size) == ("spread", 8)
@@ -736,6 +668,58 @@ def test_rl_config_fields_validate():
         with pytest.raises(ConfigError, match=f"mtp_rl.{next(iter(bad))}"):
             parse_config({"mtp_rl": bad})
     assert parse_config({"mtp_rl": {"prompt_filter": "all", "tau_window": 3}}).mtp_rl.tau_window == 3
+
+
+class _Handed(Exception):
+    """Stops a stage where it hands its config to the model code."""
+
+
+def test_params_keys_reach_the_components_the_stages_hand_on(tiny_llama, tmp_path, monkeypatch):
+    """No silent fall-through: the ``mtp`` section is an :class:`MTPTraining` and ``mtp_rl`` an
+    :class:`MTPRLTraining`, and the stages hand the model code the sections themselves, so params keys naming a
+    component's fields reach it: ``mtp.patience`` and ``mtp.num_depths`` the equip training
+    (``train_mtp_module``), ``mtp_rl.beta`` and ``mtp_rl.adaptation.probe_every`` / ``cycle_cost`` the GRPO run
+    (``train_variant``: its variant's CE weight and its drafted rollouts' decision rule)."""
+    from prefect.logging import disable_run_logger
+
+    from foresight.storage import write_table
+    import tasks.mtp
+    from models.mtp import rl
+    from models.mtp.config import MTPConfig, MTPRLConfig, MTPRLTraining, MTPTraining
+    from tasks.mtp import train_mtp_task
+
+    assert issubclass(MTPConfig, MTPTraining) and issubclass(MTPRLConfig, MTPRLTraining)
+    train = {"What is 2 + 3?": "5", "What is 4 + 1?": "5"}
+    cfg = rl_stage(tmp_path, tiny_llama, train, {"What is 1 + 1?": "2"},
+                   mtp={"data": "correct", "patience": 3, "num_depths": 3},
+                   mtp_rl={"beta": 0.5, "curve_batch_sizes": [], "variants": ["mtp_rl"],
+                           "adaptation": {"probe_every": 5, "max_probe_every": 20, "cycle_cost": 1.5}})
+    # samples of six prompts, each scored 1 (correct) and 0: the equip stage learns from the correct ones
+    table = scores_table({f"train{i}": [1.0, 0.0] for i in range(6)})
+    table["prompt"] = [f"Question {row}: what is {row} + 1?" for row in table["prompt_id"]]
+    table["response"] = ["The answer is one more.", "I do not know."] * 6
+    write_table(table, cfg.path(cfg.paths.scores))
+    handed = {}
+
+    def stop(name):
+        def hand(*args, **kwargs):
+            handed[name] = args
+            raise _Handed
+        return hand
+
+    monkeypatch.setattr(tasks.mtp, "train_mtp_module", stop("equip"))
+    monkeypatch.setattr(tasks.mtp, "train_variant", stop("rl"))
+    with disable_run_logger(), pytest.raises(_Handed):
+        train_mtp_task.fn(cfg)
+    num_depths, equip = handed["equip"][3:5]  # (policy, sequences, hidden, num_depths, cfg, …)
+    assert isinstance(equip, MTPTraining) and (equip.patience, num_depths) == (3, 3)
+    with pytest.raises(_Handed):
+        run_rl_stage(cfg)
+    grpo = handed["rl"][7]  # (policy, module, variant, prompts, questions, answers, reward_fn, cfg, …)
+    assert isinstance(grpo, MTPRLTraining) and grpo.beta == 0.5
+    assert rl.variant("mtp_rl", grpo).ce_weight == 0.5
+    rule = rl.rollout_drafting(grpo).adaptation
+    assert (rule.probe_every, rule.max_probe_every, rule.cycle_cost, rule.window) == (5, 20, 1.5, 8)
 
 
 @pytest.mark.cuda

@@ -21,9 +21,8 @@ import pytest
 import yaml
 
 from foresight.stages import STAGES
-from tests.conftest import tiny_params
+from tests.helpers import make_dvc_repo, subprocess_env, tiny_params
 
-REPO = Path(__file__).resolve().parent.parent
 DEPLOYMENTS = ["pipeline/pipeline", *(f"pipeline/{stage.flow_name}" for stage in STAGES)]
 NUM_TRAIN, NUM_EVAL = 5, 3
 
@@ -79,10 +78,7 @@ def prefect_api(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-server-home")
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_API_URL=url, PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_RUNNER_POLL_FREQUENCY="1", DO_NOT_TRACK="true",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    env.pop("FORESIGHT_MLFLOW_PARENT_RUN_ID", None)
+    env = subprocess_env(PREFECT_HOME=str(home), PREFECT_API_URL=url, PREFECT_RUNNER_POLL_FREQUENCY="1")
     log = home / "server.log"
     proc = _start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
                    "--no-ui"], home, env, log)
@@ -118,13 +114,9 @@ def served(prefect_api, tmp_path_factory, tiny_llama):
     """
     import prefect.settings
 
-    from tests.conftest import make_dvc_repo
-
     url, env = prefect_api
     base = tmp_path_factory.mktemp("served")
     work = base / "repo"
-    env = dict(env, GIT_AUTHOR_NAME="test", GIT_AUTHOR_EMAIL="test@example.com", GIT_COMMITTER_NAME="test",
-               GIT_COMMITTER_EMAIL="test@example.com")
     make_dvc_repo(work, tiny_params(work, tiny_llama, prompts={"num_train": NUM_TRAIN, "num_eval": NUM_EVAL}), env,
                   base / "remote")
     log = base / "serve.log"

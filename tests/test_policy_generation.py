@@ -3,7 +3,6 @@
 import importlib.metadata
 import json
 import re
-from dataclasses import replace
 
 import pytest
 import torch
@@ -174,7 +173,7 @@ def test_sampling_is_deterministic_and_shaped(tiny_policy):
     assert all(1 <= c.response_tokens <= 10 for c in first)
     # samples of one prompt differ (a random model at T=0.8 over 320 tokens), and another seed changes them
     assert len({c.response for c in first if c.prompt_index == 0}) > 1
-    other = sample(tiny_policy, prompts, replace(cfg, seed=12))
+    other = sample(tiny_policy, prompts, cfg.model_copy(update={"seed": 12}))
     assert [c.response for c in other] != [c.response for c in first]
 
 
@@ -312,6 +311,46 @@ def test_finished_rows_drop_out_and_output_is_unchanged(tiny_policy, monkeypatch
     torch.manual_seed(5)
     assert torch.equal(sampled, generate_until_done(model, *args, chunk_tokens=max_new))
     assert len({tuple(row) for row in sampled.tolist()}) == len(prompts)
+
+
+def test_policy_and_generate_sections_are_their_components_and_their_keys_reach_the_model_code(tiny_policy,
+                                                                                                 monkeypatch):
+    """``policy`` is-a PolicySpec and ``generate`` is-a Sampling, handed to the model code as they are (no copy
+    that could drop a key): params.yaml keys naming component fields reach the loader and the sampler."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    import tasks.common
+    import tasks.generate as task
+    from foresight.config import load_config
+    from models.engine.config import GenerateConfig, PolicyConfig
+
+    assert issubclass(PolicyConfig, PolicySpec) and issubclass(GenerateConfig, Sampling)
+    cfg = load_config(Path(__file__).resolve().parent.parent / "params.yaml", {
+        "policy.device": "cpu", "policy.dtype": "float32", "generate.chunk_tokens": 3, "generate.seed": 7})
+    handed = {}
+
+    class Handed(Exception):
+        pass
+
+    def loaded(spec, policy_dir, training=False):
+        handed["policy"] = spec
+        return tiny_policy
+
+    def sampler(policy, sampling):
+        handed["sampling"] = sampling
+        raise Handed
+
+    monkeypatch.setattr(task, "read_prompts", lambda cfg, split: pd.DataFrame({"question": ["What is 2 + 3?"]}))
+    monkeypatch.setattr(tasks.common, "load_policy", loaded)
+    monkeypatch.setattr(task, "HFSampler", sampler)
+    with pytest.raises(Handed):
+        task.generate_task.fn(cfg)
+    assert isinstance(handed["policy"], PolicySpec) and (handed["policy"].device, handed["policy"].dtype) == (
+        "cpu", "float32")
+    assert isinstance(handed["sampling"], Sampling) and (handed["sampling"].chunk_tokens, handed["sampling"].seed) == (
+        3, 7)
 
 
 @pytest.mark.cuda

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from foresight.cli import main
+from flows.cli import main
 from foresight.config import load_config
 from foresight.stages import STAGES
 

@@ -1,6 +1,6 @@
 """Prompt length: ``prompts.max_prompt_tokens`` in ``prepare_prompts`` (counted in the policy's chat template, as
 generation tokenises it), the same limit on the prompt sets other stages read (the Medusa distillation's further
-task prompts and general instructions, the Medusa benchmark's sets: ``tasks.data.drop_long_prompt_sets``), and reward
+task prompts and general instructions, the Medusa benchmark's sets: ``tasks.common.drop_long_prompt_sets``), and reward
 models that cut the response, never the prompt (ArmoRM gates on the prompt's end,
 ``models/labeling/conversations.py``)."""
 
@@ -27,8 +27,7 @@ from models.labeling.armorm import ArmoRMError, encode_conversations, gating_pat
 from models.labeling.config import LabelerSpec
 from models.labeling.conversations import conversation_ids
 from models.labeling.labelers import LabelerError, build_labeler
-from tests.conftest import tiny_params
-from tests.test_armorm import reference_armorm_forward
+from tests.helpers import reference_armorm_forward, tiny_params
 from tests.tiny import build_llama3_tokenizer
 
 SHORT = ["Ben has 4 apples. How many apples does Ben have now?", "Ivy has 3 cookies. How many are left?",
@@ -48,7 +47,9 @@ def _prepare(root: Path, tiny_llama: Path, questions: list[str], **prompts) -> t
     them all); returns prepare_prompts' metrics and the written splits."""
     from prefect.logging import disable_run_logger
 
-    from tasks.data import prepare_policy_task, prepare_prompts_task, read_prompts
+    from tasks.common import read_prompts
+    from tasks.policy import prepare_policy_task
+    from tasks.prompts import prepare_prompts_task
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in questions))
@@ -197,7 +198,7 @@ def test_the_label_stage_reports_cut_responses(tiny_llama, tiny_armorm, tmp_path
 
     from foresight.pairs import SAMPLE_COLUMNS
     from foresight.storage import write_table
-    from tasks.data import label_task
+    from tasks.label import label_task
 
     params = tiny_params(tmp_path, tiny_llama, label={"labeler": "armorm", "model": str(tiny_armorm),
                                                       "max_length": 96, "device": "cpu"})
@@ -239,13 +240,13 @@ def test_medusa_distillation_drops_over_long_further_prompts_and_general_instruc
     distillation drops those over the same limit, counts them per set and says so."""
     import logging
 
-    import foresight.prompts
-    from tasks.data import load_stage_policy, read_prompts
-    from tasks.medusa import _distillation_data
+    import tasks.distill
+    from tasks.common import load_stage_policy, read_prompts
+    from tasks.distill import _distillation_data
 
     _prepare(tmp_path, tiny_llama, [*SHORT, LONG], num_train=4)
-    cfg = _medusa_cfg(tmp_path, medusa={"task_prompts": 20, "max_new_tokens": 2})
-    monkeypatch.setattr(foresight.prompts, "general_instructions", _general_with_a_long_instruction)
+    cfg = _medusa_cfg(tmp_path, distill={"task_prompts": 20, "max_new_tokens": 2})
+    monkeypatch.setattr(tasks.distill, "general_instructions", _general_with_a_long_instruction)
     with caplog.at_level(logging.WARNING):
         responses, dropped = _distillation_data(cfg, load_stage_policy(cfg, "base"))
     assert dropped == {"dropped_long_prompts.further": 1, "dropped_long_prompts.general": 1}
@@ -261,14 +262,14 @@ def test_benchmark_prompt_sets_drop_over_long_prompts_per_set(tiny_llama, tmp_pa
     leave every set, counted as ``dropped_long_prompts.<set>``; the held-out split passed already."""
     from transformers import AutoTokenizer
 
-    import foresight.prompts
+    import tasks.medusa
     from tasks.medusa import benchmark_prompt_sets
 
     _prepare(tmp_path, tiny_llama, SHORT)
     (tmp_path / "mixed.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in [*SHORT[:3], LONG]))
     cfg = _medusa_cfg(tmp_path, medusa_benchmark={
         "num_prompts": 10, "general_prompts": 2, "prompt_files": [{"path": "mixed.jsonl", "text_column": "prompt"}]})
-    monkeypatch.setattr(foresight.prompts, "general_instructions", _general_with_a_long_instruction)
+    monkeypatch.setattr(tasks.medusa, "general_instructions", _general_with_a_long_instruction)
     sets, dropped = benchmark_prompt_sets(cfg, AutoTokenizer.from_pretrained(tiny_llama))
     assert dropped == {"dropped_long_prompts.held_out": 0, "dropped_long_prompts.general": 1,
                        "dropped_long_prompts.mixed": 1}
@@ -305,7 +306,7 @@ def test_a_stage_decoding_longer_than_generate_keeps_only_prompts_that_leave_it_
     distillation or benchmark) keeps only prompts leaving its own budget room in the context, and a smaller budget
     leaves the shared limit as it is."""
     from models.engine.policy import policy_path
-    from tasks.data import prompt_token_limit
+    from tasks.common import prompt_token_limit
 
     _prepare(tmp_path, tiny_llama, SHORT)
     cfg = load_config(tmp_path / "params.yaml")

@@ -6,7 +6,8 @@ import re
 import pandas as pd
 import pytest
 
-from foresight.config import ArithmeticConfig, parse_config
+from foresight.config import parse_config
+from foresight.params import ArithmeticConfig
 from foresight.prompts import PromptSourceError, arithmetic_prompts, further_prompts, load_prompts
 
 INSTRUCTION = "End your answer with 'The answer is <number>.'"

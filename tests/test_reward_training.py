@@ -6,14 +6,13 @@ import json
 import math
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
-from foresight.config import component, parse_config
+from foresight.config import parse_config
 from foresight.pairs import PAIR_COLUMNS
 from foresight.storage import write_table
 from models.engine.config import PolicySpec
@@ -35,9 +34,7 @@ from models.sla.reward_training import (
     train_reward_heads,
 )
 from models.sla.reward_transformer import RewardHeadConfig, RewardTransformer
-from tests.conftest import tiny_params
-from tests.test_dpo import FAST as DPO_FAST
-from tests.test_dpo import make_pairs
+from tests.helpers import DPO_FAST, long_response, make_pairs, tiny_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,7 +80,6 @@ def test_tokenize_masks_exactly_the_response_and_end_token(policy):
 def test_a_pair_is_dropped_whole_when_a_side_does_not_fit_never_cut(policy):
     """A 512-token response keeps its end token at a max_length that fits it whole; at one token less the pair is
     dropped and counted, where the old rule cut the end token off that side only (a biased comparison)."""
-    from tests.test_dpo import long_response
 
     tok = policy.tokenizer
     pairs = toy_pairs(tok, 3)
@@ -234,7 +230,7 @@ def test_cached_policy_states_train_the_heads_as_the_policy_forward_does(policy)
         cached, cached_histories = train_reward_heads(policy, pairs, cfg, {"channel": CHANNEL, "adapter": adapter})
         cached_forwards = len(forwards)
         forwards.clear()
-        fresh, fresh_histories = train_reward_heads(policy, pairs, replace(cfg, state_cache_gb=0.0),
+        fresh, fresh_histories = train_reward_heads(policy, pairs, cfg.model_copy(update={"state_cache_gb": 0.0}),
                                                     {"channel": CHANNEL, "adapter": adapter})
     finally:
         hook.remove()
@@ -345,7 +341,7 @@ def reward_cfg(tiny_llama, tmp_path):
     """A tiny project under tmp_path: prepared policy and 8 toy pairs."""
     cfg = parse_config(tiny_params(tmp_path, tiny_llama, reward={**FAST, "hidden_size": 16, "epochs": 1},
                                    paths={"dpo_dir": str(tiny_llama)}), root=tmp_path)
-    spec = component(PolicySpec, cfg.policy)
+    spec = cfg.policy
     prepare_policy(spec, cfg.path(cfg.paths.policy_dir))
     tokenizer = load_pretrained(tiny_llama, spec).tokenizer
     write_table(toy_pairs(tokenizer, 8), cfg.path(cfg.paths.pairs))
@@ -384,7 +380,7 @@ def test_task_writes_heads_curves_plots_and_metrics(reward_cfg):
     assert "pair_correct" not in curves["channel"] and "pair_autrc" not in curves["channel"]
     assert set(json.loads((out_dir / "history.json").read_text())) == set(heads)
     assert result.artifacts == {"reward": out_dir}
-    policy = load_pretrained(reward_cfg.policy.model, component(PolicySpec, reward_cfg.policy))
+    policy = load_pretrained(reward_cfg.policy.model, reward_cfg.policy)
     assert RewardTransformer.from_head(policy.model, out_dir / "adapter-4").head_config.adapter_layers == 4
 
 
@@ -425,7 +421,7 @@ def test_task_fails_clearly_on_too_few_pairs_or_an_unknown_source(reward_cfg):
 
 
 TWO_RANKS = RewardTraining(**{**FAST, "batch_size": 2, "epochs": 2})  # per process: 2 × 2 = one 4-pair batch
-TWO_RANKS_DPO = replace(DPO_FAST, batch_size=1, epochs=1)  # per process: 2 × 1 = one 2-pair batch
+TWO_RANKS_DPO = DPO_FAST.model_copy(update={"batch_size": 1, "epochs": 1})  # per process: 2 × 1 = one 2-pair batch
 
 
 def _flat(tensors) -> torch.Tensor:
@@ -486,13 +482,13 @@ def test_reward_heads_and_dpo_train_identically_on_two_processes(policy, tiny_ll
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = torch.load(tmp_path / "ranks.pt")
 
-    models, histories = train_reward_heads(policy, toy_pairs(policy.tokenizer, 8), replace(TWO_RANKS, batch_size=4),
-                                           {"channel": CHANNEL})
+    models, histories = train_reward_heads(policy, toy_pairs(policy.tokenizer, 8),
+                                           TWO_RANKS.model_copy(update={"batch_size": 4}), {"channel": CHANNEL})
     torch.testing.assert_close(_flat(models["channel"].head.parameters()), ranks["head"], atol=1e-6, rtol=0)
     assert ranks["loss"] == pytest.approx(histories["channel"]["loss"], abs=1e-6)
 
     monkeypatch.setattr("models.sla.dpo.cpu_has_bf16_units", lambda: False)  # float32 in both runs (see the ranks)
-    metrics = train_dpo(policy, make_pairs(policy.tokenizer, 4), replace(TWO_RANKS_DPO, batch_size=2),
+    metrics = train_dpo(policy, make_pairs(policy.tokenizer, 4), TWO_RANKS_DPO.model_copy(update={"batch_size": 2}),
                         tmp_path / "dpo-one-process")
     assert metrics["steps"] == ranks["dpo"]["steps"] == 2
     assert ranks["dpo"]["train_loss"] == pytest.approx(metrics["train_loss"], abs=1e-6)

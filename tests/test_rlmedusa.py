@@ -157,16 +157,15 @@ def _train_all(accelerator: Accelerator, policy_folder: str, batch_size: int) ->
     # every target valid: each process's loss is then a mean over the same number of terms
     hidden = torch.randn(n, model.config.hidden_size, generator=gen)
     candidates, probs = torch.randint(vocab, (n, 3), generator=gen), torch.rand(n, 3, generator=gen)
-    data = DistilledStates(HiddenStates(hidden), torch.randint(vocab, (n, 2), generator=gen), torch.arange(n),
-                           torch.arange(n), candidates, probs)
+    data = DistilledStates(HiddenStates(hidden), torch.randint(vocab, (n, 2), generator=gen), torch.arange(n))
     heads, medusa = train_medusa_heads(policy, data, MedusaTraining(
         num_heads=2, epochs=2, batch_size=batch_size, learning_rate=1e-2, warmup_ratio=0.25, mixed_precision="no"),
         accelerator)
     # β as small as the paper's advice: the tolerances below were set for a KL term this size
     cfg = RLMedusaTraining(reward_width=16, reward_epochs=2, reward_batch_size=batch_size, num_actions=4,
                            batch_size=batch_size, epochs=2, learning_rate=1e-2, beta=0.02)
-    reward_model, reward_losses = fit_reward_model(data.rl_states(), embedding, candidates, probs, cfg, accelerator)
-    rl_heads, rl = train_rl_head(heads, lm_head, reward_model, embedding, data.rl_states(), cfg, accelerator)
+    reward_model, reward_losses = fit_reward_model(data.hidden, embedding, candidates, probs, cfg, accelerator)
+    rl_heads, rl = train_rl_head(heads, lm_head, reward_model, embedding, data.hidden, cfg, accelerator)
 
     def flat(module: torch.nn.Module) -> torch.Tensor:
         return torch.cat([p.detach().flatten() for p in module.parameters()])

@@ -28,6 +28,7 @@ from models.sla.search import (
     sla_stream,
 )
 from tasks.sla import SPLIT_FILE, choose_setting, tuning_split
+from tests.helpers import tiny_params
 from tests.tiny import load_spiky_tiny_llama
 
 QUESTIONS = ["Ben has 4 apples. How many?", "Ivy has 3 cookies and gives 1 to Omar.", "0 1 2 3", "What is 7 * 8?"]
@@ -364,17 +365,15 @@ def _sla_project(tmp_path, tiny_llama, **benchmark):
     reward channel for each, and held-out prompts with answers."""
     import pandas as pd
 
-    from foresight.config import component, parse_config
+    from foresight.config import parse_config
     from foresight.prompts import PROMPT_COLUMNS
     from foresight.storage import write_table
-    from models.engine.config import PolicySpec
     from models.engine.policy import load_policy, prepare_policy
     from models.sla.reward_transformer import RewardHeadConfig
-    from tests.conftest import tiny_params
 
     cfg = parse_config(tiny_params(tmp_path, tiny_llama, policy={"dtype": "float32"}, sla_benchmark=benchmark,
                                    paths={"dpo_dir": str(tiny_llama)}), root=tmp_path)
-    spec = component(PolicySpec, cfg.policy)
+    spec = cfg.policy
     prepare_policy(spec, cfg.path(cfg.paths.policy_dir))
     policy = load_policy(spec, cfg.path(cfg.paths.policy_dir))
     for which, seed in (("base", 0), ("dpo", 1)):
@@ -408,14 +407,14 @@ def test_benchmark_decodes_each_prompt_once_timed_prompts_interleaved(tiny_llama
     (decoder, prompt) is decoded once; beam search, not in ``timed_decoders``, decodes every prompt in batches."""
     from transformers import GenerationMixin
 
-    import models.sla.search
+    import tasks.sla
     from tasks.sla import _decode_all, _load
 
     cfg = _sla_project(tmp_path, tiny_llama, num_prompts=5, speed_prompts=2, batch_size=2, max_new_tokens=3,
                        overhead_repeats=2, timed_decoders=["sla"])  # greedy, the reference, is timed anyway
     calls = []  # (decoder, rows) of every decoding call, in order
-    generate, sla_generate = GenerationMixin.generate, models.sla.search.sla_generate
-    sla_generate_batch = models.sla.search.sla_generate_batch
+    generate, sla_generate = GenerationMixin.generate, tasks.sla.sla_generate
+    sla_generate_batch = tasks.sla.sla_generate_batch
 
     def recording_generate(self, *args, **kwargs):
         calls.append(("beam" if kwargs.get("num_beams", 1) > 1 else "greedy", kwargs["input_ids"].shape[0]))
@@ -430,8 +429,8 @@ def test_benchmark_decodes_each_prompt_once_timed_prompts_interleaved(tiny_llama
         return sla_generate_batch(model, prompts, *args)
 
     monkeypatch.setattr(GenerationMixin, "generate", recording_generate)
-    monkeypatch.setattr(models.sla.search, "sla_generate", recording_sla)
-    monkeypatch.setattr(models.sla.search, "sla_generate_batch", recording_sla_batch)
+    monkeypatch.setattr(tasks.sla, "sla_generate", recording_sla)
+    monkeypatch.setattr(tasks.sla, "sla_generate_batch", recording_sla_batch)
     questions = [f"What is {i} + {i}?" for i in range(5)]
     records, speed = _decode_all(cfg, _load(cfg, "base"), "base", questions, ["greedy", "beam", "sla"],
                                  {"sla": SLASearch(depth=1, width=2, step=2)})
@@ -457,27 +456,28 @@ def test_benchmark_decodes_each_prompt_once_timed_prompts_interleaved(tiny_llama
 def test_a_setting_under_two_names_is_searched_once(tiny_llama, tmp_path, monkeypatch):
     """When tuning chooses the paper's setting, ``sla_tuned`` reuses ``sla``'s outputs and its timer (the search is
     deterministic): searched and timed once; the leaf-score ablation is another search and runs, untimed."""
-    import models.sla.search
+    import tasks.sla
     from tasks.sla import _decode_all, _load
 
     cfg = _sla_project(tmp_path, tiny_llama, num_prompts=3, speed_prompts=1, max_new_tokens=3, overhead_repeats=2)
     searches = []  # prompts per batched SLA search
-    sla_generate_batch = models.sla.search.sla_generate_batch
+    sla_generate_batch = tasks.sla.sla_generate_batch
 
     def recording_sla_batch(model, prompts, *args):
         searches.append(len(prompts))
         return sla_generate_batch(model, prompts, *args)
 
-    sla_generate = models.sla.search.sla_generate
+    sla_generate = tasks.sla.sla_generate
 
     def recording_sla(model, ids, *args):
         searches.append("batch 1")
         return sla_generate(model, ids, *args)
 
-    monkeypatch.setattr(models.sla.search, "sla_generate_batch", recording_sla_batch)
-    monkeypatch.setattr(models.sla.search, "sla_generate", recording_sla)
+    monkeypatch.setattr(tasks.sla, "sla_generate_batch", recording_sla_batch)
+    monkeypatch.setattr(tasks.sla, "sla_generate", recording_sla)
     paper = SLASearch(depth=1, width=2, step=2)
-    settings = {"sla": paper, "sla_tuned": paper, "sla_tuned_last": SLASearch(1, 2, 2, leaf_score="last")}
+    settings = {"sla": paper, "sla_tuned": paper,
+                "sla_tuned_last": SLASearch(depth=1, width=2, step=2, leaf_score="last")}
     records, speed = _decode_all(cfg, _load(cfg, "base"), "base", [f"What is {i} + 1?" for i in range(3)],
                                  ["greedy", "sla"], settings, untimed=frozenset({"sla_tuned_last"}))
     # sla timed once at batch 1 (warm-up, prompt 0), then on the 2 untimed prompts; sla_tuned_last on all 3
@@ -541,8 +541,9 @@ def test_benchmark_task_reports_intervals_everywhere(tiny_llama, tmp_path, monke
     from prefect.logging import disable_run_logger
 
     from foresight.benchmark import win_tie_loss
+    import tasks.sla
     from models.labeling import answers, labelers
-    from tasks import data
+    from tasks import common
     from tasks.sla import benchmark_sla_task
 
     cfg = _sla_project(tmp_path, tiny_llama, num_prompts=6, speed_prompts=2, max_new_tokens=4, overhead_repeats=3,
@@ -551,11 +552,12 @@ def test_benchmark_task_reports_intervals_everywhere(tiny_llama, tmp_path, monke
     def fake_is_correct(response, answer, truncated=False):
         return len(response) % 2 == 0
 
-    # both bindings: the labeler module holds its own (imported by name), and one patched only in ``answers`` while
-    # the labeler module is first imported would stay behind in it and judge later tests
+    # every binding: the labeler module and the task module hold their own (imported by name), and one patched only
+    # in ``answers`` while the labeler module is first imported would stay behind in it and judge later tests
     monkeypatch.setattr(answers, "is_correct", fake_is_correct)
     monkeypatch.setattr(labelers, "is_correct", fake_is_correct)
-    data.PENDING_ARTIFACTS.clear()
+    monkeypatch.setattr(tasks.sla, "is_correct", fake_is_correct)
+    common.PENDING_ARTIFACTS.clear()
     with disable_run_logger():
         result = benchmark_sla_task.fn(cfg)
     out = cfg.path(cfg.paths.benchmarks_dir) / "sla"
@@ -574,7 +576,8 @@ def test_benchmark_task_reports_intervals_everywhere(tiny_llama, tmp_path, monke
     assert list(tuning["streaming"]) == [False, True, True, False] and tuning["chosen"].sum() == 1
     chosen = tuning[tuning["chosen"]].iloc[0]
     assert chosen.name == choose_setting(tuning.reset_index().to_dict("records"), {
-        "sla_d1_k2_n2": SLASearch(1, 2, 2), "sla_d2_k2_n2": SLASearch(2, 2, 2), "sla_d1_k3_n8": SLASearch(1, 3, 8)}, 4)
+        "sla_d1_k2_n2": SLASearch(depth=1, width=2, step=2), "sla_d2_k2_n2": SLASearch(depth=2, width=2, step=2),
+        "sla_d1_k3_n8": SLASearch(depth=1, width=3, step=8)}, 4)
     m = result.metrics
     assert (m["sla_tuned.depth"], m["sla_tuned.width"], m["sla_tuned.step"]) == (
         chosen["depth"], chosen["width"], chosen["step"])
@@ -606,7 +609,7 @@ def test_benchmark_task_reports_intervals_everywhere(tiny_llama, tmp_path, monke
     assert "6 held-out prompts" in report and "first 2" in report and "on 3 interleaved pairs" in report
     assert "## SLA tuning" in report and "chosen on 2 training prompts" in report
     assert "`*` marks" in report and " [" in report
-    (artifact,) = [a for a in data.PENDING_ARTIFACTS if a.get("key") == "sla-benchmark"]
+    (artifact,) = [a for a in common.PENDING_ARTIFACTS if a.get("key") == "sla-benchmark"]
     cells = {(row["policy"], row["decoder"], row["versus"]): row for row in artifact["table"]}
     assert cells[("base", "sla", "base+greedy")]["win_rate"].startswith(f"{sla_row['win_rate']:.3g} [")
 
@@ -630,8 +633,10 @@ def test_tuning_split_holds_no_trained_on_or_held_out_prompt():
 def test_the_chosen_setting_is_the_best_streaming_one_on_the_tuning_scores():
     """Hand-made tuning scores: the non-streaming setting wins but cannot be chosen (n > max_step); of the rest the
     highest win rate wins, a tie goes to accuracy, a full tie to the first in grid order; greedy is never chosen."""
-    settings = {"sla_d2_k2_n10": SLASearch(2, 2, 10), "sla_d1_k4_n16": SLASearch(1, 4, 16),
-                "sla_d2_k3_n8": SLASearch(2, 3, 8), "sla_d1_k4_n64": SLASearch(1, 4, 64)}
+    settings = {"sla_d2_k2_n10": SLASearch(depth=2, width=2, step=10),
+                "sla_d1_k4_n16": SLASearch(depth=1, width=4, step=16),
+                "sla_d2_k3_n8": SLASearch(depth=2, width=3, step=8),
+                "sla_d1_k4_n64": SLASearch(depth=1, width=4, step=64)}
 
     def rows(*scores):
         return [{"decoder": "greedy", "win_rate": 0.5, "accuracy": 0.9}] + [
@@ -662,13 +667,45 @@ def test_new_sla_keys_are_validated(params, message):
 
 
 def test_new_sla_keys_defaults_and_streaming_only_grids():
-    from foresight.config import component, parse_config
+    from foresight.config import parse_config
 
     cfg = parse_config({"sla_benchmark": {"tuning_grid": [[1, 4, 64]], "tuning_prompts": 0}})  # no tuning: no check
     assert cfg.sla_benchmark.tuning_grid == [(1, 4, 64)]
     defaults = parse_config({})
-    assert defaults.sla.leaf_score == "mean" and component(SLASearch, defaults.sla) == SLASearch()
+    assert defaults.sla.leaf_score == "mean" and defaults.sla.model_dump() == SLASearch().model_dump()
     assert all(step <= defaults.sla_benchmark.tuning_max_step for _, _, step in defaults.sla_benchmark.tuning_grid)
+
+
+def test_a_params_key_reaches_the_component_the_task_hands_to_the_model_code(monkeypatch):
+    """Each SLA section is the component its task hands to the model code (no copy that could drop a key): an
+    override of ``sla.step`` reaches every SLA setting the benchmark searches with (the paper's and the sweep's), and
+    one of ``sla_benchmark.num_beams`` the beam search's ``generate`` arguments."""
+    import tasks.sla
+    from foresight.config import load_config
+    from models.engine.config import ClassicalDecoding
+    from models.sla.config import (
+        DPOConfig,
+        DPOTraining,
+        RewardConfig,
+        RewardTraining,
+        SLABenchmarkConfig,
+        SLAConfig,
+    )
+    from tasks.sla import _decode_batched, _sla_settings
+
+    assert issubclass(RewardConfig, RewardTraining) and issubclass(DPOConfig, DPOTraining)
+    assert issubclass(SLAConfig, SLASearch) and issubclass(SLABenchmarkConfig, ClassicalDecoding)
+    cfg = load_config("params.yaml", {"sla.step": 7, "sla.leaf_score": "last", "sla_benchmark.sweep_depth": [1],
+                                      "sla_benchmark.num_beams": 3})
+    settings = _sla_settings(cfg)
+    assert list(settings) == ["sla", "sla_d1_k2_n7"]
+    assert all(isinstance(s, SLASearch) and (s.step, s.leaf_score) == (7, "last") for s in settings.values())
+    handed = []
+    monkeypatch.setattr(tasks.sla, "end_token_ids", lambda policy: set())
+    monkeypatch.setattr(tasks.sla, "hf_decode", lambda policy, prompts, kwargs, *args, **options:
+                        handed.append(kwargs) or [[] for _ in prompts])
+    _decode_batched(cfg, None, None, [torch.tensor([[1, 2]])], "beam", None, seed=0, max_new_tokens=4)
+    assert handed == [{"do_sample": False, "num_beams": 3, "early_stopping": True}]
 
 
 def test_onpolicy_pairs_are_every_correct_incorrect_pair_of_distinct_base_outputs():

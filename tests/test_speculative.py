@@ -40,12 +40,9 @@ from models.engine.speculative import (
     verify_speculative_sampling,
     verify_typical,
 )
-from tests.tiny import load_spiky_tiny_llama
+from tests.helpers import CHOICES, assert_agrees_up_to_ties, bf16_tiny, chi_square_p, hf_greedy, perturbed_module
+from tests.tiny import load_spiky_tiny_llama, sliding_model
 
-# root ─┬─ (0,) ─┬─ (0,0) ── (0,0,0)
-#       │        └─ (0,1)
-#       └─ (1,) ── (1,0)
-CHOICES = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 QUESTIONS = ["Ben has 4 apples. How many?", "Ivy has 3 cookies and gives 1 to Omar.", "0 1 2 3", "What is 7 * 8?"]
 
 
@@ -158,8 +155,8 @@ def test_typical_acceptance_takes_a_likely_non_argmax_token():
     tokens = torch.tensor([0, 2])
     logits = torch.log(torch.tensor([[0.05, 0.55, 0.40, 0.0], [0.25, 0.25, 0.25, 0.25]]).clamp_min(1e-9))
     assert verify_greedy(tokens, logits, tree) == [0]  # token 2 is not the argmax (1 is)
-    assert verify_typical(tokens, logits, tree, TypicalAcceptance(posterior_threshold=0.09)) == [0, 1]
-    assert verify_typical(tokens, logits, tree, TypicalAcceptance(posterior_threshold=0.5, posterior_alpha=1.0)) == [0]
+    assert verify_typical(tokens, logits, tree, TypicalAcceptance(typical_threshold=0.09)) == [0, 1]
+    assert verify_typical(tokens, logits, tree, TypicalAcceptance(typical_threshold=0.5, typical_alpha=1.0)) == [0]
 
 
 TREE_TOKENS = torch.tensor([5, 17, 42, 9, 77, 120, 3])
@@ -203,12 +200,6 @@ def test_keep_accepted_leaves_the_cache_of_the_accepted_path(tiny):
         torch.testing.assert_close(mine.values, theirs.values, rtol=0, atol=1e-5)
 
 
-def _greedy(model, ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[int]:
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=sorted(eos) or None, pad_token_id=0)[0, ids.shape[1]:].tolist()
-    return out[: next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]
-
-
 class NoisyOracle:
     """A drafter that knows the greedy continuation and proposes it at rank 0 (60 %), rank 1 (25 %) or
     not at all (15 %): the engine must accept exactly the right tokens and reject the rest."""
@@ -237,7 +228,7 @@ def test_speculative_decoding_is_lossless(tiny, tiny_llama, attn_implementation)
     accepted_something = False
     for i, ids in enumerate(prompts):
         for eos, max_new_tokens in ((set(), 40), ({7, 11, 13}, 40), (set(), 5)):
-            reference = _greedy(model, ids, max_new_tokens, eos)
+            reference = hf_greedy(model, ids, max_new_tokens, eos)
             stats = SpeculativeStats()
             oracle = NoisyOracle(reference, stats, model.config.vocab_size, tree.depth, seed=i)
             steps = list(speculative_stream(model, TreeDrafter(tree, oracle), TreeVerifier(), ids, max_new_tokens, eos,
@@ -257,7 +248,7 @@ def test_speculative_decoding_is_lossless(tiny, tiny_llama, attn_implementation)
 @torch.no_grad()
 def test_mean_accepted_length_counts_tokens_per_forward(tiny):
     model, prompts = tiny
-    reference = _greedy(model, prompts[2], 30, set())
+    reference = hf_greedy(model, prompts[2], 30, set())
     stats = SpeculativeStats()
     chain = chain_tree(3)
 
@@ -298,11 +289,28 @@ def test_typical_acceptance_accepts_whatever_greedy_accepts():
 
 @torch.no_grad()
 def test_typical_acceptance_decodes_end_to_end(tiny):
+    """Against one plain forward over prompt + output: every emitted token is typical under the model's distribution
+    at its position (p > min(ε, α·e^(−H)); the argmax always is), and each one that is not greedy's is an accepted
+    draft (a bonus token is the argmax) — and there is one, so the run is not greedy decoding. The counters, by
+    hand: the prefill's forward and token, then one forward per cycle offering the tree's 6 drafts."""
     model, prompts = tiny
+    rule = TypicalAcceptance()
     noise = torch.Generator().manual_seed(0)
     noisy = TreeDrafter(build_tree(CHOICES), lambda h, r: torch.randn(3, model.config.vocab_size, generator=noise))
-    tokens, stats = speculative_generate(model, noisy, TreeVerifier(TypicalAcceptance()), prompts[0], 20, set())
-    assert len(tokens) == 20 and stats.forwards <= 20 and stats.mean_accepted_length >= 1.0
+    tokens, stats = speculative_generate(model, noisy, TreeVerifier(rule), prompts[0], 20, set())
+    assert len(tokens) == 20
+    start = prompts[0].shape[1] - 1
+    logits = model(torch.cat([prompts[0], torch.tensor([tokens])], dim=1)).logits[0, start:-1]  # (20, V)
+    probs = torch.softmax(logits.float() / rule.typical_temperature, dim=-1)
+    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
+    threshold = torch.minimum(torch.full_like(entropy, rule.typical_threshold),
+                              rule.typical_alpha * torch.exp(-entropy))
+    assert (probs[torch.arange(20), torch.tensor(tokens)] > threshold).all()
+    not_greedy = int((logits.argmax(dim=-1) != torch.tensor(tokens)).sum())
+    assert 0 < not_greedy <= stats.accepted_drafts
+    cycles = len(stats.accepted_lengths)
+    assert stats.forwards == 1 + cycles and sum(stats.accepted_lengths) == 20 - 1
+    assert stats.drafted_tokens == 6 * cycles and stats.accepted_drafts == 20 - 1 - cycles
 
 
 def test_batched_input_is_refused(tiny):
@@ -315,33 +323,6 @@ def test_batched_input_is_refused(tiny):
 # ---------------------------------------------------------------------------------------------------------
 # sliding-window attention (Mistral: every layer; Qwen2 / Gemma style: mixed with full-attention layers)
 
-WINDOW = 6
-
-
-def _spiky(model):
-    """Matrices re-drawn at std 0.4 (as :func:`load_spiky_tiny_llama`): a default-init model repeats one token."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for w in model.parameters():
-            if w.dim() >= 2:
-                w.copy_(torch.randn(w.shape, generator=gen) * 0.4)
-    return model.eval()
-
-
-def _sliding_model(kind: str, attn_implementation: str = "sdpa"):
-    """A tiny random model whose sliding window (6) is far shorter than prompt + output."""
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, sliding_window=WINDOW,
-                  attn_implementation=attn_implementation)
-    torch.manual_seed(0)
-    if kind == "mistral":
-        return _spiky(MistralForCausalLM(MistralConfig(**common)))
-    return _spiky(Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, max_window_layers=2,
-                                               layer_types=["sliding_attention", "full_attention"], **common)))
-
-
 SLIDING_PROMPT = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
 
 
@@ -353,9 +334,9 @@ def test_speculative_decoding_is_lossless_beyond_a_sliding_window(kind, attn_imp
     window − 1 positions and counts its length apart (``cumulative_length``) — the tree forward crashed on the
     mask's width, and a cache cut to the tree's nodes would have lost the window's oldest keys. Now a prompt of
     9 and 30 new tokens, window 6: token for token plain greedy decoding, with multi-token steps."""
-    model = _sliding_model(kind, attn_implementation)
+    model = sliding_model(kind, attn_implementation)
     tree = build_tree(CHOICES)
-    reference = _greedy(model, SLIDING_PROMPT, 30, set())
+    reference = hf_greedy(model, SLIDING_PROMPT, 30, set())
     stats = SpeculativeStats()
     oracle = NoisyOracle(reference, stats, model.config.vocab_size, tree.depth, seed=0)
     tokens = [t for step in speculative_stream(model, TreeDrafter(tree, oracle), TreeVerifier(), SLIDING_PROMPT, 30,
@@ -375,7 +356,7 @@ def test_speculative_decoding_is_lossless_beyond_a_sliding_window(kind, attn_imp
 def test_keep_accepted_leaves_a_sliding_window_cache_as_a_plain_forward_would(kind):
     """After a tree forward past the window, each layer holds what a plain forward of prefix + accepted path
     leaves: the full layer every position, the sliding layer the last window − 1 and the true length."""
-    model = _sliding_model(kind)
+    model = sliding_model(kind)
     cache = speculative_cache(model)
     model(input_ids=SLIDING_PROMPT, past_key_values=cache, use_cache=True)
     tree_forward(model, TREE_TOKENS % 64, build_tree(CHOICES), cache)
@@ -410,38 +391,22 @@ def test_a_sliding_window_mask_blocks_keys_a_window_back():
 # devices and dtypes: bf16 on the CPU here, bf16 on the GPU where one is visible
 
 
-def _assert_agrees_up_to_ties(model, ids: torch.Tensor, tokens: list[int], reference: list[int]) -> None:
-    """Equal to greedy, or first differing where greedy's own logits nearly tie the two tokens: in bf16 a tree
-    forward and a one-token forward round differently, so a near-tie may break the other way."""
-    if tokens == reference:
-        return
-    i = next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)
-    common = torch.tensor(reference[:i], dtype=torch.long, device=ids.device)  # long even when empty
-    logits = model(input_ids=torch.cat([ids[0], common])[None]).logits[0, -1]
-    logits = logits.float()
-    assert logits[tokens[i]] >= logits.max() - 0.02 * logits.abs().max(), (i, tokens[i], reference[i])
-
-
-def _bf16_tiny(tiny_llama, device: str):
-    return load_spiky_tiny_llama(tiny_llama, dtype=torch.bfloat16).to(device)
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @torch.no_grad()
 def test_tree_decoding_of_a_bfloat16_policy(tiny, tiny_llama, device):
     """A bf16 policy (on the GPU under cuda) with drafts made on the CPU: tokens, masks and verification follow
     the model's device and dtype; greedy tree decoding agrees with greedy decoding up to bf16 near-ties."""
     _, prompts = tiny
-    model = _bf16_tiny(tiny_llama, device)
+    model = bf16_tiny(tiny_llama, device)
     tree = build_tree(CHOICES)
     for i, ids in enumerate(prompts[:2]):
         ids = ids.to(device)
-        reference = _greedy(model, ids, 30, set())
+        reference = hf_greedy(model, ids, 30, set())
         stats = SpeculativeStats()
         oracle = NoisyOracle(reference, stats, model.config.vocab_size, tree.depth, seed=i)  # CPU logits
         tokens, _ = speculative_generate(model, TreeDrafter(tree, oracle), TreeVerifier(), ids, 30, set(), stats)
         assert len(tokens) == 30
-        _assert_agrees_up_to_ties(model, ids, tokens, reference)
+        assert_agrees_up_to_ties(model, ids, tokens, reference)
         assert max(stats.accepted_lengths) > 1
 
 
@@ -460,7 +425,7 @@ def test_speculative_sampling_of_a_bfloat16_policy(tiny, tiny_llama, device):
     """SamplingVerifier on a bf16 policy with a generator on the model's device (a CUDA generator under cuda) and
     the drafts' law on the CPU: seeded runs repeat, and every token is in the vocabulary."""
     _, prompts = tiny
-    model = _bf16_tiny(tiny_llama, device)
+    model = bf16_tiny(tiny_llama, device)
     ids = prompts[0].to(device)
     vocab = model.config.vocab_size
 
@@ -527,7 +492,7 @@ def test_adaptive_decoding_falls_back_probes_and_resumes_losslessly(tiny, right_
     model, prompts = tiny
     adaptation = Adaptation(window=4, probe_every=8, cycle_cost=1.5)
     for ids in prompts:
-        reference = _greedy(model, ids, 40, set())
+        reference = hf_greedy(model, ids, 40, set())
         stats = SpeculativeStats()
         drafts = Scripted(reference, stats, model.config.vocab_size, depth,
                           lambda done: right_from is not None and done >= right_from)
@@ -549,7 +514,7 @@ def test_a_drafting_state_carries_its_decisions_to_the_next_prompt(tiny):
     adaptation = Adaptation(window=4, probe_every=8, cycle_cost=1.5)
     drafting = AdaptiveDrafting(adaptation)
     for ids in prompts[:2]:
-        reference = _greedy(model, ids, 40, set())
+        reference = hf_greedy(model, ids, 40, set())
         runs = {}
         for name, state in (("fresh", adaptation), ("carried", drafting)):
             stats = SpeculativeStats()
@@ -572,7 +537,7 @@ def test_a_prompt_after_one_where_drafting_did_not_pay_opens_with_a_probe(tiny):
     model, prompts = tiny
     drafting = AdaptiveDrafting(Adaptation(window=4, probe_every=8, cycle_cost=1.5))
     for ids, right in ((prompts[0], False), (prompts[1], True)):
-        reference = _greedy(model, ids, 40, set())
+        reference = hf_greedy(model, ids, 40, set())
         stats = SpeculativeStats()
         drafts = Scripted(reference, stats, model.config.vocab_size, 3, lambda done, right=right: right)
         tokens, _ = speculative_generate(model, TreeDrafter(chain_tree(3), drafts), TreeVerifier(), ids, 40, set(),
@@ -613,7 +578,7 @@ def test_a_measured_cycle_cost_decides_from_the_clock(tiny):
     drafting, a perfect 1-deep chain gains 2 and falls back to plain steps, probing after 8 plain tokens, then 16."""
     model, prompts = tiny
     ids = prompts[0]
-    reference = _greedy(model, ids, 40, set())
+    reference = hf_greedy(model, ids, 40, set())
     adaptation = Adaptation(window=4, probe_every=8)
     for depth, lengths, plain in ((3, [4] * 9 + [2], 1), (1, [2] * 6, 27)):
         stats = SpeculativeStats()
@@ -638,7 +603,7 @@ def test_adaptive_medusa_decoding_equals_greedy_and_skips_the_heads(tiny):
     tree = build_tree(CHOICES)
     calls = []
     for ids in prompts:
-        reference = _greedy(model, ids, 32, set())
+        reference = hf_greedy(model, ids, 32, set())
         plain_engine, _ = speculative_generate(model, MedusaDrafter(model, heads, tree), TreeVerifier(), ids, 32, set())
         drafter = MedusaDrafter(model, heads, tree)
         calls.clear()
@@ -655,10 +620,9 @@ def test_adaptive_mtp_decoding_equals_greedy_and_drafts_as_if_it_never_paused(ti
     a plain step, and each cycle's draft logits equal those the always-drafting engine computes at the same output
     length (the depth caches catch up on the skipped positions exactly)."""
     from models.mtp.module import MTPDrafter, mtp_generate
-    from tests.test_mtp import _perturbed_module
 
     model, prompts = tiny
-    module = _perturbed_module(model, 3, scale=0.05)
+    module = perturbed_module(model, 3, scale=0.05)
 
     class Recording(MTPDrafter):
         def draft(self, choose):
@@ -677,7 +641,7 @@ def test_adaptive_mtp_decoding_equals_greedy_and_drafts_as_if_it_never_paused(ti
     calls = []
     hook = module.layer.register_forward_hook(lambda *_: calls.append(1))
     for ids in prompts:
-        reference = _greedy(model, ids, 32, set())
+        reference = hf_greedy(model, ids, 32, set())
         always, _, always_seen = run(None)
         calls.clear()
         tokens, stats, seen = run(Adaptation(window=2, probe_every=3, cycle_cost=2.5))
@@ -748,7 +712,6 @@ def test_adaptive_speculative_sampling_samples_the_model_exactly():
     very different q. Taking every draft (the negative control) fails the same test."""
     from transformers import LlamaConfig
 
-    from tests.test_mtp import _chi_square_p
 
     model = SimpleNamespace(config=LlamaConfig(vocab_size=V, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                                                num_attention_heads=1), device=torch.device("cpu"))
@@ -765,10 +728,10 @@ def test_adaptive_speculative_sampling_samples_the_model_exactly():
         return torch.tensor(outputs), stats
 
     def p_values(outputs: torch.Tensor) -> list[float]:
-        laws = [_chi_square_p(dict(enumerate(torch.bincount(outputs[:, k], minlength=V).tolist())),
-                              {v: float(exact[k][v]) for v in range(V)}, draws) for k in range(5)]
+        laws = [chi_square_p(dict(enumerate(torch.bincount(outputs[:, k], minlength=V).tolist())),
+                             {v: float(exact[k][v]) for v in range(V)}, draws) for k in range(5)]
         pairs = torch.bincount(outputs[:, 2] * V + outputs[:, 3], minlength=V * V).tolist()
-        return [*laws, _chi_square_p(dict(enumerate(pairs)), dict(enumerate(joint.flatten().tolist())), draws)]
+        return [*laws, chi_square_p(dict(enumerate(pairs)), dict(enumerate(joint.flatten().tolist())), draws)]
 
     outputs, stats = sample(SamplingVerifier)
     assert outputs.shape == (draws, 5)

@@ -7,7 +7,6 @@ are tested on their own, with negative controls.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,21 +15,24 @@ import yaml
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from foresight.config import Config, PathsConfig, PolicyConfig, component, load_config, parse_config
+from foresight.config import load_config, parse_config
+from foresight.params import ConfigError, PathsConfig, UndeclaredKeyError, parse_params
 from foresight.stages import (
     STAGES,
-    RecordingConfig,
-    Stage,
     _outermost,
     path_name,
     render_dvc_yaml,
+    stage_modules,
     sync_dvc_yaml,
     undeclared_files,
     undeclared_modules,
-    undeclared_reads,
 )
+from models.engine.config import PolicyConfig
 
 REPO = Path(__file__).resolve().parent.parent
+BATCHED_ENGINE_STAGES = {"train_medusa", "train_rlmedusa", "benchmark_medusa", "train_mtp", "train_mtp_rl"}
+"""The stages that import the batched speculative engine (models/engine/batched.py): the Medusa stages share one
+task module, whose benchmark decodes batched, and the MTP module drafts batched (models/mtp/module.py)."""
 
 
 def test_committed_dvc_yaml_is_the_rendered_stage_table():
@@ -90,54 +92,51 @@ def test_every_stage_has_a_flow_and_a_deployment_found_by_entrypoint():
     assert loaded.name == "train-reward-dpo"
 
 
-def test_recorder_records_nested_reads_under_their_params_names():
-    cfg = parse_config({"medusa_benchmark": {"num_prompts": 3}})
-    recording = RecordingConfig(cfg)
-    assert recording.medusa_benchmark.num_prompts == 3
-    assert recording.prompts.arithmetic.max_number == 10
-    assert recording.validate_.min_pairs == 1  # the field validate_ is params.yaml's validate
-    assert recording.path(recording.paths.samples) == cfg.path(cfg.paths.samples) and recording.root == cfg.root
-    assert recording.reads == {"medusa_benchmark.num_prompts", "prompts.arithmetic.max_number", "validate.min_pairs",
-                               "paths.samples"}
+def test_a_stage_config_holds_its_declared_sections_and_keys_and_nothing_else():
+    """A declared section comes whole, a section named by dotted keys holds only those keys, ``paths`` only the
+    entries the stage's inputs and outputs name; the rest fails where it is read, naming the key."""
+    cfg = parse_params({"rlmedusa": {"beta": 0.3}, "medusa": {"num_heads": 2}},
+                       keys=("policy", "rlmedusa.inits", "paths.samples"))
+    assert cfg.policy.model == "smollm2-135m-instruct" and isinstance(cfg.policy, PolicyConfig)
+    assert cfg.rlmedusa.inits == ["base", "supervised"]
+    assert cfg.path(cfg.paths.samples) == cfg.root / "data/samples/samples.parquet"
+    assert cfg.launch.num_processes == 1 and cfg.tracking.experiment == "foresight"  # the stage runner's
+    with pytest.raises(UndeclaredKeyError, match=r"rlmedusa\.beta is not among this stage's params"):
+        _ = cfg.rlmedusa.beta
+    with pytest.raises(UndeclaredKeyError, match=r"section medusa is not among this stage's params"):
+        _ = cfg.medusa
+    with pytest.raises(UndeclaredKeyError, match=r"paths\.pairs is not among"):
+        _ = cfg.paths.pairs
 
 
-def test_recorder_is_transparent_and_a_method_call_reads_the_whole_section():
-    recording = RecordingConfig(parse_config({}))
-    policy = recording.policy
-    assert isinstance(recording, Config) and isinstance(policy, PolicyConfig)
-    assert recording.reads == set()  # taking a section reads nothing yet
-
-    @dataclasses.dataclass(frozen=True)
-    class Placement:
-        dtype: str
-        device: str
-        threads: int = 1
-
-    assert component(Placement, policy) == Placement(dtype="auto", device="auto")
-    assert recording.reads == {"policy.dtype", "policy.device"}
-    deeper = recording.sla.model_copy(update={"depth": 3})
-    assert deeper.depth == 3 and "sla" in recording.reads
-    recording.mtp.model_dump()
-    assert "mtp" in recording.reads
-    with pytest.raises(AttributeError, match="read-only"):
-        recording.generate.seed = 1
+def test_a_stage_config_validates_its_own_sections_only():
+    """A bad value in a section the stage does not read is that section's stages' business (``foresight check``
+    and the pipeline validate the whole file first); in a section it reads, it is an error naming the key."""
+    bad = {"medusa": {"num_heads": "many"}}
+    assert parse_params(bad, keys=("policy",)).policy.dtype == "auto"
+    with pytest.raises(ConfigError, match=r"medusa\.num_heads"):
+        parse_params(bad, keys=("medusa.num_heads",))
+    with pytest.raises(ConfigError, match=r"medusa\.heads: no such key"):
+        parse_params({}, keys=("medusa.heads",))
 
 
-def test_undeclared_reads_are_named_and_declared_ones_pass():
-    stage = Stage(name="s", description="d", task="m:f", params=("medusa", "prompts.system_prompt"), code=(),
-                  inputs=("${paths.prompts_dir}",), outputs=("${paths.medusa_dir}/supervised",))
-    declared = {"medusa.num_heads", "prompts.system_prompt", "paths.prompts_dir", "paths.medusa_dir",
-                "paths.metrics_dir"}
-    assert undeclared_reads(stage, declared) == []
-    # negative controls: a key beside a declared one, a whole section of a declared key, an undeclared path
-    assert undeclared_reads(stage, declared | {"prompts.seed", "policy", "paths.samples"}) == [
-        "paths.samples", "policy", "prompts.seed"]
+def test_a_stage_process_imports_the_configs_of_its_sections_alone():
+    """What makes a COrAL docstring edit leave the SLA stages alone: building an SLA stage's config imports no
+    other method's config module."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from foresight.params import parse_params; parse_params({}, keys=('sla', 'policy')); "
+             "print(sorted(m for m in sys.modules if m.startswith('models.')))")
+    imported = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    modules = eval(imported.stdout)  # noqa: S307 - our own probe's list literal
+    assert "models.sla.config" in modules and "models.engine.config" in modules
+    assert not [m for m in modules if m.split(".")[1] in ("coral", "medusa", "mtp")], modules
 
 
 def test_undeclared_modules_are_named():
     root = REPO
-    stage = Stage(name="s", description="d", task="m:f", params=(), code=("models/medusa", "tasks/medusa.py"),
-                  outputs=("${paths.medusa_dir}",))
+    stage = next(s for s in STAGES if s.name == "train_medusa")
 
     def module(path: str) -> SimpleNamespace:
         return SimpleNamespace(__file__=str(root / path))
@@ -147,29 +146,67 @@ def test_undeclared_modules_are_named():
               "tasks.medusa": module("tasks/medusa.py"), "foresight.tracking": module("foresight/tracking.py"),
               "flows.stages": module("flows/stages.py"), "torch": module(".venv/torch/__init__.py")}
     assert undeclared_modules(stage, loaded, root) == []
-    # negative control: a module outside the declared code, and its package (no declared code inside it)
+    # negative control: a module outside the stage's code, and its package
     loaded |= {"models.coral": module("models/coral/__init__.py"),
                "models.coral.training": module("models/coral/training.py")}
     assert undeclared_modules(stage, loaded, root) == ["models.coral", "models.coral.training"]
 
 
-@task(cache_policy=NO_CACHE)  # as every stage's task: a cache key would hash (read) the whole config
+_IMPORT_PROBE = """
+import importlib, json, sys
+import flows.stages
+from foresight.params import load_params
+from foresight.stages import STAGES, PROJECT_PACKAGES, _orchestration
+stage = next(s for s in STAGES if s.name == sys.argv[1])
+cfg = load_params(sys.argv[2], keys=stage.config_keys)
+importlib.import_module(stage.task.partition(":")[0])
+import foresight.memory  # the pre-flight check on GPUs
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in PROJECT_PACKAGES and not _orchestration(m))))
+"""
+
+
+def test_each_stages_code_deps_are_the_modules_its_process_imports():
+    """The DVC code deps of every stage (found by following the imports, :func:`foresight.stages.stage_modules`)
+    against what a fresh process of that stage really imports before its task runs: no module missing (DVC would
+    call a stale result up to date) and none extra (an edit would re-run a stage that does not use the file)."""
+    import json
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    def imported(stage) -> set[str]:
+        run = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, stage.name, str(REPO / "params.yaml")], cwd=REPO,
+                             capture_output=True, text=True, check=True)
+        return set(json.loads(run.stdout.splitlines()[-1]))
+
+    with ThreadPoolExecutor(4) as pool:
+        found = list(zip(STAGES, pool.map(imported, STAGES), strict=True))
+    for stage, modules in found:
+        declared = stage_modules(stage)
+        assert modules - declared == set(), (stage.name, "imported but not deps")
+        assert declared - modules == set(), (stage.name, "deps it does not import")
+
+
+@task(cache_policy=NO_CACHE)  # as every stage's task
 def _read_seed_and_pairs(cfg):
-    from tasks.data import StageResult
+    from tasks.common import StageResult
 
     return StageResult(metrics={"seed": cfg.generate.seed, "pairs": str(cfg.path(cfg.paths.pairs))})
 
 
 def test_run_stage_fails_a_task_that_reads_undeclared_keys(tmp_path, prefect_server):
-    """The real ``run_stage`` hands its task the recorder (through Prefect) and fails the stage on an undeclared
-    read, before it writes the metrics file; declared, the same task passes."""
-    from flows.stages import UndeclaredReadError, run_stage
+    """The real ``run_stage`` hands its task (through Prefect) a config of the declared keys alone: an undeclared
+    read fails the stage there, before it writes the metrics file; declared, the same task passes."""
+    import dataclasses
+
+    from flows.stages import run_stage
+    from foresight.stages import Stage
 
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
                                                    "experiment": "test"}}))
     undeclared = Stage(name="probe", description="d", task=f"{__name__}:_read_seed_and_pairs", params=(),
-                       code=(), outputs=("${paths.samples}",))
+                       outputs=("${paths.samples}",))
     declared = dataclasses.replace(undeclared, params=("generate.seed",), inputs=("${paths.pairs}",))
 
     @flow
@@ -180,11 +217,24 @@ def test_run_stage_fails_a_task_that_reads_undeclared_keys(tmp_path, prefect_ser
     def run_declared() -> dict:
         return run_stage(declared, str(params), None, None)
 
-    with pytest.raises(UndeclaredReadError, match=r"stage probe read .*config keys generate\.seed, paths\.pairs \("):
+    with pytest.raises(UndeclaredKeyError, match=r"section generate is not among this stage's params"):
         run_undeclared()
     assert not (tmp_path / "data/metrics/probe.json").exists()
     assert run_declared()["seed"] == 0
     assert (tmp_path / "data/metrics/probe.json").is_file()
+
+
+def _stages_depending_on(file: str) -> set[str]:
+    return {stage.name for stage in STAGES if file in stage.code}
+
+
+def test_an_edit_re_runs_only_the_stages_that_use_the_file():
+    """The issue's three edits: a COrAL config docstring, the label task, the batched engine."""
+    assert _stages_depending_on("models/coral/config.py") == {"train_coral", "benchmark_coral"}
+    assert _stages_depending_on("tasks/label.py") == {"label"}
+    assert _stages_depending_on("models/engine/batched.py") == BATCHED_ENGINE_STAGES
+    core = {"foresight/params.py", "models/common/config.py", "models/common/files.py"}
+    assert all(core <= set(stage.code) for stage in STAGES)
 
 
 def test_stage_table_shows_the_headline_metrics_a_stage_wrote(tmp_path):
@@ -227,7 +277,7 @@ def test_local_files_the_params_name_are_deps_of_the_stages_that_read_them(tmp_p
     assert {name: files for name, files in reading.items() if files} == {
         "prepare_policy": {"policy"},
         "prepare_prompts": {"prompts.jsonl"},
-        "train_medusa": {"prompts.jsonl"},
+        "distill": {"prompts.jsonl"},
         "benchmark_medusa": {str(outside)},
     }
     assert render_dvc_yaml(parse_config({}, root=tmp_path)) == render_dvc_yaml(parse_config({}, root=REPO)), \
@@ -243,7 +293,20 @@ def test_dvc_yaml_follows_the_params_and_a_stage_refuses_a_file_it_does_not_list
     cfg = parse_config({"prompts": {"source": "file", "file": {"path": "a.jsonl"}}}, root=tmp_path)
     prepare_prompts = next(stage for stage in STAGES if stage.name == "prepare_prompts")
     assert undeclared_files(prepare_prompts, cfg) == ["a.jsonl"]
-    assert sync_dvc_yaml(cfg) == ["prepare_prompts", "train_medusa"]
+    assert sync_dvc_yaml(cfg) == ["prepare_prompts", "distill"]
     assert "a.jsonl" in _deps((tmp_path / "dvc.yaml").read_text(), "prepare_prompts")
     assert undeclared_files(prepare_prompts, cfg) == []
     assert sync_dvc_yaml(cfg) == [], "an up-to-date dvc.yaml is left alone"
+
+
+def test_readme_stage_table_and_dag_are_the_rendered_stage_table():
+    """The README's DAG and stage table come from the stage table (what each stage reads and writes, its text)."""
+    from foresight.stages import STAGE_DOCS_BEGIN, STAGE_DOCS_END, render_stage_docs, upstream
+
+    readme = (REPO / "README.md").read_text()
+    begin, end = readme.index(STAGE_DOCS_BEGIN), readme.index(STAGE_DOCS_END) + len(STAGE_DOCS_END)
+    assert readme[begin:end] == render_stage_docs(), "run: foresight stage-docs"
+    assert all(stage.details and stage.output_files for stage in STAGES)
+    by_name = {stage.name: stage for stage in STAGES}
+    assert upstream(by_name["train_coral"]) == ["prepare_policy", "label", "distill"]
+    assert "  distill --> train_mtp" in readme and "  train_medusa --> train_coral" not in readme

@@ -8,7 +8,7 @@ import sys
 import pandas as pd
 import pytest
 
-from foresight.config import ValidateConfig
+from foresight.params import ValidateConfig
 from foresight.pairs import PAIR_COLUMNS, SAMPLE_COLUMNS, SCORE_COLUMNS, make_pairs
 from foresight.validation import ValidationFailed, pairs_suite, samples_suite, scores_suite, validate_tables
 from models.labeling.config import LabelerSpec

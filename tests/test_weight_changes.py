@@ -6,7 +6,6 @@ into (almost) nothing; at 1e-3 it moves most weights."""
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,12 +20,11 @@ from models.engine.config import PolicySpec
 from models.engine.policy import load_pretrained
 from models.sla.config import DPOTraining
 from models.sla.dpo import train_dpo
-from tests.test_coral import _distinct_sequences
-from tests.test_dpo import make_pairs
+from tests.helpers import distinct_sequences, make_pairs, rl_stage, run_rl_stage
 
 # 6 pairs in batches of 2, one epoch: 3 optimizer steps
 ROUNDED = DPOTraining(learning_rate=1e-6, epochs=1, batch_size=2, max_length=128, seed=0, lora_rank=4)
-FITTING = replace(ROUNDED, learning_rate=1e-3)
+FITTING = ROUNDED.model_copy(update={"learning_rate": 1e-3})
 LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                 "mlp.up_proj", "mlp.down_proj")
 
@@ -90,7 +88,7 @@ def test_coral_stage_two_lora_adapter_is_kept_where_the_merge_rounds_it_away(tin
     def on_trained(stage, model):
         names[stage], adapters[stage] = trained_weight_names(model), Adapter.of(model)
 
-    history = train_coral(policy, _distinct_sequences(4), cfg, on_trained=on_trained)
+    history = train_coral(policy, distinct_sequences(4), cfg, on_trained=on_trained)
     assert history["stage"].count(2) == 3 and adapters[1] is None and adapters[2] is not None
     assert set(names[1]) == {name for name in policy.model.state_dict() if name.startswith("model.layers.1.")}
     assert set(names[2]) == {f"model.layers.0.{module}.weight" for module in LORA_TARGETS}
@@ -146,16 +144,15 @@ def test_mtp_rl_stage_reports_the_policy_update_its_lora_merge_rounded_away(tiny
     """MTP-RL saves no policy: the merged policy it evaluates is compared with the policy's checkpoint files
     (``<variant>.weights_changed``); LoRA at the 8B recipe's old lr 2e-6 over 3 steps in bf16 is reported as rounded
     away."""
-    from tests.test_mtp import _rl_stage, _run_rl_stage
 
     train = {"What is 2 + 3?": "5", "What is 4 * 2?": "8", "What is 6 - 1?": "5"}
-    cfg = _rl_stage(tmp_path, tiny_llama, train, {"What is 9 - 7?": "2"}, policy={"dtype": "bfloat16"},
-                    mtp_rl={"variants": ["vanilla"], "steps": 3, "prompts_per_step": 1, "curve_batch_sizes": [],
-                            "lora_rank": 2, "learning_rate": 2e-6})
+    cfg = rl_stage(tmp_path, tiny_llama, train, {"What is 9 - 7?": "2"}, policy={"dtype": "bfloat16"},
+                   mtp_rl={"variants": ["vanilla"], "steps": 3, "prompts_per_step": 1, "curve_batch_sizes": [],
+                           "lora_rank": 2, "learning_rate": 2e-6})
     stage_log = logging.getLogger("foresight.stage")  # the stage logger outside a Prefect run; it does not propagate
     stage_log.addHandler(caplog.handler)
     try:
-        metrics = _run_rl_stage(cfg).metrics
+        metrics = run_rl_stage(cfg).metrics
     finally:
         stage_log.removeHandler(caplog.handler)
     assert metrics["vanilla.weights_changed"] < ROUNDED_AWAY_SHARE

@@ -2,7 +2,9 @@
 
 - byte-level BPE tokenizers trained in a second on arithmetic-like text: one with ChatML special tokens and a
   chat template (like SmolLM2's), one with Llama-3's special tokens, pre-tokenizer regex and chat template;
-- a 2-layer random Llama causal LM on the ChatML tokenizer;
+- a 2-layer random Llama causal LM on the ChatML tokenizer, and its weights made spiky for decoding tests;
+- tiny random Mistral / Qwen2 models with a sliding window shorter than their inputs;
+- a 2-layer random Llama over a Llama-3-style tokenizer that adds its BOS itself, as its chat template does too;
 - reward models: an ordinary ``LlamaForSequenceClassification``; an ArmoRM-layout checkpoint
   (``LlamaForRewardModelWithGating``'s key names, config and sharded safetensors, on the Llama-3 tokenizer) written
   by hand, without the modeling code it names; and a classifier that ships its own code (``trust_remote_code``).
@@ -103,18 +105,63 @@ def build_tiny_llama(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def load_spiky_tiny_llama(folder: Path, **kwargs):
-    """The tiny Llama in eval mode with its matrices re-drawn at std 0.4 (seeded): at the default init a
-    2-layer random model repeats one token forever, which would make decoding tests test nothing."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
+def spiky(model):
+    """``model`` in eval mode with its matrices re-drawn at std 0.4 (seeded): at the default init a 2-layer random
+    model repeats one token forever, which would make decoding tests test nothing."""
+    model.eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for w in model.parameters():
             if w.dim() >= 2:
                 w.copy_(torch.randn(w.shape, generator=gen) * 0.4)
     return model
+
+
+def load_spiky_tiny_llama(folder: Path, **kwargs):
+    """The tiny Llama, :func:`spiky`."""
+    from transformers import AutoModelForCausalLM
+
+    return spiky(AutoModelForCausalLM.from_pretrained(folder, **kwargs))
+
+
+# the sliding window of :func:`sliding_model`: far shorter than prompt + output
+SLIDING_WINDOW = 6
+
+
+def sliding_model(kind: str, attn_implementation: str = "sdpa"):
+    """A tiny random :func:`spiky` model whose sliding window (:data:`SLIDING_WINDOW`) is far shorter than prompt +
+    output: ``mistral`` slides in every layer (Mistral), ``mixed`` in the first of its two (Qwen2 / Gemma style)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, sliding_window=SLIDING_WINDOW,
+                  attn_implementation=attn_implementation)
+    torch.manual_seed(0)
+    if kind == "mistral":
+        return spiky(MistralForCausalLM(MistralConfig(**common)))
+    return spiky(Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, max_window_layers=2,
+                                              layer_types=["sliding_attention", "full_attention"], **common)))
+
+
+def build_bos_llama3(folder: Path) -> Path:
+    """A random 2-layer Llama over a Llama-3-style tokenizer that, like Meta-Llama-3's own tokenizer.json (its
+    post-processor: ByteLevel, then TemplateProcessing), puts ``<|begin_of_text|>`` before every text it tokenizes with
+    special tokens, while its chat template writes that BOS too: the pair that gives a second BOS to whatever tokenizes
+    templated text with special tokens on. SmolLM2's tokenizer adds none, so the default run never shows it."""
+    from tokenizers import processors
+    from transformers import LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_llama3_tokenizer(folder)
+    bos = tok.bos_token
+    tok.backend_tokenizer.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                      special_tokens=[(bos, tok.bos_token_id)])])
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    LlamaForCausalLM(_llama_config(tok)).save_pretrained(folder)
+    return folder
 
 
 def build_tiny_classifier(folder: Path, seed: int = 0) -> Path:

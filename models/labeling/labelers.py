@@ -26,6 +26,7 @@ import torch
 
 from models.engine.policy import resolve_device, resolve_dtype
 from models.labeling.answers import is_correct, is_missing, unreadable_references
+from models.labeling.armorm import ArmoRMError, encode_conversations, gating_pattern, load_armorm
 from models.labeling.config import LabelerSpec
 from models.labeling.conversations import conversation_ids
 
@@ -116,8 +117,6 @@ class ArmoRMLabeler:
     name = "armorm"
 
     def __init__(self, cfg: LabelerSpec):
-        from models.labeling.armorm import ArmoRMError, gating_pattern, load_armorm
-
         self.cfg = cfg
         self.truncated_responses = 0
         device = resolve_device(cfg.device)
@@ -131,8 +130,6 @@ class ArmoRMLabeler:
     def score_objectives(self, questions, responses, on_batch=None) -> tuple[list[float], list[list[float]]]:
         """The gated scores and, per row, the objective rewards they mix (ArmoRM's 19 rating dimensions).
         Conversations over ``max_length`` lose the tail of their response (:attr:`truncated_responses` counts them)."""
-        from models.labeling.armorm import encode_conversations
-
         self.truncated_responses = 0
 
         def score_batch(rows: list[int]) -> torch.Tensor:

@@ -7,8 +7,8 @@ which predicts x_{t+2} from the state after x_{≤t} — is Medusa head k = 1 he
 1. **Reward model** ("Training methodology and data collection"): r(e, h) ∈ (0, 1), a nonlinear
    feed-forward network over the context's final hidden state h_t and a candidate token's embedding e,
    fitted by MSE to p₁(x_{t+2} = e | x_{≤t+1}) on 9 candidates per step (top-1, 3 of the top-50,
-   5 random) along 20-token trajectories of the policy's own responses (the data:
-   :func:`models.medusa.training.self_distill`).
+   5 random; :func:`sample_candidates`) along 20-token trajectories of the policy's own responses
+   (:func:`trajectory_candidates`, over the states of :func:`models.medusa.training.self_distill`'s frozen pass).
 2. **Policy gradient** ("Overview of reinforcement learning approach", eq. 1: R = r − β·KL, with p₂
    initialised to p₁): head 1 is the policy over the vocabulary in state h_t. It *samples* G tokens per
    state; each is rewarded r(e_a, h_t) − β·(log p₂(a) − log p_ref(a)) (the usual per-sample KL estimate
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -33,13 +34,105 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from models.common.config import MixedPrecision
 from models.common.training import train
-from models.medusa.config import RLMedusaTraining
+from models.medusa.config import RLMedusaCandidates, RLMedusaTraining
 from models.medusa.heads import MedusaHeads
-from models.medusa.training import HiddenStates, StateDataset
+from models.medusa.training import DistilledStates, HiddenStates, StateDataset, pass_autocast
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+
+def _candidate_draws(generator: torch.Generator, rows: int, vocab: int, top_pool: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random numbers :func:`sample_candidates` draws for ``rows`` rows over ``vocab`` tokens, in its order:
+    (rows, top_pool − 1) to pick among ranks 2..top_pool, then (rows, vocab) to pick the random tokens."""
+    draw = partial(torch.rand, generator=generator, device=generator.device)
+    return draw(rows, top_pool - 1), draw(rows, vocab)
+
+
+def sample_candidates(probs: torch.Tensor, generator: torch.Generator, num_top: int = 3, top_pool: int = 50,
+                      num_random: int = 5) -> torch.Tensor:
+    """RLMedusa's candidate mix per row of ``probs`` (R, V): the top-1 token, ``num_top`` distinct tokens
+    drawn from ranks 2..``top_pool``, and ``num_random`` distinct tokens drawn uniformly from the rest of
+    the vocabulary. Returns (R, 1 + num_top + num_random) token ids on ``probs``' device, all distinct
+    within a row. The random numbers come from ``generator`` on its own device (a CPU generator gives the
+    same candidates whichever device ``probs`` lives on)."""
+    rows, vocab = probs.shape
+    picks, scores = _candidate_draws(generator, rows, vocab, top_pool)
+    ranked = probs.topk(top_pool, dim=-1).indices  # (R, top_pool)
+    pick = picks.argsort(dim=-1)[:, :num_top].to(probs.device) + 1  # (R, num_top)
+    chosen = torch.cat([ranked[:, :1], ranked.gather(1, pick)], dim=1)  # (R, 1 + num_top)
+    scores = scores.to(probs.device)  # (R, V)
+    scores.scatter_(1, chosen, -1.0)  # never re-draw a chosen token
+    return torch.cat([chosen, scores.topk(num_random, dim=-1).indices], dim=1)
+
+
+@dataclass
+class TrajectoryStates:
+    """RLMedusa's data ("Training methodology and data collection"): the trajectory states among the frozen
+    pass's positions, and per state the candidate tokens for position t + 2 with the base model's probability of
+    each there."""
+
+    rows: torch.Tensor  # (R,) rows of the pass's hidden states (the whole cache's) that are trajectory states
+    sample: torch.Tensor  # (R,) row of the responses table each state comes from
+    candidates: torch.Tensor  # (R, C) candidate tokens for position t + 2
+    probs: torch.Tensor  # (R, C) p₁(candidate = x_{t+2} | x_{≤t+1})
+
+    def subset(self, samples: torch.Tensor) -> TrajectoryStates:
+        """The trajectory states of the given sample rows, in their order."""
+        keep = torch.isin(self.sample, samples)
+        return TrajectoryStates(self.rows[keep], self.sample[keep], self.candidates[keep], self.probs[keep])
+
+    def states(self, data: DistilledStates) -> HiddenStates:
+        """The states (R, H) among ``data``'s (the whole cache, as :func:`trajectory_candidates` read it), as a
+        view."""
+        return data.hidden.subset(self.rows)
+
+
+@torch.no_grad()
+def trajectory_candidates(data: DistilledStates, lm_head: nn.Module, cfg: RLMedusaCandidates, seed: int,
+                          mixed_precision: MixedPrecision, samples: torch.Tensor | None = None) -> TrajectoryStates:
+    """Along each response's first ``trajectory_tokens`` positions of the frozen pass's cache ``data`` (the whole
+    cache, as :func:`models.medusa.training.load_distilled` reads it): the candidates of :func:`sample_candidates`
+    and their probabilities as the token two steps ahead. t + 2 must still be a response token, so a response of n
+    positions has min(trajectory_tokens, n − 1) states, and p(x_{t+2} | x_{≤t+1}) is the logits of position t + 1.
+
+    The logits are the pass's own, bit for bit: the LM head (in the cache's dtype, the policy's in the pass;
+    ``mixed_precision`` as the pass ran it: ``medusa.mixed_precision``) over each response's positions, all of
+    them at once as the pass computed them. The random numbers come from a CPU generator seeded with ``seed``,
+    response after response in the cache's order (the same candidates on any device); the responses outside
+    ``samples`` (rows of the responses table; None: all) take their draws without their logits being computed,
+    so every other response's candidates stay what they are when all are drawn."""
+    generator = torch.Generator().manual_seed(seed)
+    device, dtype = lm_head.weight.device, data.hidden.dtype
+    weight = lm_head.weight.to(dtype)  # a training stage's float32 copy of a bf16 pass's head: cast back, exactly
+    bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.to(dtype)
+    parts: dict[str, list[torch.Tensor]] = {"rows": [], "sample": [], "candidates": [], "probs": []}
+    responses, counts = torch.unique_consecutive(data.sample, return_counts=True)
+    wanted = None if samples is None else set(samples.tolist())
+    start = 0
+    for sample_row, n in zip(responses.tolist(), counts.tolist(), strict=True):
+        steps = min(cfg.trajectory_tokens, n - 1)
+        if steps > 0 and wanted is not None and sample_row not in wanted:
+            _candidate_draws(generator, steps, weight.shape[0], cfg.top_pool)
+        elif steps > 0:
+            states = data.hidden[start : start + n].to(device)  # (n, H)
+            with pass_autocast(device, mixed_precision):
+                logits = F.linear(states, weight, bias)  # (n, V)
+            probs = torch.softmax(logits[1 : steps + 1].float(), dim=-1)  # (steps, V)
+            candidates = sample_candidates(probs, generator, cfg.top_candidates, cfg.top_pool, cfg.random_candidates)
+            parts["rows"].append(start + torch.arange(steps))
+            parts["sample"].append(torch.full((steps,), sample_row))
+            parts["candidates"].append(candidates.cpu())
+            parts["probs"].append(probs.gather(1, candidates).cpu())
+        start += n
+    if not parts["rows"]:
+        width = 1 + cfg.top_candidates + cfg.random_candidates
+        return TrajectoryStates(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                torch.zeros(0, width, dtype=torch.long), torch.zeros(0, width))
+    return TrajectoryStates(*(torch.cat(parts[name]) for name in ("rows", "sample", "candidates", "probs")))
 
 
 

@@ -1,17 +1,14 @@
 """Self-distilled data and Medusa-1 training of the heads on a frozen backbone (Medusa §2.2.1, §2.3.2;
 docs/medusa.md).
 
-The data are the policy's own responses: by default its greedy responses to the training prompts
-(:func:`greedy_responses`), which is the text the heads will draft for when verification is greedy;
-or the generate stage's samples. One frozen forward over them (:func:`self_distill`) gives everything
-the head stages need, so the backbone runs once:
-
-* for Medusa-1 — the final hidden state h_t of every response position and, per head k, the target
-  token t + k + 1: the sampled token, or the backbone's greedy choice at that position given the
-  sampled prefix (``targets: greedy``: exactly what greedy verification will check);
-* for RLMedusa (its paper's "Training methodology and data collection") — along each response's first
-  ``trajectory_tokens`` tokens, 9 candidate tokens per step (top-1, 3 of the top-50, 5 random;
-  :func:`sample_candidates`) and the base model's probability of each as the token two steps ahead, p₁(x_{t+2} | x_{≤t+1}).
+The data are the policy's own responses (the ``distill`` stage): by default its greedy responses to the training
+prompts (:func:`models.engine.decoding.greedy_responses`), which is the text the heads will draft for when
+verification is greedy; or the generate stage's samples. One frozen forward over them (:func:`self_distill`) gives
+everything the head stages need, so the backbone runs once: the final hidden state h_t of every response position
+and, per head k, the target token t + k + 1: the sampled token, or the backbone's greedy choice at that position
+given the sampled prefix (``targets: greedy``: exactly what greedy verification will check). RLMedusa draws its
+candidates over these states (:func:`models.medusa.rlmedusa.trajectory_candidates`: the LM head again, on the
+cached states).
 
 The hidden states are the bulk of it (8 KiB per position for an 8B model in bf16, millions of positions on
 real data): the pass streams them to a file on disk in the policy's dtype, and training reads them back
@@ -39,10 +36,11 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from models.common.config import MixedPrecision
 from models.common.sequences import fits, padding_id, right_pad, sft_sequences
 from models.common.training import train
 from models.engine.policy import Policy
-from models.medusa.config import MedusaTraining, RLMedusaCandidates
+from models.medusa.config import MedusaTraining
 from models.medusa.heads import IGNORE_INDEX, MedusaHeads, heads_for, medusa_loss
 
 if TYPE_CHECKING:
@@ -50,7 +48,7 @@ if TYPE_CHECKING:
 
 HIDDEN_FILE = "hidden.bin"  # the (M, H) hidden states, row-major raw bytes in the policy's dtype
 INDEX_FILE = "states.safetensors"  # everything else the pass yields (small), and the hidden states' dtype and width
-INDEX_FIELDS = ("targets", "sample", "rl_rows", "rl_candidates", "rl_probs")
+INDEX_FIELDS = ("targets", "sample")
 
 
 class HiddenStates:
@@ -116,21 +114,11 @@ class DistilledStates:
     hidden: HiddenStates  # (M, H) final hidden state at each response position t (predicting t + 1)
     targets: torch.Tensor  # (M, K) head k's target token t + k + 1, IGNORE_INDEX past the response
     sample: torch.Tensor  # (M,) row of the samples table each position comes from
-    rl_rows: torch.Tensor  # (R,) rows of ``hidden`` that are RLMedusa trajectory states
-    rl_candidates: torch.Tensor  # (R, C) candidate tokens for position t + 2
-    rl_probs: torch.Tensor  # (R, C) p₁(candidate = x_{t+2} | x_{≤t+1})
 
     def subset(self, samples: torch.Tensor) -> DistilledStates:
-        """The positions (and trajectory states) of the given sample rows."""
+        """The positions of the given sample rows."""
         keep = torch.isin(self.sample, samples)
-        new_index = torch.cumsum(keep.long(), 0) - 1
-        rl_keep = keep[self.rl_rows]
-        return DistilledStates(self.hidden.subset(keep), self.targets[keep], self.sample[keep],
-                               new_index[self.rl_rows[rl_keep]], self.rl_candidates[rl_keep], self.rl_probs[rl_keep])
-
-    def rl_states(self) -> HiddenStates:
-        """The trajectory states (R, H), as a view."""
-        return self.hidden.subset(self.rl_rows)
+        return DistilledStates(self.hidden.subset(keep), self.targets[keep], self.sample[keep])
 
 
 def load_distilled(folder: Path) -> DistilledStates:
@@ -152,44 +140,6 @@ def too_long_responses(folder: Path) -> int:
         return int(index.metadata()["too_long"])
 
 
-def greedy_responses(policy: Policy, prompts: pd.DataFrame, max_new_tokens: int, batch_size: int,
-                     system_prompt: str | None = None) -> pd.DataFrame:
-    """The policy's greedy response to each prompt (``prompt_id``, ``question``), batched, in the shape of the
-    samples table that :func:`self_distill` reads (one sample per prompt)."""
-    from models.engine.decoding import GREEDY, hf_decode
-    from models.engine.generation import chat_prompts, end_token_ids
-
-    tok, eos = policy.tokenizer, end_token_ids(policy)
-    texts = chat_prompts(tok, prompts["question"].tolist(), system_prompt)
-    prompt_ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    outputs = []
-    for start in tqdm(range(0, len(prompt_ids), batch_size), desc="greedy responses", unit="batch"):
-        outputs += hf_decode(policy, prompt_ids[start : start + batch_size], GREEDY, max_new_tokens,
-                             eos, batch_size=batch_size)
-    return pd.DataFrame({
-        "prompt_id": prompts["prompt_id"].tolist(), "sample_index": 0, "prompt": texts,
-        "response": [tok.decode(o, skip_special_tokens=True) for o in outputs],
-        "finish_reason": ["eos" if o and o[-1] in eos else "length" for o in outputs],
-    })
-
-
-def sample_candidates(probs: torch.Tensor, generator: torch.Generator, num_top: int = 3, top_pool: int = 50,
-                      num_random: int = 5) -> torch.Tensor:
-    """RLMedusa's candidate mix per row of ``probs`` (R, V): the top-1 token, ``num_top`` distinct tokens
-    drawn from ranks 2..``top_pool``, and ``num_random`` distinct tokens drawn uniformly from the rest of
-    the vocabulary. Returns (R, 1 + num_top + num_random) token ids on ``probs``' device, all distinct
-    within a row. The random numbers come from ``generator`` on its own device (a CPU generator gives the
-    same candidates whichever device ``probs`` lives on)."""
-    rows, vocab = probs.shape
-    draw = partial(torch.rand, generator=generator, device=generator.device)
-    ranked = probs.topk(top_pool, dim=-1).indices  # (R, top_pool)
-    pick = draw(rows, top_pool - 1).argsort(dim=-1)[:, :num_top].to(probs.device) + 1  # (R, num_top)
-    chosen = torch.cat([ranked[:, :1], ranked.gather(1, pick)], dim=1)  # (R, 1 + num_top)
-    scores = draw(rows, vocab).to(probs.device)  # (R, V)
-    scores.scatter_(1, chosen, -1.0)  # never re-draw a chosen token
-    return torch.cat([chosen, scores.topk(num_random, dim=-1).indices], dim=1)
-
-
 def _head_targets(next_tokens: torch.Tensor, num_heads: int) -> torch.Tensor:
     """(n,) tokens y_{t+1} at response positions t → (n, K) with y_{t+k+1} for head k, IGNORE_INDEX past the end."""
     n = len(next_tokens)
@@ -206,21 +156,22 @@ def _response_positions(ids: list[int], mask: list[int]) -> torch.Tensor:
     return torch.arange(first - 1, len(ids) - 1)
 
 
-def _autocast(policy: Policy, cfg: MedusaTraining) -> AbstractContextManager:
-    """bfloat16 autocast on the policy's device under ``mixed_precision: bf16``, else nothing."""
-    return torch.autocast(policy.device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
+def pass_autocast(device: torch.device, mixed_precision: MixedPrecision) -> AbstractContextManager:
+    """bfloat16 autocast on ``device`` under ``mixed_precision: bf16``, else nothing: the frozen pass's, and that
+    of every later forward of the LM head over its states that must give the pass's logits bit for bit."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
 
 
 @torch.no_grad()
-def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaTraining, rl_cfg: RLMedusaCandidates,
-                 folder: Path) -> DistilledStates:
+def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaTraining, folder: Path) -> DistilledStates:
     """One frozen forward per batch of (prompt + response) sequences (see the module docstring); the cache
     goes to ``folder`` and comes back as :func:`load_distilled` reads it.
 
     Only the final hidden states come out of the backbone; the LM head then runs per sequence on its
     response positions alone (at most ``max_length`` rows × V at a time, instead of the whole batch's
-    logits), and only the RL trajectory's few rows ever become float32 probabilities. The states are
-    written in the policy's dtype as each batch finishes, so RAM holds one batch of them at a time.
+    logits). The states are written in the policy's dtype as each batch finishes, so RAM holds one batch of them
+    at a time; they are the very states the LM head read here (their dtype is the policy's), so RLMedusa's
+    :func:`models.medusa.rlmedusa.trajectory_candidates` gets this pass's logits back from them bit for bit.
 
     Under ``mixed_precision: bf16`` the pass runs in bfloat16 autocast (~2.5× faster on a CPU with bf16
     units); the heads then learn from states a rounding away from those they see when decoding.
@@ -230,11 +181,9 @@ def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaTraining, rl_
     """
     tok, model = policy.tokenizer, policy.model
     lm_head = model.get_output_embeddings()
-    generator = torch.Generator().manual_seed(cfg.seed)  # on the CPU: the same RL candidates on any device
     sequences = sft_sequences(tok, samples)
     kept = [i for i, sequence in enumerate(sequences) if fits(sequence, cfg.max_length)]  # rows of ``samples``
     parts: dict[str, list[torch.Tensor]] = {name: [] for name in INDEX_FIELDS}
-    rows_so_far = 0
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / HIDDEN_FILE, "wb") as cache:
@@ -242,7 +191,7 @@ def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaTraining, rl_
             chunk_rows = kept[start : start + cfg.distill_batch_size]
             chunk = [sequences[i] for i in chunk_rows]
             batch = right_pad(chunk, padding_id(tok))  # (B, T) each
-            with _autocast(policy, cfg):
+            with pass_autocast(policy.device, cfg.mixed_precision):
                 hidden = model.base_model(input_ids=batch["input_ids"].to(policy.device),
                                           attention_mask=batch["attention_mask"].to(policy.device)
                                           ).last_hidden_state  # (B, T, H): the states the LM head reads
@@ -251,23 +200,13 @@ def self_distill(policy: Policy, samples: pd.DataFrame, cfg: MedusaTraining, rl_
                 if len(positions) == 0:
                     continue
                 states = hidden[row, positions.to(policy.device)]  # (n, H)
-                with _autocast(policy, cfg):
+                with pass_autocast(policy.device, cfg.mixed_precision):
                     logits = lm_head(states)  # (n, V)
                 sampled = torch.tensor(ids)[positions + 1]
                 next_tokens = logits.argmax(-1).cpu() if cfg.targets == "greedy" else sampled
                 cache.write(states.to(lm_head.weight.dtype).cpu().contiguous().view(torch.uint8).numpy())
                 parts["targets"].append(_head_targets(next_tokens, cfg.num_heads))
                 parts["sample"].append(torch.full((len(positions),), sample_row))
-                # trajectory states: t + 2 must still be a response token, so p(x_{t+2} | x_{≤t+1}) is logits[t + 1]
-                steps = min(rl_cfg.trajectory_tokens, len(positions) - 1)
-                if steps > 0:
-                    probs = torch.softmax(logits[1 : steps + 1].float(), dim=-1)  # (steps, V)
-                    candidates = sample_candidates(probs, generator, rl_cfg.top_candidates, rl_cfg.top_pool,
-                                                   rl_cfg.random_candidates)
-                    parts["rl_rows"].append(rows_so_far + torch.arange(steps))
-                    parts["rl_candidates"].append(candidates.cpu())
-                    parts["rl_probs"].append(probs.gather(1, candidates).cpu())
-                rows_so_far += len(positions)
     if not parts["targets"]:
         raise ValueError(f"no response tokens to learn from: every sample's response is empty or longer than "
                          f"medusa.max_length {cfg.max_length} tokens ({len(sequences) - len(kept)} of {len(sequences)})")

@@ -47,13 +47,14 @@ import torch
 from models.common.lora import adapters_disabled, is_lora, memory_saving, merged
 from models.common.sequences import padding_id, right_pad
 from models.common.training import float32_master_weights, half_dtype, step_precision
-from models.engine.config import Adaptation
+from models.engine.batched import BatchSampling, batched_speculative_generate
 from models.engine.policy import Policy
 from models.engine.speculative import AdaptiveDrafting, SpeculativeStats, last_hidden_forward
 from models.labeling.answers import cut_by_length
 from models.mtp.config import MTPRLTraining, VariantName
 from models.mtp.grpo import group_advantages, grpo_loss, token_logps, zero_std_groups
 from models.mtp.module import (
+    MTPBatchDrafter,
     MTPModule,
     advantage_aware_kl,
     advantage_mask,
@@ -178,9 +179,6 @@ def sample_speculatively(model, draft_base, draft_module, prompts: Sequence[Sequ
     chained drafts (``draft_base`` / ``draft_module``: :func:`models.mtp.module.draft_parts`' copies), row i
     drawing from ``generators[i]``: the distribution :func:`sample_plainly` samples from. ``drafting``: the adaptive
     decision state (None: always draft). Returns the tokens and each row's counters."""
-    from models.engine.batched import BatchSampling, batched_speculative_generate
-    from models.mtp.module import MTPBatchDrafter
-
     drafter = MTPBatchDrafter(draft_base, draft_module, draft_temperature, generators)
     return batched_speculative_generate(model, drafter, BatchSampling(temperature, generators), prompts,
                                         max_new_tokens, eos_token_ids, drafting)
@@ -205,9 +203,9 @@ def rollout_rewards(reward_fn: RewardFunction, questions: Sequence[str], answers
 
 
 def rollout_drafting(cfg: MTPRLTraining) -> AdaptiveDrafting | None:
-    """A fresh decision state for drafted rollouts under ``cfg.adaptive`` (draft only while it pays; the rollouts'
-    distribution stays exact either way), else None (always draft)."""
-    return AdaptiveDrafting(Adaptation(cycle_cost=cfg.cycle_cost)) if cfg.adaptive else None
+    """A fresh decision state for drafted rollouts under ``cfg.adaptive`` (draft only while it pays, by the rule
+    ``cfg.adaptation``; the rollouts' distribution stays exact either way), else None (always draft)."""
+    return AdaptiveDrafting(cfg.adaptation) if cfg.adaptive else None
 
 
 def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequence[torch.Tensor],

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from models.common.sequences import Sequences, padding_id, right_pad
-from models.common.training import train
+from models.common.training import EarlyStopping, held_out_mean, train
 from models.engine.policy import Policy
 from models.mtp.config import MTPTraining
 from models.mtp.module import MTPModule, MTPModuleConfig, depth_targets, mtp_cross_entropy, mtp_logits
@@ -135,8 +135,6 @@ def train_mtp_module(policy: Policy, sequences: Sequences, hidden: Sequence[torc
     depth's cross-entropy (with ``held_out``: also ``held_out_loss`` per epoch and ``best_epoch``)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-
-    from models.common.training import EarlyStopping, held_out_mean
 
     if not sequences:
         raise ValueError("no sequences to train the MTP module on")

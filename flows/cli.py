@@ -9,6 +9,8 @@
 - ``foresight check``: validate ``params.yaml`` and print the resolved configuration.
 - ``foresight dvc-yaml``: print ``dvc.yaml`` as the stage table (``foresight/stages.py``) declares it, with the
   local files the params name (a prompt file, a local model folder) as deps.
+- ``foresight params-yaml``: print ``params.yaml`` as the knobs' classes declare it (every default, a comment each).
+- ``foresight stage-docs``: rewrite the README's stage table and DAG from the stage table.
 - ``foresight plan``: each stage's estimated peak GPU memory against the GPUs, and the knob that makes a stage
   fit that does not, then each stage's disk footprint and the run's total against the free disk
   (``foresight/memory.py``); exit code 1 when a stage or the total does not fit.
@@ -172,6 +174,21 @@ def _dvc_yaml(args) -> int:
     return 0
 
 
+def _params_yaml(args) -> int:
+    from foresight.params import render_params_yaml
+
+    print(render_params_yaml(), end="")
+    return 0
+
+
+def _stage_docs(args) -> int:
+    from foresight.stages import sync_stage_docs
+
+    readme = Path(args.params).resolve().parent / "README.md"
+    print(f"{readme}: {'rewritten' if sync_stage_docs(readme) else 'up to date'}")
+    return 0
+
+
 def _deploy(args) -> int:
     from flows.serve import deploy
 
@@ -244,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     command("claims", "judge each paper's central claims on the stage metrics on disk (a markdown table)", _claims)
     command("check", "validate params.yaml and print it resolved", _check)
     command("dvc-yaml", "print dvc.yaml from the stage table (foresight dvc-yaml > dvc.yaml)", _dvc_yaml)
+    command("params-yaml", "print params.yaml from the knobs' classes (foresight params-yaml > params.yaml)",
+            _params_yaml)
+    command("stage-docs", "rewrite README.md's stage table and DAG from the stage table", _stage_docs)
     planner = command("plan", "estimate each stage's peak GPU memory (and the knobs that make it fit) and disk "
                               "footprint", _plan)
     planner.add_argument("--gpu-memory", type=float, metavar="GiB",
