@@ -45,7 +45,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 from prefect.exceptions import MissingContextError
 
-from foresight.prompts import drop_long_prompts, policy_context_length, resolve_max_prompt_tokens
+from foresight.prompt_limits import drop_long_prompts, policy_context_length, resolve_max_prompt_tokens
 from foresight.stages import GPU_TAG
 from foresight.storage import read_table
 from models.engine.policy import load_policy, load_pretrained, policy_path

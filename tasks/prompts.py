@@ -9,7 +9,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from transformers import AutoTokenizer
 
-from foresight.prompts import drop_long_prompts, load_prompts
+from foresight.prompt_limits import drop_long_prompts
+from foresight.prompts import load_prompts
 from foresight.storage import write_table
 from models.engine.policy import policy_path
 from models.labeling.answers import unreadable_references

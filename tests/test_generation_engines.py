@@ -507,7 +507,7 @@ def test_a_token_budget_forms_the_same_batches_in_a_resumed_run(tiny_llama, tmp_
     row for row."""
     from transformers import AutoTokenizer
 
-    from foresight.prompts import prompt_token_counts
+    from foresight.prompt_limits import prompt_token_counts
     from models.engine.generation import batch_plan, batch_tokens
     from tasks.common import read_prompts
 

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from foresight.config import load_config
-from foresight.prompts import (
+from foresight.prompt_limits import (
     PromptSourceError,
     drop_long_prompts,
     policy_context_length,
