@@ -661,10 +661,13 @@ def stage_modules(stage: Stage) -> set[str]:
 
 
 def stage_code(stage: Stage) -> tuple[str, ...]:
-    """:attr:`Stage.code`: the files of :func:`stage_modules` and the data they read (:data:`MODULE_DATA`), sorted."""
+    """:attr:`Stage.code`: the files of :func:`stage_modules` and the data they read (:data:`MODULE_DATA`), sorted;
+    empty files (package ``__init__``) left out: a package that gains code becomes a dep then."""
     files = set()
     for module in stage_modules(stage):
-        files.add(_module_file(module).relative_to(ROOT).as_posix())
+        file = _module_file(module)
+        if file.stat().st_size:  # an empty package __init__ holds nothing to change (DVC warns on empty deps)
+            files.add(file.relative_to(ROOT).as_posix())
         files.update(MODULE_DATA.get(module, ()))
     return tuple(sorted(files))
 
@@ -680,7 +683,7 @@ def undeclared_modules(stage: Stage, modules: Mapping[str, Any], root: Path) -> 
         if file is None:
             continue
         path = Path(file).resolve()
-        if any(path == entry or entry in path.parents for entry in declared):
+        if any(path == entry or entry in path.parents for entry in declared) or not path.stat().st_size:
             continue
         undeclared.append(name)
     return undeclared
