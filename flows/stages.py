@@ -21,7 +21,6 @@ run; the main one writes the stage's outputs and hands its :class:`tasks.common.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -39,7 +38,7 @@ from prefect import Flow, flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.utilities.annotations import quote
 
-from foresight.params import Params, load_params
+from foresight.params import Params, load_params, load_reference
 from foresight.stages import (
     PATH_EXPRESSION,
     STAGES,
@@ -83,8 +82,7 @@ def write_curves(curves: dict[str, list[float]], folder: Path) -> None:
 
 
 def _task(stage: Stage):
-    module, _, name = stage.task.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return load_reference(stage.task)
 
 
 def _check_modules(stage: Stage, modules: list[str] | None = None) -> None:

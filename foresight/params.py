@@ -280,7 +280,8 @@ ATTRIBUTE_NAMES = {"validate": "validate_"}
 """Sections whose name is a pydantic method: the config's attribute gets a trailing underscore."""
 
 
-def _load(reference: str):
+def load_reference(reference: str):
+    """The object a ``module:name`` reference names (a section class, a cross check, a stage's task), imported."""
     module, _, name = reference.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -289,7 +290,7 @@ def section_class(name: str) -> type[BaseModel]:
     """The class of section ``name`` (imports its module)."""
     if name not in SECTIONS:
         raise ConfigError(f"unknown params section '{name}': the sections are {', '.join(SECTIONS)}")
-    return _load(SECTIONS[name])
+    return load_reference(SECTIONS[name])
 
 
 class UndeclaredKeyError(AttributeError):
@@ -517,7 +518,7 @@ def parse_params(data: dict | None, root: Path = Path("."), source: str = "param
     for sections, check in CROSS_CHECKS.items():
         if all(name in names and (named is None or named.get(name, "") is None) for name in sections):
             try:
-                _load(check)(*(getattr(cfg, ATTRIBUTE_NAMES.get(name, name)) for name in sections))
+                load_reference(check)(*(getattr(cfg, ATTRIBUTE_NAMES.get(name, name)) for name in sections))
             except ValueError as err:
                 raise ConfigError(f"{source} is invalid: {err}") from None
     cfg.root = root.resolve()
