@@ -11,7 +11,8 @@ a pandas data source with one DataFrame asset per table, a whole-DataFrame batch
 validation definition and a checkpoint whose ``UpdateDataDocsAction`` renders HTML Data Docs into a
 filesystem site. It returns a plain-dict summary, and when any suite fails it raises
 :class:`ValidationFailed` *after* the Data Docs are written, so the report can be opened to see
-which rows broke which expectation.
+which rows broke which expectation. The pages load their scripts and styles from copies inside the site
+(:func:`foresight.offline.localize_data_docs`), not from GX's CDNs, so they render on an offline machine.
 
 Great Expectations takes several seconds to import, so it is imported inside the functions that
 need it: importing this module stays cheap (about 0.1 s).
@@ -22,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from foresight.offline import localize_data_docs
 from foresight.params import ValidateConfig
 from foresight.pairs import PAIR_COLUMNS, SAMPLE_COLUMNS, SCORE_COLUMNS
 from foresight.storage import atomic_path
@@ -178,13 +180,15 @@ def validate_tables(tables: dict[str, tuple[pd.DataFrame, gx.ExpectationSuite]],
 
     The site is built in a temporary sibling and renamed over ``docs_dir`` (:func:`atomic_path`), so
     ``docs_dir`` holds exactly this run (a filesystem site otherwise keeps listing the runs of earlier
-    calls) and a failed build leaves the previous report in place.
+    calls) and a failed build leaves the previous report in place. Its pages use the vendored scripts and
+    styles copied into it (:func:`foresight.offline.localize_data_docs`).
 
     Raises :class:`ValidationFailed` (after the Data Docs are written) when any suite fails.
     """
     docs_dir = Path(docs_dir)
     with atomic_path(docs_dir) as staging:
         suites = _run(tables, staging)
+        localize_data_docs(staging)
 
     docs_index = docs_dir / "index.html"
     summary = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -88,7 +89,21 @@ def test_good_tables_pass_and_write_data_docs(tmp_path):
     for name in ("samples", "scores", "pairs"):
         assert (docs / "expectations" / f"{name}.html").is_file()
         assert f"expectations/{name}.html" in index
-    assert len(list((docs / "validations").rglob("*.html"))) == 3
+    validations = list((docs / "validations").rglob("*.html"))
+    assert len(validations) == 3
+    for page in validations:  # the index table's (inline) rows link each validation result
+        assert page.relative_to(docs).as_posix() in index
+    # Offline (issue #34): every page loads its scripts, styles and logo from the site itself, and they are there.
+    for page in docs.rglob("*.html"):
+        html = page.read_text()
+        # what a browser loads to draw the page: scripts, stylesheets, images (GX's favicon link is not among
+        # them, and is one folder short on validation pages: GX's favicon.j2)
+        refs = [re.search(r"\b(?:src|href)=\"([^\"]+)\"", tag).group(1)
+                for tag in re.findall(r"<script\b[^>]*\bsrc=[^>]*>|<link\b[^>]*stylesheet[^>]*>|<img\b[^>]*>", html)]
+        assert [r for r in refs if "://" in r] == [], page
+        assert {"jquery.min.js", "bootstrap-table.min.js", "bootstrap.min.css", "all.min.css"} <= {
+            r.rsplit("/", 1)[-1] for r in refs}, page
+        assert [r for r in refs if not (page.parent / r).is_file()] == [], page
     # Staging folders are renamed or removed, never left next to the site.
     assert [p.name for p in docs.parent.iterdir()] == ["data_docs"]
 
