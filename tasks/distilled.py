@@ -38,9 +38,11 @@ def split_distilled(responses: pd.DataFrame, eval_fraction: float, seed: int):
     So the held-out sequences are the same for Medusa, COrAL and the MTP module (:func:`drafter_split`)."""
     shared = responses.index[~responses["further_prompt"].to_numpy(bool)]
     train_shared, eval_rows = split_responses(responses.loc[shared], eval_fraction, seed)
-    further = torch.from_numpy(responses.index[responses["further_prompt"].to_numpy(bool)].to_numpy())
-    train_rows = torch.cat([torch.from_numpy(shared.to_numpy())[train_shared], further]).sort().values
-    return train_rows, torch.from_numpy(shared.to_numpy())[eval_rows]
+    # copies: pandas' copy-on-write hands out read-only arrays, which torch.from_numpy warns about sharing
+    further = torch.from_numpy(responses.index[responses["further_prompt"].to_numpy(bool)].to_numpy(copy=True))
+    shared_rows = torch.from_numpy(shared.to_numpy(copy=True))
+    train_rows = torch.cat([shared_rows[train_shared], further]).sort().values
+    return train_rows, shared_rows[eval_rows]
 
 
 def shared_distilled_responses(cfg: Config, key: str, further: bool = False) -> pd.DataFrame:
@@ -83,7 +85,9 @@ def drafter_split(cfg: Config, responses: pd.DataFrame, eval_fraction: float, se
     path = distilled_dir(cfg) / DISTILLED_SPLIT_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: run the distill stage first")
-    is_eval = torch.from_numpy(responses["distilled_row"].isin(load_file(path)["eval_samples"].numpy()).to_numpy())
+    # a copy, as in split_distilled
+    is_eval = torch.from_numpy(
+        responses["distilled_row"].isin(load_file(path)["eval_samples"].numpy()).to_numpy(copy=True))
     rows = torch.arange(len(responses))
     return rows[~is_eval], rows[is_eval]
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 
 # Set before anything imports huggingface_hub / prefect / mlflow: no network, no telemetry.
 os.environ.update({
@@ -27,6 +29,20 @@ from tests.tiny import (  # noqa: E402
 # Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine two threads contend
 # badly (forwards measured 10-40x slower); subprocesses the tests start keep torch's default.
 torch.set_num_threads(1)
+
+
+class _LoggedCacheDeprecation(logging.Filter):
+    """transformers logs (``warning_once``), rather than warns, "`past_key_values`/`cache_params` are deprecated"
+    where code reads an output's KV cache by its pre-5.24 name (transformers/utils/generic.py): re-issued as a
+    FutureWarning, which pyproject.toml's filterwarnings turns into an error raised at the line that read it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("`past_key_values`/`cache_params` are deprecated"):
+            warnings.warn(record.getMessage(), FutureWarning, stacklevel=2)
+        return True
+
+
+logging.getLogger("transformers.utils.generic").addFilter(_LoggedCacheDeprecation())
 
 
 # The longest file first: under pytest-xdist (``--dist loadfile``, pyproject.toml) one worker spends the run on the

@@ -53,6 +53,7 @@ from models.coral.training import (
     trunk_cache,
 )
 from models.engine.config import PolicySpec
+from models.engine.kv_cache import cache_kwargs
 from models.engine.policy import load_pretrained
 from models.engine.speculative import build_tree
 from tests.helpers import distinct_sequences, tiny_params
@@ -113,8 +114,8 @@ def test_target_aware_forward_with_a_cache_equals_one_without():
     with torch.no_grad():
         full = target_aware_logits(model, ids, (1, 2, 0))
         cache = DynamicCache(config=model.config)
-        model(ids[:, :7], past_key_values=cache, use_cache=True)
-        tail = target_aware_logits(model, ids[:, 7:], (1, 2, 0), past_key_values=cache)
+        model(ids[:, :7], **cache_kwargs(model, cache), use_cache=True)
+        tail = target_aware_logits(model, ids[:, 7:], (1, 2, 0), cache=cache)
     torch.testing.assert_close(tail, full[:, :, 7:], rtol=0, atol=1e-5)
     assert cache.get_seq_length() == 12  # the last layer cached ordinary keys/values once, not per offset
 

@@ -59,9 +59,23 @@ def test_incremental_rewards_equal_full_forward(policy, input_ids, head):
     with torch.no_grad():
         full = model(input_ids).rewards  # (B, T)
         first = model(input_ids[:, :6], use_cache=True)
-        assert isinstance(first.past_key_values, DynamicCache)
-        rest = model(input_ids[:, 6:], past_key_values=first.past_key_values, use_cache=True)
+        assert isinstance(first.cache, DynamicCache)
+        rest = model(input_ids[:, 6:], cache=first.cache, use_cache=True)
     torch.testing.assert_close(torch.cat([first.rewards, rest.rewards], dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_channel_under_bf16_autocast_normalises_in_its_weights_dtype():
+    """Training runs the channel's float32 master weights under bf16 autocast on the bf16 policy's states. CPU
+    autocast leaves ``rms_norm`` alone, so a norm handed the bf16 states as they are runs unfused and warns
+    "Mismatch dtype" (an error here: pyproject.toml's filterwarnings); the channel upcasts them to its weights' dtype
+    and scores as a float32 channel does on the same states, to bf16 precision."""
+    torch.manual_seed(0)
+    channel = RewardChannel(32, 2, hidden_size=16)
+    states = tuple(torch.randn(2, 5, 32).to(torch.bfloat16) for _ in range(3))  # 2 layer inputs + the final state
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rewards = channel(states)
+    assert rewards.dtype == torch.bfloat16
+    torch.testing.assert_close(rewards.float(), channel(tuple(s.float() for s in states)), atol=0.05, rtol=0.02)
 
 
 def test_mean_response_reward_by_hand():

@@ -321,7 +321,7 @@ def test_forward_overhead_times_interleaved_pairs_between_synchronisations(tiny,
     monkeypatch.setattr(tasks.sla, "synchronize", lambda: events.append("sync"))
 
     def record_inputs(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers ≥ 5.24, before
         inputs.append((kwargs["input_ids"].shape[1], cache.get_seq_length() if cache is not None else 0))
 
     hooks = [model.policy.register_forward_hook(lambda *_: events.append("forward")),

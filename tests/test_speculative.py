@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from models.engine.config import Adaptation, TypicalAcceptance
+from models.engine.kv_cache import cache_kwargs
 from models.engine.speculative import (
     AdaptiveDrafting,
     Draft,
@@ -166,7 +167,7 @@ def _tree_step(model, prefix: torch.Tensor):
     """Prefill ``prefix`` (1, L), then one tree forward of TREE_TOKENS on CHOICES: (tree, cache, logits, hidden)."""
     tree = build_tree(CHOICES)
     cache = DynamicCache(config=model.config)
-    model(input_ids=prefix, past_key_values=cache, use_cache=True)
+    model(input_ids=prefix, **cache_kwargs(model, cache), use_cache=True)
     logits, hidden = tree_forward(model, TREE_TOKENS, tree, cache)
     return tree, cache, logits, hidden
 
@@ -193,7 +194,7 @@ def test_keep_accepted_leaves_the_cache_of_the_accepted_path(tiny):
     accepted = [0, 2, 5]  # a path that is not a prefix of the tree's node order: cropping would be wrong
     keep_accepted(cache, prefix.shape[1], accepted)
     reference = DynamicCache(config=model.config)
-    model(input_ids=torch.cat([prefix[0], tokens[accepted]])[None], past_key_values=reference, use_cache=True)
+    model(input_ids=torch.cat([prefix[0], tokens[accepted]])[None], **cache_kwargs(model, reference), use_cache=True)
     assert cache.get_seq_length() == reference.get_seq_length() == prefix.shape[1] + 3
     for mine, theirs in zip(cache.layers, reference.layers, strict=True):
         torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=1e-5)
@@ -358,13 +359,13 @@ def test_keep_accepted_leaves_a_sliding_window_cache_as_a_plain_forward_would(ki
     leaves: the full layer every position, the sliding layer the last window − 1 and the true length."""
     model = sliding_model(kind)
     cache = speculative_cache(model)
-    model(input_ids=SLIDING_PROMPT, past_key_values=cache, use_cache=True)
+    model(input_ids=SLIDING_PROMPT, **cache_kwargs(model, cache), use_cache=True)
     tree_forward(model, TREE_TOKENS % 64, build_tree(CHOICES), cache)
     accepted = [0, 2, 5]
     keep_accepted(cache, SLIDING_PROMPT.shape[1], accepted)
     reference = DynamicCache(config=model.config)
-    model(input_ids=torch.cat([SLIDING_PROMPT[0], TREE_TOKENS[accepted] % 64])[None], past_key_values=reference,
-          use_cache=True)
+    model(input_ids=torch.cat([SLIDING_PROMPT[0], TREE_TOKENS[accepted] % 64])[None],
+          **cache_kwargs(model, reference), use_cache=True)
     assert [layer.is_sliding for layer in cache.layers] == ([True, True] if kind == "mistral" else [True, False])
     for mine, theirs in zip(cache.layers, reference.layers, strict=True):
         assert mine.get_seq_length() == theirs.get_seq_length() == SLIDING_PROMPT.shape[1] + 3

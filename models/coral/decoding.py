@@ -41,6 +41,7 @@ from transformers import DynamicCache
 
 from models.coral.config import CoralDecoding
 from models.coral.target_aware import target_aware_hidden
+from models.engine.kv_cache import cache_kwargs
 from models.engine.speculative import (
     Draft,
     SpeculativeStats,
@@ -129,7 +130,7 @@ def target_aware_tree_forward(model, tokens: torch.Tensor, tree: Tree, cache: Dy
     offsets = settings.offsets()
     position_ids, mask = tree_masks(model, tree, cache)  # per attention kind: sliding-window layers see their window
     hidden = target_aware_hidden(model, tokens[None], offsets, attention_mask=mask, position_ids=position_ids,
-                                 past_key_values=cache)[0]  # (O, N+1, H)
+                                 cache=cache)[0]  # (O, N+1, H)
     target_depth = tree.depths[:, None] + torch.tensor(offsets)[None, :]  # (N+1, O)
     needed = (target_depth >= 1) & (target_depth <= horizon)
     row_of = torch.full(needed.shape, -1, dtype=torch.long)
@@ -212,7 +213,7 @@ class EnsembleDrafter:
     def prefill(self, model, input_ids: torch.Tensor, cache: DynamicCache, verifier: Verifier) -> list[int]:
         prompt = input_ids[0].tolist()
         if len(prompt) > 1:
-            model(input_ids=input_ids[:, :-1], past_key_values=cache, use_cache=True)
+            model(input_ids=input_ids[:, :-1], **cache_kwargs(model, cache), use_cache=True)
         self.sequence, self.start = prompt, len(prompt)  # final tokens: sequence[:start]; tentative: sequence[start:]
         self.predictions: dict[int, list[_Prediction]] = {}
         return []

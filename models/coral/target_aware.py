@@ -30,6 +30,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import rotate_half
 
+from models.engine.kv_cache import cache_kwargs
+
 FORWARD_OFFSETS = (1, 2, 3, 4)
 """Forward prediction: the tokens at m + 1 … m + 4 (Appendix D: forward context window 4)."""
 BACKWARD_OFFSETS = tuple(range(-8, 1))
@@ -58,8 +60,9 @@ class TargetAwareLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None, position_embeddings=None,
                 cache=None, **kwargs) -> torch.Tensor:
-        # transformers ≥ 5.24 hands decoder layers their KV cache as ``cache`` (``past_key_values`` before)
-        past_key_values = cache if cache is not None else past_key_values
+        # the decoder hands its layers the KV cache as ``cache`` from transformers 5.24, as ``past_key_values``
+        # before (models/engine/kv_cache.py): this layer stands in for theirs, so it takes either
+        cache = cache if cache is not None else past_key_values
         layer, attention = self.layer, self.layer.self_attn
         if self.detach_input:
             hidden_states = hidden_states.detach()
@@ -73,8 +76,8 @@ class TargetAwareLayer(nn.Module):
         value = attention.v_proj(x).view(head_shape).transpose(1, 2)
         cos, sin = position_embeddings
         key = _rotate(key, cos, sin)  # keys at their own positions
-        if past_key_values is not None:  # the keys/values are the ordinary ones: cacheable as usual
-            key, value = past_key_values.update(key, value, attention.layer_idx)
+        if cache is not None:  # the keys/values are the ordinary ones: cacheable as usual
+            key, value = cache.update(key, value, attention.layer_idx)
         # each query once per offset, rotated at its target position m + o − 1 (o = +1: the usual m); the angles
         # in the query's dtype, as the keys' are in theirs (a float32 norm weight, say float32 master weights
         # under autocast, would otherwise turn the queries float32 and the keys not)
@@ -125,13 +128,13 @@ def target_aware(model, offsets: Sequence[int], detach_input: bool = False) -> I
 
 def target_aware_hidden(model, input_ids: torch.Tensor, offsets: Sequence[int],
                         attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                        past_key_values=None, detach_input: bool = False) -> torch.Tensor:
+                        cache=None, detach_input: bool = False) -> torch.Tensor:
     """Final (normed) hidden states per offset, (B, O, T, H): ``[:, i, m]`` predicts the token at m + offsets[i]."""
     batch, length = input_ids.shape
+    decoder = model.get_decoder()
     with target_aware(model, offsets, detach_input):
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                     past_key_values=past_key_values, use_cache=past_key_values is not None
-                                     ).last_hidden_state  # (B, O·T, H)
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         **cache_kwargs(decoder, cache), use_cache=cache is not None).last_hidden_state  # (B, O·T, H)
     return hidden.view(batch, len(offsets), length, -1)  # (B, O, T, H)
 
 
@@ -168,8 +171,8 @@ def last_layer_hidden(model, layer_input: torch.Tensor, attention_mask: torch.Te
     decoder = _decoder(model)
     batch, length, _ = layer_input.shape
     position_ids = torch.arange(length, device=layer_input.device)[None]  # (1, T)
-    mask = create_causal_mask(config=decoder.config, inputs_embeds=layer_input, attention_mask=attention_mask,
-                              cache=None, position_ids=position_ids)
+    # no cache, given by position: its name is ``cache`` from transformers 5.24, ``past_key_values`` before
+    mask = create_causal_mask(decoder.config, layer_input, attention_mask, None, position_ids=position_ids)
     layer = TargetAwareLayer(decoder.layers[-1], decoder.rotary_emb, offsets)
     hidden = layer(layer_input, attention_mask=mask, position_ids=position_ids,
                    position_embeddings=decoder.rotary_emb(layer_input, position_ids))  # (B, O·T, H)

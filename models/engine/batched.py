@@ -47,6 +47,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from models.engine.config import Adaptation
+from models.engine.kv_cache import cache_kwargs
 from models.engine.speculative import (
     AdaptiveDrafting,
     DraftLogits,
@@ -213,8 +214,9 @@ def _prefill(model, prompts: Sequence[Sequence[int]]) -> tuple[DynamicCache, tor
     cache = DynamicCache(config=model.config)
     last = [len(p) - 1 for p in prompts]  # each row's last prompt position
     kept = sorted(set(last))  # the positions whose logits any row needs (the LM head skips the rest)
-    out, hidden = last_hidden_forward(model, input_ids=input_ids, attention_mask=real.long(), past_key_values=cache,
-                                      use_cache=True, logits_to_keep=torch.tensor(kept, device=device))
+    out, hidden = last_hidden_forward(model, input_ids=input_ids, attention_mask=real.long(),
+                                      **cache_kwargs(model, cache), use_cache=True,
+                                      logits_to_keep=torch.tensor(kept, device=device))
     rows = torch.arange(len(prompts), device=device)
     return cache, out.logits[rows, torch.tensor([kept.index(n) for n in last], device=device)], hidden
 
@@ -266,7 +268,7 @@ def batched_speculative_generate(model, drafter: BatchDrafter, verifier: BatchVe
             tree, tokens, probs = root_tree(), roots[:, None], None
         positions, mask = batch_tree_inputs(tree, visible, model.dtype)
         out, hidden = last_hidden_forward(model, input_ids=tokens, position_ids=positions, attention_mask=mask,
-                                          past_key_values=cache, use_cache=True)
+                                          **cache_kwargs(model, cache), use_cache=True)
         nodes, counts, roots = verifier(tokens, probs, out.logits, tree, active)  # (B, D+1), (B,), (B,)
         # the kept nodes' columns become visible; the rest of the tree stays behind as junk
         kept_nodes = torch.arange(nodes.shape[1], device=device)[None] < counts[:, None]  # (B, D+1)

@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 
 from models.engine.config import Sampling
+from models.engine.kv_cache import cache_kwargs, returned_cache
 from models.engine.policy import Policy
 
 
@@ -116,7 +117,7 @@ def generate_until_done(model, input_ids: torch.Tensor, attention_mask: torch.Te
         remaining = max_new_tokens - done
         # A lone row needs no chunks: generate stops at its own end.
         step_tokens = remaining if len(rows) == 1 else min(chunk_tokens, remaining)
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(model, cache),
                              max_new_tokens=step_tokens, pad_token_id=pad_token_id,
                              eos_token_id=sorted(eos_ids), return_dict_in_generate=True, **kwargs)
         step = out.sequences[:, input_ids.shape[1]:]
@@ -126,7 +127,7 @@ def generate_until_done(model, input_ids: torch.Tensor, attention_mask: torch.Te
             break
         going = (~torch.isin(step, ends).any(dim=1)).nonzero().squeeze(1)
         # The cache holds every token but the last one sampled, which the next call feeds first.
-        cache = out.past_key_values
+        cache = returned_cache(out)
         cache.batch_select_indices(going)
         input_ids, rows = out.sequences[going], rows[going]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], step.shape[1])],

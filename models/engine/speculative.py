@@ -78,6 +78,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from models.engine.config import Adaptation, TypicalAcceptance
+from models.engine.kv_cache import cache_kwargs
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ def tree_forward(model, tokens: torch.Tensor, tree: Tree, cache: DynamicCache) -
     """
     position_ids, mask = tree_masks(model, tree, cache)
     out, hidden = last_hidden_forward(model, input_ids=tokens.to(model.device)[None], position_ids=position_ids,
-                                      attention_mask=mask, past_key_values=cache, use_cache=True)
+                                      attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
     return out.logits[0], hidden[0]
 
 
@@ -757,7 +758,7 @@ def last_hidden_forward(model, **inputs) -> tuple[object, torch.Tensor]:
 
 def prefill(model, input_ids: torch.Tensor, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole prompt (1, L) into ``cache``: the logits after its last token (V,) and its final hidden states (L, H)."""
-    out, hidden = last_hidden_forward(model, input_ids=input_ids, past_key_values=cache, use_cache=True,
+    out, hidden = last_hidden_forward(model, input_ids=input_ids, **cache_kwargs(model, cache), use_cache=True,
                                       logits_to_keep=1)
     return out.logits[0, -1], hidden[0]
 

@@ -32,7 +32,6 @@ batch of sequences with one forward per depth for all rows (batched rollouts, :m
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -48,6 +47,7 @@ from transformers import DynamicCache
 from models.common.files import atomic_path
 from models.engine.batched import compact_cache, keep_rows, too_much_junk
 from models.engine.config import Adaptation
+from models.engine.kv_cache import cache_kwargs
 from models.engine.speculative import (
     AdaptiveDrafting,
     BonusVerifier,
@@ -125,9 +125,6 @@ class MTPModule(nn.Module):
         else:
             self.layer = type(last)(base.config, layer_idx=0)
         self.layer.self_attn.layer_idx = 0  # its own caches hold one layer
-        # transformers ≥ 5.24 names a decoder layer's KV cache ``cache`` (``past_key_values`` before, deprecated)
-        self.cache_argument = ("cache" if "cache" in inspect.signature(self.layer.forward).parameters
-                               else "past_key_values")
         self.to(device=weight.device, dtype=weight.dtype)
         self.requires_grad_(True)
 
@@ -150,7 +147,7 @@ class MTPModule(nn.Module):
         (B or 1, 1, Q, cached + Q); RoPE is applied to the keys it appends to ``cache`` at those positions."""
         rope = base.get_decoder().rotary_emb(inputs, position_ids)
         return self.layer(inputs, attention_mask=mask, position_ids=position_ids, use_cache=cache is not None,
-                          position_embeddings=rope, **{self.cache_argument: cache})
+                          position_embeddings=rope, **cache_kwargs(self.layer, cache))
 
     def forward(self, base, input_ids: torch.Tensor, hidden: torch.Tensor) -> list[torch.Tensor]:
         """Teacher-forced states of every depth: K tensors (B, S, H); depth k at i predicts t_{i+k+1}.

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.engine.kv_cache import cache_kwargs, returned_cache
+
 WEIGHTS = "reward_head.safetensors"
 CONFIG = "reward_head.json"
 
@@ -47,7 +49,7 @@ class RewardOutput:
 
     logits: torch.Tensor | None  # (B, T', V): next-token logits at the last T' positions (all T by default)
     rewards: torch.Tensor  # (B, T): R'(x_{≤t}), the predicted final reward of each prefix
-    past_key_values: object | None = None  # the policy's KV cache (the reward channel needs none)
+    cache: object | None = None  # the policy's KV cache (the reward channel needs none)
 
 
 @dataclass
@@ -78,10 +80,20 @@ class RewardChannel(nn.Module):
         """``hidden_states``: HF's tuple of L+1 tensors (B, T, d): layer inputs h_p^0..h_p^{L-1}, then the
         final-normed state. Returns rewards (B, T)."""
         *layer_inputs, final = hidden_states
-        h_r = F.silu(self.input_proj(self.input_norm(layer_inputs[0])))  # (B, T, r)
+        h_r = F.silu(self.input_proj(_normed(self.input_norm, layer_inputs[0])))  # (B, T, r)
         for h_p, norm, proj in zip(layer_inputs, self.layer_norms, self.layer_projs, strict=True):
-            h_r = h_r + F.silu(proj(norm(torch.cat([h_p, h_r], dim=-1))))
+            h_r = h_r + F.silu(proj(_normed(norm, torch.cat([h_p, h_r], dim=-1))))
         return self.head(torch.cat([final, h_r], dim=-1)).squeeze(-1)  # (B, T)
+
+
+def _normed(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` computed in the norm weight's dtype. Training runs the head's float32 master weights under bf16
+    autocast (models/common/training.py), and CPU autocast has no float32 rule for ``rms_norm`` (it has for the
+    matmuls): the bf16 policy states would meet float32 weights, which ``torch.rms_norm`` handles only unfused,
+    warning "Mismatch dtype between input and weight". Upcast, the norm runs fused in float32 as autocast runs a
+    float32 op; the projection after it casts back to bf16. At inference weights and states share the policy's dtype:
+    nothing changes."""
+    return norm(x.to(norm.weight.dtype))
 
 
 class FinalStateAdapter(nn.Module):
@@ -130,10 +142,10 @@ class RewardTransformer(nn.Module):
             policy.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                past_key_values=None, position_ids: torch.Tensor | None = None,
+                cache=None, position_ids: torch.Tensor | None = None,
                 use_cache: bool = False, logits_to_keep: int = 0,
                 hidden_states: tuple[torch.Tensor, ...] | None = None) -> RewardOutput:
-        """Logits and rewards for the given tokens; with ``past_key_values`` only the new tokens are
+        """Logits and rewards for the given tokens; with a KV ``cache`` only the new tokens are
         processed and scored (the channel is position-wise, so their rewards equal a full forward's).
         ``hidden_states``: the frozen policy's own (HF's L + 1 tensors) of the tokens, computed before: only the
         head runs, and no logits come back (training on cached states runs through here, so that under DDP the
@@ -148,11 +160,11 @@ class RewardTransformer(nn.Module):
         if hidden_states is not None:
             return RewardOutput(logits=None, rewards=self.head(hidden_states))
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_policy):
-            out = self.policy(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+            out = self.policy(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(self.policy, cache),
                               position_ids=position_ids, use_cache=use_cache, output_hidden_states=True,
                               logits_to_keep=logits_to_keep)
         rewards = self.head(out.hidden_states)
-        return RewardOutput(logits=out.logits, rewards=rewards, past_key_values=out.past_key_values)
+        return RewardOutput(logits=out.logits, rewards=rewards, cache=returned_cache(out))
 
     def save_head(self, folder: Path) -> None:
         """Write only the head (the policy is saved elsewhere): safetensors + its config."""

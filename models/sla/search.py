@@ -115,10 +115,10 @@ def _forward(model: RewardTransformer, input_ids: torch.Tensor, cache, stats: SL
     if attention_mask is not None:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]  # (B, T)
     out = model(input_ids=input_ids.to(_device(model)), attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+                cache=cache, use_cache=True, logits_to_keep=1)
     stats.forward_calls += 1
     stats.tokens_processed += input_ids.numel()
-    return out.logits[:, -1, :], out.rewards, out.past_key_values
+    return out.logits[:, -1, :], out.rewards, out.cache
 
 
 @torch.inference_mode()
