@@ -25,6 +25,8 @@ runs in each process of an ``accelerate launch``, outside any Prefect run, so ta
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -48,6 +50,8 @@ from prefect.exceptions import MissingContextError
 from foresight.prompt_limits import drop_long_prompts, policy_context_length, resolve_max_prompt_tokens
 from foresight.stages import GPU_TAG
 from foresight.storage import read_table
+from foresight.tracking import LiveCurves
+from models.common.curves import curve_sink
 from models.engine.policy import load_policy, load_pretrained, policy_path
 
 if TYPE_CHECKING:
@@ -124,11 +128,27 @@ def progress_artifact(key: str, description: str):
     return lambda percent: update_progress_artifact(progress_id, progress=percent)
 
 
+@contextmanager
+def live_curves(cfg: Config, names: Callable[[str], str | None]) -> Iterator[LiveCurves]:
+    """Inside the block, the steps of the training loops (:func:`models.common.curves.log_step`) reach the stage's
+    MLflow run as they happen, each key renamed by ``names`` to its curve's name in the :class:`StageResult`
+    (None: not a curve; e.g. ``{"loss": "head.loss"}.get``), so that the end-of-stage logging finds them logged;
+    yields the :class:`foresight.tracking.LiveCurves`, whose ``curves`` hold the points (for a loop whose history the
+    task does not get otherwise: DPO's trainer). Leaving the block waits until MLflow holds every point."""
+    sink = LiveCurves(cfg, names)
+    with curve_sink(sink):
+        try:
+            yield sink
+        finally:
+            sink.wait()
+
+
 @dataclass
 class StageResult:
     """What a stage reports: scalar metrics, tables to preview in MLflow, folders to attach, training curves (one
-    value per step) to log as MLflow metric histories, and the trained artifacts users reuse (``models``: name →
-    folder; registered in MLflow's model registry when ``tracking.register_models`` names them, else attached)."""
+    value per step) to log as MLflow metric histories (those not logged live, :func:`live_curves`), and the trained
+    artifacts users reuse (``models``: name → folder; registered in MLflow's model registry when
+    ``tracking.register_models`` names them, else attached)."""
 
     metrics: dict
     curves: dict[str, list[float]] = field(default_factory=dict)
@@ -158,15 +178,18 @@ def load_trained_policy(cfg: Config, folder: Path, training: bool = False):
     return load_pretrained(folder, cfg.policy, training)
 
 
-def stage_accelerator(device, mixed_precision: str = "no"):
+def stage_accelerator(device, mixed_precision: str = "no", gradient_accumulation_steps: int = 1):
     """The ``accelerate.Accelerator`` a stage runs under: on the policy's ``device`` (CPU when it is on the CPU),
-    one or many processes as ``accelerate launch`` configured them.
+    one or many processes as ``accelerate launch`` configured them, accumulating the gradients of
+    ``gradient_accumulation_steps`` batches per optimizer step (the section's knob:
+    :func:`models.common.training.train` checks that its accelerator has it).
 
     Under several processes, some work runs on the main process alone while the others wait at a barrier (the
     Medusa stage's distillation pass, writing outputs): hours at 8B on real data, so the process group's timeout
     is raised from torch's default (10 min for NCCL) to ``COLLECTIVE_TIMEOUT``.
     """
     return Accelerator(cpu=device.type == "cpu", mixed_precision=mixed_precision,
+                       gradient_accumulation_steps=gradient_accumulation_steps,
                        kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)])
 
 

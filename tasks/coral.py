@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from foresight import statistics
 from foresight.benchmark import display_rows, interleaved_decoding, markdown_table, speed_row
-from foresight.plots import bar_plot, interval_bar, line_plot
+from foresight.plots import bar_panels, interval_bands, interval_bar, line_panels, line_plot
 from foresight.storage import atomic_path, write_json, write_table
 from models.common.lora import ADAPTER_DIR, Adapter, trained_weight_names
 from models.common.sequences import fitting_sft
@@ -42,6 +42,7 @@ from models.labeling.answers import cut_by_length, is_correct
 from tasks.common import (
     StageResult,
     gpu_task,
+    live_curves,
     load_stage_policy,
     load_trained_policy,
     markdown_artifact,
@@ -89,9 +90,11 @@ def train_coral_task(cfg: Config) -> StageResult:
     def on_trained(stage: int, model) -> None:
         trained_names[stage], adapters[stage] = trained_weight_names(model), Adapter.of(model)
 
-    accelerator = stage_accelerator(policy.device, c.mixed_precision)
+    accelerator = stage_accelerator(policy.device, c.mixed_precision, c.gradient_accumulation_steps)
     train_started = time.perf_counter()
-    history = train_coral(policy, train, c, accelerator, on_step, validation=validation, on_trained=on_trained)
+    # every per-step key of both stages is a curve under its own name (stage 2's steps continue stage 1's)
+    with live_curves(cfg, lambda key: key):
+        history = train_coral(policy, train, c, accelerator, on_step, validation=validation, on_trained=on_trained)
     train_seconds = time.perf_counter() - train_started
     after = _held_out_accuracy(policy, held_out, task, c, "after")
     logger.info("held-out top-1 per offset after training: %s", json.dumps(after))
@@ -272,6 +275,10 @@ def _coral_rows(outputs: pd.DataFrame, settings: dict, timers: dict) -> list[dic
     return rows
 
 
+SPEEDUP = "× next-token tokens/s"
+"""The y label of the speedup panels."""
+
+
 def _coral_report(cfg: Config, outputs: pd.DataFrame, rows: list[dict], speed_prompts: int,
                   seconds: float) -> StageResult:
     """``benchmarks/coral``: every output, the table, its plots (ablations included) and the report."""
@@ -280,10 +287,12 @@ def _coral_report(cfg: Config, outputs: pd.DataFrame, rows: list[dict], speed_pr
         tmp.mkdir(parents=True)
         write_table(outputs, tmp / "outputs.parquet")
         write_table(pd.DataFrame(rows), tmp / "table.csv")
-        bar_plot({"speedup vs next-token": {r["decoder"]: interval_bar(r, "speedup_vs_reference") for r in rows},
-                  "accuracy": {r["decoder"]: interval_bar(r, "accuracy") for r in rows}},
-                 "COrAL decoders vs next-token greedy (batch 1, same run)", "value", tmp / "table.png",
-                 reference_line=1.0)
+        # speedup and accuracy differ in units: one panel each
+        bar_panels({SPEEDUP: {"speedup vs next-token": {r["decoder"]: interval_bar(r, "speedup_vs_reference")
+                                                              for r in rows}},
+                    "accuracy": {"accuracy": {r["decoder"]: interval_bar(r, "accuracy") for r in rows}}},
+                   "COrAL decoders vs next-token greedy (batch 1, same run)", tmp / "table.png",
+                   reference_lines={SPEEDUP: 1.0})
         _ablation_plots(rows, cfg.coral_benchmark, tmp)
         (tmp / "report.md").write_text(_report(rows, cfg, speed_prompts))
     metrics = {f"{r['decoder']}.{key}{end}": r[key + end] for r in rows
@@ -307,11 +316,16 @@ def _ablation_plots(rows: list[dict], b, folder) -> None:
     no_verifier = [r for r in rows if r["verifier"] is False]
     for knob, fixed, fixed_value in (("block_size", "forward_window", b.forward_window),
                                      ("forward_window", "block_size", b.block_size)):
-        points = sorted((r[knob], r) for r in no_verifier if r[fixed] == fixed_value)
-        bar_plot({label: {f"{knob.replace('_', ' ')} {x}": interval_bar(r, metric) for x, r in points}
-                  for label, metric in (("speedup × next-token", "speedup_vs_reference"), ("accuracy", "accuracy"))},
-                 f"COrAL w/o verifier: {knob.replace('_', ' ')} ({fixed.replace('_', ' ')} {fixed_value})", "value",
-                 folder / f"ablation_{knob}.png", reference_line=1.0)
+        points = [r for _, r in sorted((r[knob], r) for r in no_verifier if r[fixed] == fixed_value)]
+        xs = [r[knob] for r in points]
+        # a line over the knob's values, its interval shaded; speedup and accuracy in panels of their own units
+        line_panels({SPEEDUP: {"speedup vs next-token": (xs, [r["speedup_vs_reference"] for r in points])},
+                     "accuracy": {"accuracy": (xs, [r["accuracy"] for r in points])}},
+                    f"COrAL w/o verifier: {knob.replace('_', ' ')} ({fixed.replace('_', ' ')} {fixed_value})",
+                    knob.replace("_", " "), folder / f"ablation_{knob}.png",
+                    bands={"speedup vs next-token": interval_bands(points, "speedup_vs_reference"),
+                           "accuracy": interval_bands(points, "accuracy")},
+                    references={SPEEDUP: (1.0, "next-token speed")})
 
 
 def _report(rows: list[dict], cfg: Config, speed_prompts: int) -> str:

@@ -44,7 +44,7 @@ from foresight.benchmark import (
     markdown_table,
     speed_row,
 )
-from foresight.plots import bar_plot, interval_bar, line_plot
+from foresight.plots import bar_plot, interval_bar, line_panels, line_plot
 from foresight.prompts import file_prompts, general_instructions
 from foresight.storage import atomic_path, write_json, write_table
 from models.engine.batched import BatchGreedy, HeadsDrafter, batched_speculative_generate, unsupported_layers
@@ -67,6 +67,7 @@ from tasks.common import (
     StageResult,
     drop_long_prompt_sets,
     gpu_task,
+    live_curves,
     load_stage_policy,
     markdown_artifact,
     read_prompts,
@@ -81,6 +82,9 @@ if TYPE_CHECKING:
 
 EVAL_RANKS = 10  # held-out accuracy per rank of each head's tokens, up to this rank
 TREE_PATHS = 64  # the most often accepted paths kept in evaluation.json (medusa_benchmark.tree_size ≤ this)
+RL_CURVES = ("loss", "reward", "kl")
+"""The per-step curves of each RL head (``rl_<init>.<key>``): the stats of
+:func:`models.medusa.rlmedusa.reinforce_step_loss`."""
 
 
 def _medusa_dir(cfg: Config) -> Path:
@@ -104,7 +108,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
     started = time.perf_counter()
     m = cfg.medusa
     policy = load_stage_policy(cfg, "base")
-    accelerator = stage_accelerator(policy.device, m.mixed_precision)
+    accelerator = stage_accelerator(policy.device, m.mixed_precision, m.gradient_accumulation_steps)
     pass_started = time.perf_counter()
     if accelerator.is_main_process:  # one pass, one cache on disk: every process then reads it from there
         _frozen_pass(cfg, policy, _cache_dir(cfg))
@@ -121,7 +125,9 @@ def train_medusa_task(cfg: Config) -> StageResult:
             logger.info("step %d/%d, loss %.4f", step, num_steps, losses["loss"])
 
     train_started = time.perf_counter()
-    heads, history = train_medusa_heads(policy, train, m, accelerator, on_step)
+    curve_keys = ("loss", *(f"ce_head{k + 1}" for k in range(m.num_heads)))
+    with live_curves(cfg, lambda key: key if key in curve_keys else None):
+        heads, history = train_medusa_heads(policy, train, m, accelerator, on_step)
     train_seconds = time.perf_counter() - train_started
     lm_head = policy.model.get_output_embeddings()
     ranks = max(EVAL_RANKS, m.eval_top_k)
@@ -159,7 +165,7 @@ def train_medusa_task(cfg: Config) -> StageResult:
                **_accuracy_metrics("", accuracy),
                **{key: value for name, a in by_set.items() for key, value in _accuracy_metrics(f"{name}_", a).items()},
                "wall_seconds": time.perf_counter() - started}
-    curves = {key: history[key] for key in ("loss", *(f"ce_head{k + 1}" for k in range(m.num_heads)))}
+    curves = {key: history[key] for key in curve_keys}
     return StageResult(metrics=metrics, curves=curves, models={"medusa-heads": out})
 
 
@@ -201,7 +207,7 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
     data, train_rows, eval_rows = load_distilled(cfg)
     # the responses to further task prompts are for the supervised heads alone (here they would nearly triple the
     # stage's time)
-    shared = torch.from_numpy(shared_distilled_responses(cfg, "train_rlmedusa").index.to_numpy())
+    shared = torch.from_numpy(shared_distilled_responses(cfg, "train_rlmedusa").index.to_numpy(copy=True))
     train_rows, eval_rows = train_rows[torch.isin(train_rows, shared)], eval_rows[torch.isin(eval_rows, shared)]
     held_out = data.subset(eval_rows)
     policy = load_stage_policy(cfg, "base", training=True)
@@ -218,10 +224,11 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
         with torch.no_grad():
             return embedding(tokens.to(embedding.weight.device))
 
-    accelerator = stage_accelerator(policy.device)
+    accelerator = stage_accelerator(policy.device, gradient_accumulation_steps=r.gradient_accumulation_steps)
     logger.info("fitting r(e, h) on %d states × %d candidates", len(train.rows), train.candidates.shape[1])
-    reward_model, reward_losses = fit_reward_model(train.states(data), embed, train.candidates, train.probs, r,
-                                                   accelerator)
+    with live_curves(cfg, {"loss": "reward_model.loss"}.get):
+        reward_model, reward_losses = fit_reward_model(train.states(data), embed, train.candidates, train.probs, r,
+                                                       accelerator)
     reward_eval = evaluate_reward_model(reward_model, held_out_states.states(data), embed,
                                         held_out_states.candidates, held_out_states.probs)
     logger.info("reward model held-out: %s", json.dumps(reward_eval))
@@ -236,8 +243,9 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
     for init in r.inits:
         start = supervised if init == "supervised" else supervised.with_fresh_head(0, lm_head)
         logger.info("REINFORCE on head 1 from the %s start", init)
-        rl_heads[init], histories[init] = train_rl_head(start, lm_head, reward_model, embed, train.states(data),
-                                                        r, accelerator, on_step)
+        with live_curves(cfg, {key: f"rl_{init}.{key}" for key in RL_CURVES}.get):
+            rl_heads[init], histories[init] = train_rl_head(start, lm_head, reward_model, embed, train.states(data),
+                                                            r, accelerator, on_step)
         accuracy[f"rl_{init}"] = evaluate_heads(rl_heads[init], lm_head, held_out, cfg.medusa.eval_top_k)
         accuracy[f"start_{init}"] = (accuracy["supervised"] if start is supervised
                                      else evaluate_heads(start, lm_head, held_out, cfg.medusa.eval_top_k))
@@ -265,10 +273,11 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
             write_json({"t_plus_2": t2, "all_heads": accuracy, "reward_model": reward_eval, "top1_winner": winner},
                        tmp / "evaluation.json")
             (tmp / "history.json").write_text(json.dumps(histories) + "\n")
-            line_plot({f"{what}, start {init}": (list(range(1, len(histories[init][key]) + 1)), histories[init][key])
-                       for init in r.inits for what, key in (("mean r(e, h) of sampled tokens", "reward"),
-                                                             ("KL to start", "kl"))},
-                      "RLMedusa: head 1 policy gradient", "step", "value", tmp / "rl.png")
+            # reward and KL differ in units: one panel each
+            line_panels({what: {f"start {init}": (list(range(1, len(histories[init][key]) + 1)), histories[init][key])
+                                for init in r.inits}
+                         for what, key in (("mean r(e, h) of sampled tokens", "reward"), ("KL to start", "kl"))},
+                        "RLMedusa: head 1 policy gradient", "step", tmp / "rl.png")
     accelerator.wait_for_everyone()
     metrics = {"num_trajectory_states": len(train.rows), "reward_model_mse": reward_eval["mse"],
                "reward_model_top1_ranked_first": reward_eval["top1_ranked_first"],
@@ -278,7 +287,9 @@ def train_rlmedusa_task(cfg: Config) -> StageResult:
                **{f"{name}_t2_{metric}": value for name, d in t2.items() for metric, value in d.items()},
                **{key: value for columns in (*t2_intervals.values(), *gains.values()) for key, value in columns.items()},
                "rl_beats_supervised_top1": float(winner != "supervised"), "wall_seconds": time.perf_counter() - started}
-    return StageResult(metrics=metrics, artifacts={"medusa_rl": out})
+    curves = {"reward_model.loss": reward_losses,
+              **{f"rl_{init}.{key}": histories[init][key] for init in r.inits for key in RL_CURVES}}
+    return StageResult(metrics=metrics, curves=curves, artifacts={"medusa_rl": out})
 
 
 def _t2_hits_by_response(heads, lm_head, held_out) -> list[float]:

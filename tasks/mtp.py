@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from foresight import statistics
 from foresight.benchmark import batch_speed_curve, curve_bars, display_rows, markdown_table
-from foresight.plots import bar_plot, interval_bar, line_plot
+from foresight.plots import bar_panels, bar_plot, interval_bar, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
 from models.common.lora import trained_weight_names
 from models.common.sequences import fitting_sft
@@ -59,6 +59,7 @@ from models.mtp.training import ChainAcceptance, chain_acceptance, depth_weights
 from tasks.common import (
     StageResult,
     gpu_task,
+    live_curves,
     load_stage_policy,
     markdown_artifact,
     progress_artifact,
@@ -97,7 +98,7 @@ def train_mtp_task(cfg: Config) -> StageResult:
     m = cfg.mtp
     policy = load_stage_policy(cfg, "base", training=True)
     policy.model.requires_grad_(False).eval()
-    accelerator = stage_accelerator(policy.device, m.mixed_precision)
+    accelerator = stage_accelerator(policy.device, m.mixed_precision, m.gradient_accumulation_steps)
     # rows too long for mtp.max_length are dropped whole, never truncated (models/common/sequences.py)
     responses, sequences, too_long = fitting_sft(
         policy.tokenizer, sft_responses(cfg, m.data, "mtp.data", further=m.further_prompts), m.max_length,
@@ -122,8 +123,10 @@ def train_mtp_task(cfg: Config) -> StageResult:
                     logger.info("K = %d, step %d/%d: loss %.4f", k, step, num_steps, stats["loss"])
 
             depth_started = time.perf_counter()
-            modules[num_depths], histories[num_depths] = train_mtp_module(policy, *train, num_depths, m,
-                                                                          accelerator, on_step, validation)
+            # the stage's curves are the main module's per-step history (the ablation's modules: history.json)
+            with live_curves(cfg, (lambda key: key) if num_depths == m.num_depths else (lambda key: None)):
+                modules[num_depths], histories[num_depths] = train_mtp_module(policy, *train, num_depths, m,
+                                                                              accelerator, on_step, validation)
             seconds[num_depths] = time.perf_counter() - depth_started
             acceptance[num_depths] = chain_acceptance(policy, modules[num_depths], *held_out)
             evaluations[num_depths] = _chain_evaluation(acceptance[num_depths])
@@ -221,6 +224,9 @@ CURVE_COLUMNS = ["batch", "decoder", "speedup_vs_reference", "tokens_per_s", "to
 CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "plain_share",
                  "identical_to_reference")
 INTERVAL_ENDS = ("", "_low", "_high")  # a figure's columns with its interval
+RL_CURVES = ("tau", "acceptance_rate", "tokens_per_forward", "rollout_seconds", "reward_seconds", "reward",
+             "nonzero_advantage_share")
+"""The per-step curves of each GRPO variant (``<variant>.per_step.<key>``), keys of its step record."""
 
 
 def _held_out(policy, labeler, prompt_ids: list[list[int]], questions: list[str], answers: list[str | None],
@@ -357,10 +363,11 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
                         "%.2f", name, step, r.steps, record["rollout_seconds"], record["tau"],
                         record["acceptance_rate"], record["reward"], record["nonzero_advantage_share"])
 
-        histories[name] = train_variant(policy, module, var, rl_ids, train_prompts["question"].tolist(),
-                                        reference_answers(train_prompts), labeler.score, r, weights, eos,
-                                        accelerator, on_step, on_rollout,
-                                        on_trained=lambda model: trained_names.extend(trained_weight_names(model)))
+        with live_curves(cfg, {key: f"{name}.per_step.{key}" for key in RL_CURVES}.get):
+            histories[name] = train_variant(policy, module, var, rl_ids, train_prompts["question"].tolist(),
+                                            reference_answers(train_prompts), labeler.score, r, weights, eos,
+                                            accelerator, on_step, on_rollout,
+                                            on_trained=lambda model: trained_names.extend(trained_weight_names(model)))
         if main:  # nothing is saved: the weights evaluated below against their checkpoint files, tensor by tensor
             changed[f"{name}.weights_changed"] = check_update(
                 weight_changes(policy.model.state_dict(), initial, trained_names), f"MTP-RL {name}: the policy",
@@ -422,8 +429,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     metrics |= {"rl_prompts_kept": kept, "rl_prompts_dropped": dropped, **changed,
                 "wall_seconds": time.perf_counter() - started}
     curves = {f"{name}.per_step.{key}": [record[key] for record in history] for name, history in histories.items()
-              for key in ("tau", "acceptance_rate", "tokens_per_forward", "rollout_seconds", "reward_seconds",
-                          "reward", "nonzero_advantage_share")}
+              for key in RL_CURVES}
     return StageResult(metrics=metrics, curves=curves, tables={"mtp_rl_table": out / "table.csv"},
                        artifacts={"mtp_rl": out})
 
@@ -571,12 +577,16 @@ def _held_out_columns(before: dict[str, list[float]], after: dict[str, list[floa
 def _plots(histories: dict[str, list[dict]], rows: list[dict], folder, scorer: str) -> None:
     """Per-step curves of every variant, and per variant with their intervals: the rollout speedup beside the
     tokens per target forward (does a speedup come from drafting?), τ over the first and last steps."""
-    bar_plot({"rollout speedup vs vanilla": {row["variant"]: interval_bar(row, "rollout_speedup") for row in rows},
-              "tokens per target forward": {row["variant"]: interval_bar(row, "tokens_per_forward") for row in rows},
-              "τ, first steps": {row["variant"]: interval_bar(row, "tau_start") for row in rows},
-              "τ, last steps": {row["variant"]: interval_bar(row, "tau_end") for row in rows}},
-             "GRPO variants: rollout tokens/s over vanilla's, tokens per forward, τ (1 = no drafts)", "value",
-             folder / "speedup.png", reference_line=1.0)
+    # a speed ratio and token counts per forward: a panel each
+    speedup, tokens = "× vanilla rollout tokens/s", "tokens per target forward"
+    bar_panels({speedup: {"rollout speedup vs vanilla": {row["variant"]: interval_bar(row, "rollout_speedup")
+                                                         for row in rows}},
+                tokens: {"tokens per target forward": {row["variant"]: interval_bar(row, "tokens_per_forward")
+                                                       for row in rows},
+                         "τ, first steps": {row["variant"]: interval_bar(row, "tau_start") for row in rows},
+                         "τ, last steps": {row["variant"]: interval_bar(row, "tau_end") for row in rows}}},
+               "GRPO variants: rollout tokens/s over vanilla's, tokens per forward, τ (1 = no drafts)",
+               folder / "speedup.png", reference_lines={speedup: 1.0, tokens: 1.0})
     drafting = {name: h for name, h in histories.items() if name != "vanilla"}
     for key, title, ylabel, which in (
             ("tau", "τ per RL step (tokens per draft–verify cycle, bonus included)", "τ", drafting),

@@ -53,6 +53,7 @@ from foresight.storage import atomic_path, read_table, write_table
 from models.common.sequences import padding_id
 from models.engine.decoding import generate_kwargs, hf_decode
 from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
+from models.engine.kv_cache import cache_kwargs, returned_cache
 from models.labeling.answers import cut_by_length, is_correct
 from models.labeling.labelers import build_labeler
 from models.sla.config import SLASearch
@@ -70,6 +71,7 @@ from models.sla.search import sla_generate, sla_generate_batch
 from tasks.common import (
     StageResult,
     gpu_task,
+    live_curves,
     load_stage_policy,
     markdown_artifact,
     read_prompts,
@@ -155,7 +157,7 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
     # dtype: the heads learn on the very states SLA decoding will feed them (bf16 on a CPU with bf16 units: 1.9 s a
     # step instead of 2.7 s in float32 on the 2-core CPU), with float32 master weights (models/common/training.py)
     policy = load_stage_policy(cfg, policy_source)
-    accelerator = stage_accelerator(policy.device)
+    accelerator = stage_accelerator(policy.device, gradient_accumulation_steps=cfg.reward.gradient_accumulation_steps)
     # pairs too long for reward.max_length are dropped whole, never truncated (models/common/sequences.py)
     split = _prompt_split(train_pairs, held_out)  # split_pairs' prompts: the benchmark never tunes on these
     (train_pairs, train_too_long), (held_out, eval_too_long) = (
@@ -185,7 +187,8 @@ def train_reward_task(cfg: Config, policy_source: str, out_dir: Path) -> StageRe
             logger.info("step %d/%d, loss %s", step, num_steps, ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))
 
     train_started = time.perf_counter()
-    models, histories = train_reward_heads(policy, train_pairs, cfg.reward, heads, accelerator, on_step)
+    with live_curves(cfg, {name: f"{_metric_key(name)}.loss" for name in heads}.get):  # each head's step loss
+        models, histories = train_reward_heads(policy, train_pairs, cfg.reward, heads, accelerator, on_step)
     metrics["train_seconds"] = time.perf_counter() - train_started
     # all heads train together: the share of their elements that changed, as saved (models/common/training.py)
     metrics["weights_changed"] = next(iter(histories.values()))["weights_changed"][0]
@@ -267,7 +270,9 @@ def dpo_task(cfg: Config) -> StageResult:
     policy = load_stage_policy(cfg, "base", training=True)
     logger.info("DPO on %d pairs (dpo.pairs: %s; %d held out) on %s, beta=%g", len(train_pairs), cfg.dpo.pairs,
                 len(held_out), policy.device, cfg.dpo.beta)
-    metrics = train_dpo(policy, train_pairs, cfg.dpo, cfg.path(cfg.paths.dpo_dir))
+    # the trainer's step logs under TRL's names (loss, learning_rate, grad_norm, rewards/…, logps/…): the curves
+    with live_curves(cfg, lambda key: None if key == "epoch" else key) as steps:
+        metrics = train_dpo(policy, train_pairs, cfg.dpo, cfg.path(cfg.paths.dpo_dir))
 
     # The saved folder is what later stages load, so that is what gets evaluated, on every held-out pair that fits
     # dpo.max_length whole (as the reward heads are); the untouched base policy is the reference.
@@ -299,7 +304,7 @@ def dpo_task(cfg: Config) -> StageResult:
                 metrics.get("loss_first", float("nan")), metrics.get("loss_last", float("nan")),
                 cell(before, "accuracy"), cell(after, "accuracy"), after["margin"], len(held_out),
                 after["num_prompts"])
-    return StageResult(metrics=metrics, models={"dpo-policy": cfg.path(cfg.paths.dpo_dir)})
+    return StageResult(metrics=metrics, curves=steps.curves, models={"dpo-policy": cfg.path(cfg.paths.dpo_dir)})
 
 
 TABLE_COLUMNS = ["policy", "decoder", "versus", "win", "tie", "loss", "win_rate", "mean_reward", "accuracy",
@@ -333,11 +338,11 @@ def forward_overhead(reward_model, input_ids: torch.Tensor, repeats: int, warm_u
     """
     policy = reward_model.policy
     ids = input_ids.to(policy.device)
-    prompt_cache = policy(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
-    inputs = {"decode step": lambda: {"input_ids": ids[:, -1:], "past_key_values": copy.deepcopy(prompt_cache),
-                                      "use_cache": True}}
+    prompt_cache = returned_cache(policy(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1))
+    inputs = {"decode step": lambda model: {"input_ids": ids[:, -1:], "use_cache": True,
+                                            **cache_kwargs(model, copy.deepcopy(prompt_cache))}}
     if prefill:
-        inputs["prompt"] = lambda: {"input_ids": ids}
+        inputs["prompt"] = lambda model: {"input_ids": ids}
 
     def seconds(model, kwargs: dict) -> float:
         synchronize()
@@ -351,7 +356,7 @@ def forward_overhead(reward_model, input_ids: torch.Tensor, repeats: int, warm_u
         times: dict[str, list[float]] = {"policy": [], "joint": []}
         for repeat in range(-warm_up, repeats):
             for side, model in sides if repeat % 2 == 0 else sides[::-1]:
-                elapsed = seconds(model, make_inputs())
+                elapsed = seconds(model, make_inputs(model))
                 if repeat >= 0:
                     times[side].append(elapsed)
         ratio = statistics.ratio_of_means(times["joint"], times["policy"])

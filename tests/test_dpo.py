@@ -12,6 +12,7 @@ import torch
 
 from foresight.config import parse_config
 from foresight.storage import write_table
+from models.common.curves import curve_sink
 from models.engine.config import PolicySpec
 from models.engine.policy import load_pretrained, prepare_policy
 from models.sla.config import DPOTraining
@@ -39,11 +40,18 @@ def test_train_dpo_first_loss_is_log2_and_only_the_copy_changes(policy, tiny_lla
     initial_digest = folder_digest(tiny_llama)
     out_dir = tmp_path / "dpo"
 
-    metrics = train_dpo(policy, make_pairs(policy.tokenizer, 6), DPO_FAST, out_dir)
+    steps = []  # what reaches the live curve sink (the stage's MLflow run in the pipeline), step by step
+    with curve_sink(lambda values, step: steps.append((step, dict(values)))):
+        metrics = train_dpo(policy, make_pairs(policy.tokenizer, 6), DPO_FAST, out_dir)
 
     # Hand-worked: at step 1 the policy is the reference, so every log-ratio and the margin are 0 and
     # the loss is −log σ(β·0) = log 2, whatever β.
     assert metrics["loss_first"] == pytest.approx(math.log(2), abs=1e-3)
+    # one point per optimizer step (the end-of-training summary is none), under TRL's names
+    assert [step for step, _ in steps] == list(range(1, metrics["steps"] + 1)) and metrics["steps"] == 6
+    assert steps[0][1]["loss"] == pytest.approx(math.log(2), abs=1e-3)
+    assert steps[-1][1]["loss"] == pytest.approx(metrics["loss_last"])
+    assert {"learning_rate", "grad_norm", "rewards/accuracies", "rewards/margins"} <= steps[0][1].keys()
     assert metrics["reward_margin_first"] == pytest.approx(0.0, abs=1e-5)
     assert metrics["num_pairs"] == 6 and metrics["steps"] == 6  # 3 batches × 2 epochs
     assert {"loss_last", "reward_accuracy_first", "reward_accuracy_last", "reward_margin_last",
@@ -185,6 +193,9 @@ def test_dpo_task_writes_the_folder_atomically_and_reports(tiny_llama, tmp_path)
     assert m["heldout_accuracy_after_low"] <= m["heldout_accuracy_after"] <= m["heldout_accuracy_after_high"]
     assert m["num_heldout_prompts"] == 2
     assert m["loss_first"] == pytest.approx(math.log(2), abs=1e-3)
+    # the trainer's step logs are the stage's curves (logged live to its MLflow run inside the pipeline)
+    assert len(result.curves["loss"]) == m["steps"] and result.curves["loss"][-1] == pytest.approx(m["loss_last"])
+    assert "rewards/accuracies" in result.curves and "epoch" not in result.curves
 
 
 def test_dpo_trains_on_best_worst_pairs_unless_all_are_asked_for(tiny_llama, tmp_path, monkeypatch):

@@ -39,6 +39,31 @@ def atomic_path(target: Path) -> Iterator[Path]:
         shutil.rmtree(tmp.parent, ignore_errors=True)
 
 
+CHECKPOINTS_DIR = Path(".foresight/checkpoints")
+"""Where a pipeline stage's training checkpoints go (``<dir>/<stage>/<fingerprint>/step-N``, beside the params file;
+gitignored): outside the stage's DVC outputs, which DVC deletes before it runs the stage."""
+
+CHECKPOINTS_ENV = "FORESIGHT_CHECKPOINTS"
+"""The environment variable naming the folder the shared training loop checkpoints under
+(:func:`models.common.training.train`); an environment variable, so the processes of an ``accelerate launch`` see it."""
+
+
+@contextlib.contextmanager
+def training_checkpoints(folder: Path) -> Iterator[None]:
+    """Training inside the block (with a ``checkpoint_every`` knob) checkpoints under ``folder``, which is removed
+    when the block succeeds: a block that fails or is interrupted leaves its checkpoints for the next run."""
+    previous = os.environ.get(CHECKPOINTS_ENV)
+    os.environ[CHECKPOINTS_ENV] = str(folder)
+    try:
+        yield
+        shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        if previous is None:
+            os.environ.pop(CHECKPOINTS_ENV, None)
+        else:
+            os.environ[CHECKPOINTS_ENV] = previous
+
+
 def write_json(data: dict, target: Path) -> Path:
     """Write JSON atomically (metrics files, manifests)."""
     with atomic_path(Path(target)) as tmp:

@@ -14,9 +14,15 @@ stats)``; the loop owns what they would otherwise each write again:
   about the learning rate; in bfloat16 (8 bits of mantissa) a 1e-6 step of a weight near 0.01 rounds away,
   so half-precision weights trained directly mostly never move. They are cast back at the end;
 * the log: per step, every stat averaged over processes (``accelerator.reduce``) and the learning rate the
-  step applied, a progress bar on the local main process, ``on_step`` on the main process;
+  step applied, a progress bar on the local main process, ``on_step`` and the live curve sink
+  (:func:`models.common.curves.log_step`: the stage's MLflow run) on the main process;
 * the data order: batches are shuffled by a generator seeded with ``seed``. Seeding the model's
   initialisation stays with the caller, who builds the model before handing it over;
+* the usual knobs (:class:`models.common.config.TrainingLoop`, in every trained component's section): gradient
+  clipping (``accelerator.clip_grad_norm_``), gradient accumulation (accelerate's: ``Accelerator(
+  gradient_accumulation_steps=...)`` and ``accelerator.accumulate``), and checkpoints every N optimizer steps that a
+  killed run resumes from, to the same weights (``accelerator.save_state`` / ``load_state`` and
+  ``skip_first_batches``; docs/pipeline.md, "Training knobs");
 * early stopping (:class:`EarlyStopping`): ``epochs`` is then a budget, not a schedule. After each epoch the
   caller's held-out loss is measured; training stops once it has not improved for ``patience`` epochs and the
   trained parameters go back to their best epoch. Budgets copied from 7–8B papers (a few epochs of a large
@@ -34,6 +40,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -44,6 +52,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
+
+from models.common.config import TrainingLoop
+from models.common.curves import log_step
+from models.common.files import CHECKPOINTS_ENV, atomic_path
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -237,6 +249,14 @@ class _BestEpoch:
             for p, value in zip(self.params, self.values, strict=True):
                 p.copy_(value)
 
+    def state_dict(self) -> dict:
+        return {"values": self.values, "loss": self.loss, "epoch": self.epoch, "stale": self.stale}
+
+    def load_state_dict(self, state: dict) -> None:
+        values = state["values"]
+        self.values = None if values is None else [v.to(p.device) for v, p in zip(values, self.params, strict=True)]
+        self.loss, self.epoch, self.stale = state["loss"], state["epoch"], state["stale"]
+
 
 def _held_out_loss(early_stopping: EarlyStopping, prepared: nn.Module, accelerator: Accelerator) -> float:
     """The held-out loss of the model being trained, in inference mode, averaged over processes (so that all stop
@@ -254,6 +274,87 @@ Step = Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, float | torch.Te
 """``(prepared model, batch) -> (loss to minimise, stats to log)``; stats are scalars (floats or 1-element tensors)."""
 
 
+class GeneratorState:
+    """A ``torch.Generator`` as checkpointable state (``state_dict`` / ``load_state_dict``), for a step that draws
+    from a generator of its own (RLMedusa's sampled actions): pass it in ``train(resumable=...)``."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def state_dict(self) -> dict:
+        return {"state": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["state"])
+
+
+LOOP_STATE = "loop_state.pt"
+"""The loop's own part of a checkpoint (beside accelerate's ``save_state`` files): the position in the data, the
+history so far, early stopping and the caller's ``resumable`` objects."""
+
+
+def _digest(value: Any, hasher) -> None:
+    """Feed ``value`` (tensors, numbers, strings, and mappings and sequences of them) into ``hasher``."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().contiguous()
+        hasher.update(f"{value.dtype}{tuple(value.shape)}".encode())
+        hasher.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    elif isinstance(value, Mapping):
+        for key in sorted(value, key=str):
+            hasher.update(str(key).encode())
+            _digest(value[key], hasher)
+    elif isinstance(value, (list, tuple)) and all(isinstance(item, (bool, int, float, str)) for item in value):
+        hasher.update(repr(value).encode())  # token ids: one update per sequence, not per token
+    elif isinstance(value, (list, tuple)):
+        hasher.update(f"[{len(value)}".encode())
+        for item in value:
+            _digest(item, hasher)
+    else:
+        hasher.update(repr(value).encode())
+
+
+def run_fingerprint(model: nn.Module, data, settings: Mapping[str, Any]) -> str:
+    """A hash of everything a training run's result depends on: the model's initial state (every tensor of its state
+    dict), every item of ``data`` (indexable), and the run's ``settings`` (the loop's arguments, the optimizer's, the
+    caller's knobs). A checkpoint is resumed only by a run with the same fingerprint, so one left by a run with other
+    params, data or starting weights is never picked up. It reads the whole model and data, so it is taken only when
+    checkpoints are on."""
+    import hashlib
+
+    hasher = hashlib.sha256()
+    _digest(dict(settings), hasher)
+    _digest(model.state_dict(), hasher)
+    hasher.update(f"data{len(data)}".encode())
+    for index in range(len(data)):
+        _digest(data[index], hasher)
+    return hasher.hexdigest()[:16]
+
+
+def _checkpoints(folder: Path) -> list[Path]:
+    """The complete checkpoints in ``folder``, oldest first (a half-written one is a hidden temporary)."""
+    return sorted(folder.glob("step-*")) if folder.is_dir() else []
+
+
+def _save_checkpoint(accelerator: Accelerator, folder: Path, step: int, loop_state: dict) -> None:
+    """accelerate's ``save_state`` (model, optimizer, schedule, every process's RNG states) and the loop's state into
+    ``folder/step-N``, written to a temporary sibling the main process made and renamed whole; older checkpoints of
+    the run are removed after."""
+    from accelerate.utils import broadcast_object_list
+
+    target = folder / f"step-{step:08d}"
+    with ExitStack() as stack:
+        tmp = [stack.enter_context(atomic_path(target)) if accelerator.is_main_process else None]
+        tmp = broadcast_object_list(tmp)[0]  # every process writes its own RNG states into the same folder
+        accelerator.save_state(str(tmp))
+        if accelerator.is_main_process:
+            torch.save(loop_state, tmp / LOOP_STATE)
+        accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        for old in _checkpoints(folder)[:-1]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
 def train(model: nn.Module, data, step: Step, params: Iterable[nn.Parameter] | Iterable[dict],
           optimizer: Callable[..., torch.optim.Optimizer], *, accelerator: Accelerator, epochs: int, batch_size: int,
           seed: int, warmup_ratio: float | None = None, collate_fn: Callable | None = None, desc: str = "training",
@@ -261,7 +362,10 @@ def train(model: nn.Module, data, step: Step, params: Iterable[nn.Parameter] | I
           on_step: Callable[[int, int, dict[str, float]], None] | None = None,
           on_epoch_end: Callable[[int], None] | None = None,
           early_stopping: EarlyStopping | None = None,
-          count_changes: str | None = None) -> tuple[nn.Module, dict[str, list[float]]]:
+          count_changes: str | None = None,
+          loop: TrainingLoop | None = None,
+          checkpoint_dir: Path | None = None,
+          resumable: Sequence[Any] = ()) -> tuple[nn.Module, dict[str, list[float]]]:
     """Train ``params`` (parameters of ``model``, or param groups) for ``epochs`` passes over ``data``.
 
     ``optimizer``: builds the optimizer from the parameters, e.g. ``partial(torch.optim.AdamW, lr=1e-3,
@@ -275,67 +379,164 @@ def train(model: nn.Module, data, step: Step, params: Iterable[nn.Parameter] | I
     instead): the trained parameters are copied to the CPU in their own dtypes before training, and after the cast
     back the share of their elements that changed is logged (:func:`check_update`).
 
+    ``loop``: the caller's knobs (:class:`models.common.config.TrainingLoop`, usually its whole config section):
+
+    * ``gradient_accumulation_steps``: accelerate's accumulation (``accelerator.accumulate``; ``backward`` divides
+      each batch's loss by it), which the ``accelerator`` must have been built with. A step is an *optimizer* step:
+      the schedule, ``num_steps``, ``on_step`` and the history count those, and each step's stats are the mean of
+      its batches' (an epoch's last step may take fewer batches). ``k`` batches of ``b`` whose losses are means
+      over their rows give the gradient of one batch of ``k·b``;
+    * ``max_grad_norm``: ``accelerator.clip_grad_norm_`` before each optimizer step; the global gradient norm before
+      clipping is logged as the stat ``grad_norm``;
+    * ``checkpoint_every``: every that many optimizer steps, and when training ends, the state is saved under
+      ``checkpoint_dir`` (default: the folder ``$FORESIGHT_CHECKPOINTS``, which a pipeline stage sets,
+      :func:`models.common.files.training_checkpoints`; neither: no checkpoints) in a subfolder
+      keyed by :func:`run_fingerprint`. A run that finds a checkpoint there resumes from it (logged: "resuming …
+      from step k of n"): accelerate's ``load_state`` (weights, optimizer, schedule, RNG states), the shuffling
+      generator as it was when that epoch began and ``skip_first_batches`` for the batches it had taken, the history
+      so far and early stopping's best epoch, so it ends with the same weights as a run never interrupted. A
+      checkpoint taken at an epoch's last step is saved after the epoch's end (``on_epoch_end``, early stopping).
+      State the step or ``on_epoch_end`` keep themselves resumes only through ``resumable``: objects with
+      ``state_dict()`` / ``load_state_dict()`` (:class:`GeneratorState` for a generator), saved with each checkpoint.
+
     Returns the unwrapped model (trained parameters back in their own dtype) and the history: per step,
     ``learning_rate`` and each stat; with early stopping also ``held_out_loss`` per epoch run and
     ``best_epoch`` (one value, counted from 1); with ``count_changes`` also ``weights_changed`` (one value: the
     share of the trained elements whose value, as saved in its own dtype, differs from the initial one).
+    The prepared objects are released from ``accelerator`` at the end (``free_memory``: accelerate's advice between
+    two trainings), so a later run on the same accelerator saves only its own state.
     """
     from transformers import get_cosine_schedule_with_warmup
 
+    loop = loop or TrainingLoop()
+    accumulation = accelerator.gradient_accumulation_steps
+    if accumulation != loop.gradient_accumulation_steps:
+        raise ValueError(f"gradient_accumulation_steps is {loop.gradient_accumulation_steps} but the Accelerator was "
+                         f"built with {accumulation}: build it with Accelerator(gradient_accumulation_steps=...)")
     params = list(params)
     trained = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
     half = half_dtype(model)
     initial = {str(i): p.detach().to("cpu", copy=True) for i, p in enumerate(trained)} if count_changes else None
+    root = checkpoint_dir if checkpoint_dir is not None else os.environ.get(CHECKPOINTS_ENV)
     with float32_master_weights(trained):
-        loader = DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn,
-                            generator=torch.Generator().manual_seed(seed))
-        optimizer = optimizer(params)
-        # Counted before prepare(): the schedule spans the global number of steps (accelerate steps a prepared
-        # scheduler once per process for every optimizer step when batches are split between processes). The
-        # warm-up is a whole number of those optimizer steps, so N processes at batch B follow the schedule of
-        # one process at batch N·B.
-        num_steps = epochs * len(loader)
+        generator = torch.Generator().manual_seed(seed)
+        loader = DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn, generator=generator)
+        raw_optimizer = optimizer(params)
+        folder = None
+        if loop.checkpoint_every is not None and root is not None:
+            settings = {"loop": loop.model_dump(mode="json", exclude={"checkpoint_every"}), "desc": desc,
+                        "epochs": epochs, "batch_size": batch_size, "seed": seed, "warmup_ratio": warmup_ratio,
+                        "optimizer": type(raw_optimizer).__name__, "processes": accelerator.num_processes,
+                        "early_stopping": None if early_stopping is None else
+                        [early_stopping.patience, early_stopping.min_delta],
+                        "param_groups": [{k: v for k, v in group.items() if k != "params"}
+                                         | {"sizes": [p.numel() for p in group["params"]]}
+                                         for group in raw_optimizer.param_groups]}
+            folder = Path(root) / run_fingerprint(model, data, settings)
+        prepared, optimizer, loader = accelerator.prepare(model, raw_optimizer, loader)
+        # Counted on the prepared loader (this process's batches): an optimizer step takes `accumulation` of them
+        # (an epoch's last step may take fewer). accelerate steps a prepared scheduler once per process for every
+        # optimizer step when batches are split between processes, so the schedule spans `processes` × the local
+        # steps, and the warm-up is a whole number of those: N processes at batch B follow the schedule of one
+        # process at batch N·B.
+        steps_per_epoch = math.ceil(len(loader) / accumulation)
+        local_steps = epochs * steps_per_epoch
         processes = accelerator.num_processes
+        num_steps = processes * local_steps
         warmup_steps = processes * round(warmup_ratio * num_steps / processes) if warmup_ratio is not None else 0
-        schedule = ([get_cosine_schedule_with_warmup(optimizer, warmup_steps, num_steps)]
+        schedule = ([accelerator.prepare(get_cosine_schedule_with_warmup(raw_optimizer, warmup_steps, num_steps))]
                     if warmup_ratio is not None else [])
-        prepared, optimizer, loader, *schedule = accelerator.prepare(model, optimizer, loader, *schedule)
 
         history: dict[str, list[float]] = {"learning_rate": []}
-        local_steps = epochs * len(loader)  # this process's share of num_steps
-        bar = tqdm(total=local_steps, desc=desc, unit="step", disable=not accelerator.is_local_main_process)
         best = _BestEpoch(trained) if early_stopping is not None else None
-        for epoch in range(epochs):
-            for batch in loader:
-                with step_precision(accelerator, half):
-                    loss, stats = step(prepared, batch)
-                accelerator.backward(loss)
-                rate = schedule[0].get_last_lr()[0] if schedule else optimizer.param_groups[0]["lr"]
-                history["learning_rate"].append(rate)  # the rate this step applies
-                optimizer.step()
-                for scheduler in schedule:
-                    scheduler.step()
-                optimizer.zero_grad()
+        # where the run stands: optimizer steps done, the epoch under way and the batches it has taken, the
+        # shuffling generator's state when that epoch began; `done` once training ended
+        position = {"step": 0, "epoch": 0, "batches": 0, "generator": generator.get_state(), "done": False}
 
-                # float64: a float32 stat (and a Python float made from one) passes through exactly
-                values = torch.tensor([float(v) for v in stats.values()], dtype=torch.float64,
-                                      device=accelerator.device)
-                logged = dict(zip(stats, accelerator.reduce(values, "mean").tolist(), strict=True))
+        def loop_state() -> dict:
+            return {**position, "history": history, "best": None if best is None else best.state_dict(),
+                    "resumable": [obj.state_dict() for obj in resumable]}
+
+        if folder is not None and (found := _checkpoints(folder)):
+            accelerator.load_state(str(found[-1]))
+            saved = torch.load(found[-1] / LOOP_STATE, weights_only=True)
+            position.update({key: saved[key] for key in position})
+            history = saved["history"]
+            if best is not None:
+                best.load_state_dict(saved["best"])
+            for obj, state in zip(resumable, saved["resumable"], strict=True):
+                obj.load_state_dict(state)
+            log.info("resuming %s from step %d of %d (checkpoint %s)", desc, position["step"], local_steps, found[-1])
+
+        def save() -> None:
+            _save_checkpoint(accelerator, folder, position["step"], loop_state())
+
+        def due() -> bool:
+            return folder is not None and position["step"] % loop.checkpoint_every == 0
+
+        bar = tqdm(total=local_steps, initial=position["step"], desc=desc, unit="step",
+                   disable=not accelerator.is_local_main_process)
+        for epoch in range(position["epoch"], epochs if not position["done"] else 0):
+            if position["batches"]:  # resumed mid-epoch: the same shuffle, past the batches already taken
+                generator.set_state(position["generator"])
+                batches = accelerator.skip_first_batches(loader, position["batches"])
+            else:
+                position["generator"] = generator.get_state()
+                batches = loader
+            group: list[dict[str, float]] = []  # the stats of this optimizer step's batches
+            for batch in batches:
+                with accelerator.accumulate(prepared):
+                    with step_precision(accelerator, half):
+                        loss, stats = step(prepared, batch)
+                    accelerator.backward(loss)
+                    group.append({key: float(value) for key, value in stats.items()})
+                    if accelerator.sync_gradients:
+                        if loop.max_grad_norm is not None:
+                            norm = accelerator.clip_grad_norm_(trained, loop.max_grad_norm)
+                            group[-1]["grad_norm"] = float(norm)
+                        rate = schedule[0].get_last_lr()[0] if schedule else optimizer.param_groups[0]["lr"]
+                        history["learning_rate"].append(rate)  # the rate this step applies
+                    # accelerate's wrappers step and zero only when gradients sync (the group's last batch)
+                    optimizer.step()
+                    for scheduler in schedule:
+                        scheduler.step()
+                    optimizer.zero_grad()
+                position["batches"] += 1
+                if not accelerator.sync_gradients:
+                    continue
+                position["step"] += 1
+                # the mean over the step's batches (NaN where a batch has no value: the gradient norm, measured
+                # once, is the last batch's), then over processes; float64: a float32 stat (and a Python float made
+                # from one) passes through exactly
+                values = torch.tensor([[entry.get(key, math.nan) for key in group[-1]] for entry in group],
+                                      dtype=torch.float64, device=accelerator.device)
+                logged = dict(zip(group[-1], accelerator.reduce(values.nanmean(0), "mean").tolist(), strict=True))
+                group = []
                 for key, value in logged.items():
                     history.setdefault(key, []).append(value)
                 # no forced redraw: the bar keeps its minimum interval (the pipeline's log gets a line per 10 s)
                 bar.set_postfix({key: f"{logged[key]:.4f}" for key in show}, refresh=False)
                 bar.update(1)
+                if accelerator.is_main_process:  # live curves: this step's history entries, to the sink set around
+                    log_step({"learning_rate": history["learning_rate"][-1], **logged}, bar.n)
                 if on_step is not None and accelerator.is_main_process:
                     on_step(bar.n, local_steps, logged)
+                if due() and position["batches"] < len(loader):
+                    save()
             if on_epoch_end is not None:
                 on_epoch_end(epoch)
+            position.update(epoch=epoch + 1, batches=0)
             if best is not None:
                 loss = _held_out_loss(early_stopping, prepared, accelerator)
                 history.setdefault("held_out_loss", []).append(loss)
                 best.update(loss, epoch + 1, early_stopping.min_delta)
                 if best.stale >= early_stopping.patience:
                     break
+            if due() and epoch + 1 < epochs:
+                save()
+        if folder is not None and not position["done"]:  # a re-run (a later component killed) skips this one
+            position["done"] = True
+            save()
         bar.close()
         if best is not None:
             best.restore()
@@ -344,4 +545,6 @@ def train(model: nn.Module, data, step: Step, params: Iterable[nn.Parameter] | I
         rate = max(group["initial_lr"] if "initial_lr" in group else group["lr"] for group in optimizer.param_groups)
         changes = weight_changes({str(i): p for i, p in enumerate(trained)}, initial)
         history["weights_changed"] = [check_update(changes, count_changes, rate, trained[0].dtype, log)]
-    return accelerator.unwrap_model(prepared), history
+    unwrapped = accelerator.unwrap_model(prepared)
+    accelerator.free_memory()
+    return unwrapped, history

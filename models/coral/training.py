@@ -205,6 +205,14 @@ class CoralObjective(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         return coral_step_loss(self.model, batch, self.cfg, self.epoch, self.reconstruct, self.cache)
 
+    def get_extra_state(self) -> torch.Tensor:
+        """The epoch travels in the state dict, so a run resumed from a checkpoint (models/common/training.py)
+        corrupts as the interrupted one did."""
+        return torch.tensor(self.epoch)
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.epoch = int(state)
+
 
 def held_out_loss(sequences: Sequences, cfg: CoralTraining, cache: TrunkCache, pad_token_id: int
                   ) -> Callable[[nn.Module], float]:
@@ -243,7 +251,7 @@ def _run_stage(model: nn.Module, *, stage: int, parameters: list[nn.Parameter], 
         partial(torch.optim.AdamW, lr=learning_rate, weight_decay=0.0), accelerator=accelerator, epochs=epochs,
         batch_size=cfg.batch_size, seed=cfg.seed + stage, warmup_ratio=cfg.warmup_ratio,
         collate_fn=partial(_collate, pad_token_id=pad_token_id), desc=f"COrAL stage {stage}", on_step=on_step,
-        on_epoch_end=next_epoch,
+        on_epoch_end=next_epoch, loop=cfg,
         early_stopping=replace(early_stopping, held_out_loss=lambda o: early_stopping.held_out_loss(o.model))
         if early_stopping is not None else None)
     return objective.model, history
@@ -271,7 +279,8 @@ def train_coral(policy: Policy, sequences: Sequences, cfg: CoralTraining, accele
 
     if not sequences:
         raise ValueError("no sequences to train COrAL on")
-    accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu")
+    accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu",
+                                             gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     set_seed(cfg.seed)
     data = list(enumerate(sequences))
     pad = padding_id(policy.tokenizer)

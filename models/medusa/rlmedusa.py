@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from models.common.config import MixedPrecision
-from models.common.training import train
+from models.common.training import GeneratorState, train
 from models.medusa.config import RLMedusaCandidates, RLMedusaTraining
 from models.medusa.heads import MedusaHeads
 from models.medusa.training import DistilledStates, HiddenStates, StateDataset, pass_autocast
@@ -181,7 +181,7 @@ def fit_reward_model(hidden: HiddenStates | torch.Tensor, candidate_embeddings: 
     model, history = train(model, StateDataset(hidden, candidates, probs), step, model.parameters(),
                            partial(torch.optim.AdamW, lr=cfg.reward_learning_rate), accelerator=accelerator,
                            epochs=cfg.reward_epochs, batch_size=cfg.reward_batch_size, seed=cfg.seed,
-                           desc="reward model r(e, h)", count_changes="RLMedusa reward model")
+                           desc="reward model r(e, h)", count_changes="RLMedusa reward model", loop=cfg)
     return model.eval(), history["loss"]
 
 
@@ -287,5 +287,5 @@ def train_rl_head(heads: MedusaHeads, lm_head: nn.Module, reward_model: TokenRew
                            partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=0.0),
                            accelerator=accelerator, epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed,
                            desc="RL head (t+2)", show=("reward", "kl"), on_step=on_step,
-                           count_changes="RLMedusa t+2 head")
+                           count_changes="RLMedusa t+2 head", loop=cfg, resumable=[GeneratorState(generator)])
     return heads.eval(), history

@@ -226,7 +226,8 @@ def train_medusa_heads(policy: Policy, data: DistilledStates, cfg: MedusaTrainin
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu")
+    accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu",
+                                             gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     set_seed(cfg.seed)
     policy.model.requires_grad_(False)  # Medusa-1: the backbone (and its shared LM head) never gets a gradient
     lm_head = policy.model.get_output_embeddings()
@@ -241,7 +242,7 @@ def train_medusa_heads(policy: Policy, data: DistilledStates, cfg: MedusaTrainin
     return train(heads, StateDataset(data.hidden, data.targets), step, heads.parameters(),
                  partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=0.0), accelerator=accelerator,
                  epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed, warmup_ratio=cfg.warmup_ratio,
-                 desc="Medusa heads", on_step=on_step, count_changes="Medusa heads")
+                 desc="Medusa heads", on_step=on_step, count_changes="Medusa heads", loop=cfg)
 
 
 @torch.no_grad()

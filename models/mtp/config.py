@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from models.common.config import Knobs, MixedPrecision, SFTData
+from models.common.config import Knobs, MixedPrecision, SFTData, TrainingLoop
 from models.engine.config import Adaptation, DraftDtypeName
 
 MTPInit = Literal["last_layer", "scratch"]
@@ -100,7 +100,7 @@ class MTPRLTraining(Knobs):
     """Seeds the prompt order and every rollout's sampling stream (the same streams for every variant)."""
 
 
-class MTPTraining(Knobs):
+class MTPTraining(TrainingLoop):
     """The MTP-equipped stage's training: eq. 1's weights, AdamW (β 0.9 / 0.95) with a cosine schedule."""
 
     ce_weights: tuple[float, ...] = Field((0.6, 0.3, 0.1), min_length=1)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from models.common.curves import log_step
 from models.common.lora import adapters_disabled, is_lora, memory_saving, merged
 from models.common.sequences import padding_id, right_pad
 from models.common.training import float32_master_weights, half_dtype, step_precision
@@ -538,4 +539,6 @@ def _train(trained, tokenizer, module: MTPModule | None, var: Variant, prompts: 
             history.append(record)
             if on_step is not None:
                 on_step(step + 1, record)
+            if accelerator.is_main_process:  # live curves: the step's numbers (every process holds the same record)
+                log_step({key: value for key, value in record.items() if isinstance(value, (int, float))}, step + 1)
     return history

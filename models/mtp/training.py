@@ -138,7 +138,8 @@ def train_mtp_module(policy: Policy, sequences: Sequences, hidden: Sequence[torc
 
     if not sequences:
         raise ValueError("no sequences to train the MTP module on")
-    accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu")
+    accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu",
+                                             gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     set_seed(cfg.seed)
     base = policy.model.requires_grad_(False).eval()
     module = MTPModule(base, MTPModuleConfig(num_depths=num_depths, init=cfg.init)).train()
@@ -160,7 +161,7 @@ def train_mtp_module(policy: Policy, sequences: Sequences, hidden: Sequence[torc
         partial(torch.optim.AdamW, lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=0.0),
         accelerator=accelerator, epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed,
         warmup_ratio=cfg.warmup_ratio, collate_fn=collate, desc=f"MTP equip (K = {num_depths})", on_step=on_step,
-        early_stopping=early_stopping, count_changes="MTP module")
+        early_stopping=early_stopping, count_changes="MTP module", loop=cfg)
     return module.eval().requires_grad_(False), history
 
 

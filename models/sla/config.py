@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from models.common.config import Knobs
+from models.common.config import Knobs, TrainingLoop
 from models.engine.config import ClassicalDecoding, HFDecoder
 
 LeafScore = Literal["mean", "last"]
@@ -23,9 +23,12 @@ LeafScore = Literal["mean", "last"]
 token (Algorithm 2's text)."""
 
 
-class DPOTraining(Knobs):
+class DPOTraining(TrainingLoop):
     """DPO's β and the schedule of :func:`models.sla.dpo.train_dpo`."""
 
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    """Clip the gradients' global L2 norm to this before each optimizer step (TRL's ``max_grad_norm``; its default
+    1.0, which DPO has always run with); the norm before clipping is logged as ``grad_norm``. null: no clipping."""
     beta: float = Field(0.1, gt=0.0)
     """DPO temperature β."""
     learning_rate: float = Field(5e-6, gt=0.0)
@@ -50,7 +53,7 @@ class DPOTraining(Knobs):
     """Training seed."""
 
 
-class RewardTraining(Knobs):
+class RewardTraining(TrainingLoop):
     """How reward heads are trained and evaluated (§5: Adam at 5e-5, cosine schedule with warm-up)."""
 
     learning_rate: float = Field(5e-5, gt=0.0)
@@ -170,9 +173,10 @@ class SLABenchmarkConfig(ClassicalDecoding):
     """Largest step n a chosen setting may have, so that ``sla_tuned`` streams. SLA streams a committed segment every
     n tokens, so a step as long as the answer (n = max_new_tokens) is reranking whole responses, not streaming. Grid
     settings above it are still decoded and reported."""
-    leaf_score_ablation: bool = True
+    leaf_score_ablation: bool = False
     """Also decode the held-out prompts with ``sla_tuned`` under the other leaf score (``sla.leaf_score``'s
-    alternative): the leaf-scoring ablation, untimed."""
+    alternative): the leaf-scoring ablation, untimed. Off by default since issue #34 (about 25 s of the 2-core CPU
+    run's 30-minute budget, docs/sla.md); the 8B configs keep it on."""
 
     @model_validator(mode="after")
     def _a_streaming_setting_to_choose(self) -> SLABenchmarkConfig:

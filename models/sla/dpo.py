@@ -34,8 +34,10 @@ models/common/sequences.py's length rule), so TRL's own ``keep_start`` truncatio
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -45,9 +47,10 @@ import pandas as pd
 import torch
 from torch import nn
 
-from models.common.files import atomic_path
+from models.common.curves import log_step
+from models.common.files import CHECKPOINTS_ENV, atomic_path
 from models.common.lora import ADAPTER_DIR, Adapter, is_lora, merged, trained_weight_names, with_lora
-from models.common.training import check_update, weight_changes
+from models.common.training import check_update, run_fingerprint, weight_changes
 from models.engine.policy import Policy, cpu_has_bf16_units
 from models.sla.config import DPOTraining
 
@@ -143,7 +146,13 @@ def build_trainer(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, o
         seed=cfg.seed,
         loss_type=["sigmoid"],  # the DPO loss of Rafailov et al.
         eval_strategy="no",
-        save_strategy="no",
+        max_grad_norm=cfg.max_grad_norm or 0.0,  # 0: the Trainer does not clip
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        # checkpoints (train_dpo: output_dir is then the run's checkpoint folder): the Trainer's own, with the
+        # optimizer, schedule and RNG states, so that resume_from_checkpoint continues where the run stopped
+        save_strategy="steps" if cfg.checkpoint_every else "no",
+        save_steps=cfg.checkpoint_every or 500,
+        save_total_limit=1,
         logging_steps=1,
         report_to="none",
         use_cpu=not on_cuda,
@@ -155,7 +164,24 @@ def build_trainer(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, o
     )
     return DPOTrainer(model=model, ref_model=reference, args=args,
                       train_dataset=preference_dataset(train_pairs, policy.tokenizer),
-                      processing_class=policy.tokenizer)
+                      processing_class=policy.tokenizer, callbacks=[curve_callback()])
+
+
+def curve_callback():
+    """A ``transformers.TrainerCallback`` that sends each training step's log (``logging_steps=1``: the DPO loss,
+    learning rate, gradient norm, TRL's ``rewards/…``, ``logps/…``, ``logits/…``, ``epoch``) to the live curve sink
+    (:func:`models.common.curves.log_step`), on the main process. ``report_to="none"`` stays: a TRL integration would
+    open an MLflow run of its own; the stage's run gets the steps through the sink. The end-of-training log (no
+    ``loss``, but ``train_loss``, ``train_runtime``) is no step and is left out."""
+    from transformers import TrainerCallback
+
+    class CurveCallback(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and logs and "loss" in logs:
+                log_step({key: float(value) for key, value in logs.items()
+                          if isinstance(value, (int, float)) and not isinstance(value, bool)}, state.global_step)
+
+    return CurveCallback()
 
 
 def trained_policy(trainer: DPOTrainer, initial: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
@@ -195,6 +221,7 @@ def train_dpo(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, out_d
     ``num_pairs_dropped_too_long`` (:func:`fitting_pairs`: pairs longer than ``cfg.max_length`` are left out).
     """
     from accelerate.state import AcceleratorState
+    from transformers.trainer_utils import get_last_checkpoint
 
     train_pairs, too_long = fitting_pairs(policy.tokenizer, train_pairs, cfg.max_length)
     if len(train_pairs) < MIN_TRAIN_PAIRS:
@@ -202,12 +229,23 @@ def train_dpo(policy: Policy, train_pairs: pd.DataFrame, cfg: DPOTraining, out_d
                          f"({too_long} dropped as longer than dpo.max_length {cfg.max_length}): raise dpo.max_length, "
                          "sample more prompts or samples per prompt, lower validate.min_score_gap or "
                          "reward.eval_fraction (the held-out share of the pairs)")
-    # The Trainer creates its output_dir up front (nothing is saved there: save_strategy "no"); a scratch
-    # folder keeps a failed run from leaving an empty out_dir behind.
-    with tempfile.TemporaryDirectory(prefix="dpo-trainer-") as scratch:
-        trainer = build_trainer(policy, train_pairs, cfg, Path(scratch))
+    # The Trainer creates its output_dir up front: a scratch folder (nothing is saved there: save_strategy "no")
+    # keeps a failed run from leaving an empty out_dir behind. With checkpoint_every, and under a stage
+    # ($FORESIGHT_CHECKPOINTS, models/common/files.py), it is the run's checkpoint folder, keyed by the fingerprint
+    # of the policy, the pairs and the knobs (never resumed by another run), which the stage removes once it succeeds.
+    root = os.environ.get(CHECKPOINTS_ENV) if cfg.checkpoint_every else None
+    with contextlib.ExitStack() as stack:
+        if root is None:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dpo-trainer-")))
+        else:
+            settings = {"dpo": cfg.model_dump(mode="json", exclude={"checkpoint_every"}), "trainer": "trl DPOTrainer"}
+            folder = Path(root) / run_fingerprint(policy.model, train_pairs.to_dict("records"), settings)
+        trainer = build_trainer(policy, train_pairs, cfg, folder)
+        last = get_last_checkpoint(str(folder)) if root is not None and folder.is_dir() else None
+        if last is not None:
+            log.info("resuming DPO from %s", last)
         started = time.perf_counter()
-        result = trainer.train()
+        result = trainer.train(resume_from_checkpoint=last)
         train_seconds = time.perf_counter() - started
 
     accelerator = trainer.accelerator

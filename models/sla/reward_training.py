@@ -189,7 +189,8 @@ def train_reward_heads(policy: Policy, train_pairs: pd.DataFrame, cfg: RewardTra
 
     if len(train_pairs) == 0:
         raise ValueError("no training pairs: the reward heads have nothing to learn from")
-    accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu")
+    accelerator = accelerator or Accelerator(cpu=policy.device.type == "cpu",
+                                             gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     set_seed(cfg.seed)  # head initialisation, in the order of head_configs
     heads = StackedHeads({name: build_reward_head(c, policy.model.config) for name, c in head_configs.items()})
     # the heads in the policy's dtype, beside the policy on this process's device
@@ -234,13 +235,26 @@ def train_reward_heads(policy: Policy, train_pairs: pd.DataFrame, cfg: RewardTra
         correct.zero_()
         seen.zero_()
 
+    class Counts:
+        """The epoch's counts and the accuracies so far, saved with each checkpoint (``train(resumable=...)``): a
+        resumed run goes on counting where the killed one stood. Saved by the main process: under several the
+        other processes' partial counts of the interrupted epoch come back as the main one's."""
+
+        def state_dict(self) -> dict:
+            return {"correct": correct, "seen": seen, "accuracies": accuracies}
+
+        def load_state_dict(self, state: dict) -> None:
+            correct.copy_(state["correct"])
+            seen.copy_(state["seen"])
+            accuracies.update(state["accuracies"])
+
     model, history = train(
         model, data, step, model.head.parameters(),
         partial(torch.optim.Adam, lr=cfg.learning_rate), accelerator=accelerator, epochs=cfg.epochs,
         batch_size=cfg.batch_size, seed=cfg.seed, warmup_ratio=cfg.warmup_ratio,
         collate_fn=partial(collate_pairs, pad_token_id=pad, states=states),
         desc=f"reward heads ({', '.join(names)})", show=names, on_step=on_step, on_epoch_end=on_epoch_end,
-        count_changes="reward heads")
+        count_changes="reward heads", loop=cfg, resumable=[Counts()])
     models = {name: RewardTransformer(policy.model, head_configs[name], head=model.head[name]) for name in names}
     histories = {name: {"loss": history[name], "learning_rate": list(history["learning_rate"]),
                         "train_pair_accuracy": accuracies[name], "weights_changed": history["weights_changed"]}
