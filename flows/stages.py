@@ -1,6 +1,10 @@
 """One Prefect flow per pipeline stage, built from the stage table (:data:`foresight.stages.STAGES`). DVC stages
 call these: ``python -m flows.stages <stage>``.
 
+Under the pipeline flow, each stage's flow run is a subflow of its ``dvc-repro`` task run, tagged with the stage and the
+checkout (:func:`run_stage_flow`), and the pipeline's console shows one line per stage event while the stages' full
+output goes to a log file and the Prefect API (:class:`PipelineConsole`).
+
 Every flow takes the same parameters, so the Prefect UI can trigger any of them:
 ``params_path`` (the params file), ``overrides`` (dotted keys on top of it, e.g.
 ``{"generate.num_samples": 3}``) and ``parent_run_id`` (the MLflow run to nest under; the pipeline
@@ -21,9 +25,12 @@ run; the main one writes the stage's outputs and hands its :class:`tasks.common.
 
 from __future__ import annotations
 
+import codecs
+import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,7 +56,7 @@ from foresight.stages import (
 )
 from foresight.storage import read_table, write_json
 from foresight.tracking import log_stage_outputs, register_models, stage_run
-from models.common.files import atomic_path
+from models.common.files import CHECKPOINTS_DIR, atomic_path, training_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,8 +115,76 @@ def _signal_group(pgid: int, signum: int) -> None:
         pass
 
 
-def run_streaming(cmd: list[str], cwd: Path, env: dict, what: str) -> list[str]:
-    """Run a command, forward each output line to the Prefect log, fail with its last lines.
+TQDM_FRAME = re.compile(r"(?:(?P<desc>.*?): )? *(?P<percent>\d+)%\|[^|]*\| (?P<n>\d+)/(?P<total>\d+) \[[^\]]*\]")
+"""One progress-bar frame as tqdm (4.x) draws it by default: ``{desc}: {percent}%|{bar}| {n}/{total} [{elapsed}<
+{remaining}, {rate}{postfix}]``. tqdm redraws a bar in place: each frame begins with a carriage return and only the
+bar's last frame ends with a newline; what a process prints meanwhile may follow a frame on the same line."""
+
+
+class CommandOutput:
+    """A command's output, split into lines and tqdm's progress frames as it arrives (:func:`run_streaming`).
+
+    Text mode would turn every carriage return into a line break, so each redraw of a progress bar would become a
+    line of its own (hundreds in a pipeline's log): the bytes are decoded here and split on newlines only, and each
+    carriage-return-separated piece of a line is a frame (:data:`TQDM_FRAME`, to :meth:`progress`) or text. A bar's
+    last frame (the one its line ends with) is text as well: it says how long the step took. A frame is handled as
+    soon as the next redraw begins, not when the bar's line ends, so a parent's bar moves with the child's.
+
+    This base logs each line to the Prefect run (console and API) and passes the frames on to this process's stderr,
+    where the parent's :class:`PipelineConsole` draws them (a stage's ``accelerate launch``, run by ``dvc repro``).
+    """
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = ""
+
+    def feed(self, data: bytes) -> None:
+        self._pending += self._decoder.decode(data)
+        *complete, self._pending = self._pending.split("\n")
+        for line in complete:
+            self._pieces(line, ends_line=True)
+        done, redraw, rest = self._pending.rpartition("\r")
+        if redraw:  # what precedes the latest redraw is complete
+            self._pieces(done, ends_line=False)
+            self._pending = redraw + rest
+
+    def finish(self) -> None:
+        """The output has ended: handle what is left of its last line."""
+        self._pending += self._decoder.decode(b"", final=True)
+        self._pieces(self._pending, ends_line=True)
+        self._pending = ""
+
+    def _pieces(self, text: str, ends_line: bool) -> None:
+        pieces = text.split("\r")
+        for i, piece in enumerate(pieces):
+            if frame := TQDM_FRAME.match(piece):
+                piece = piece[frame.end():]
+                last = ends_line and i == len(pieces) - 1 and not piece.strip()
+                self.progress(frame, last)
+                if last:
+                    self._line(frame.group(0))
+            if piece.strip():
+                self._line(piece.rstrip())
+
+    def _line(self, line: str) -> None:
+        self.lines.append(line)
+        self.line(line)
+
+    def line(self, line: str) -> None:
+        """A line of output (without its line break)."""
+        get_run_logger().info("%s", line)
+
+    def progress(self, frame: re.Match, last: bool) -> None:
+        """A progress bar's frame (:data:`TQDM_FRAME`); ``last``: the bar's final one, which is a line as well."""
+        if not last:
+            sys.stderr.write("\r" + frame.group(0))
+            sys.stderr.flush()
+
+
+def run_streaming(cmd: list[str], cwd: Path, env: dict, what: str, output: CommandOutput | None = None) -> list[str]:
+    """Run a command, hand its output to ``output`` as it arrives (default :class:`CommandOutput`: each line to the
+    Prefect log), fail with its last lines; returns its lines.
 
     The command runs in a session of its own, so the terminal's Ctrl-C reaches this process only, and whatever
     stops this process early (Ctrl-C; a cancellation, Prefect's ``TerminationSignal`` on SIGTERM; an error) is
@@ -118,31 +193,153 @@ def run_streaming(cmd: list[str], cwd: Path, env: dict, what: str) -> list[str]:
     this process logs what they say; after :data:`INTERRUPT_GRACE_S`, or at a second interrupt, what is left of the
     group is killed, so no process of the command outlives this one.
     """
-    logger = get_run_logger()
-    lines: list[str] = []
-    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    output = output or CommandOutput()
+    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           start_new_session=True) as proc:
+        # read1: what has arrived, without waiting for a line's end (a progress bar's frames have none)
+        chunks = iter(lambda: proc.stdout.read1(65536), b"")
         try:
-            for line in proc.stdout:
-                line = line.rstrip()
-                lines.append(line)
-                logger.info("%s", line)
+            for chunk in chunks:
+                output.feed(chunk)
         except BaseException:
             _signal_group(proc.pid, signal.SIGINT)
             deadline = threading.Timer(INTERRUPT_GRACE_S, _signal_group, (proc.pid, signal.SIGKILL))
             deadline.start()
             try:
-                for line in proc.stdout:  # until the whole group has closed its output: it has ended
-                    logger.info("%s", line.rstrip())
+                for chunk in chunks:  # until the whole group has closed its output: it has ended
+                    output.feed(chunk)
             finally:
                 deadline.cancel()
                 _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
+                output.finish()
             raise
+        output.finish()
     if proc.returncode != 0:
-        tail = "\n".join(lines[-25:])
+        tail = "\n".join(output.lines[-25:])
         raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")
-    return lines
+    return output.lines
+
+
+PREFECT_LINE = re.compile(r"\d\d:\d\d:\d\d\.\d{3} \| (?P<level>[A-Z]+) *\| (?P<source>.+?) - (?P<message>.*)$")
+"""A line of Prefect's console handler (prefect 3.8.8, ``logging/logging.yml``, formatter ``standard``)."""
+RUN_SOURCE = re.compile(r"(Flow|Task) run '")
+"""The source of a run logger's line (``Flow run 'name'``, ``Task run 'name'``): its process sent it to the API."""
+STAGE_DONE = re.compile(r"stage (?P<stage>\S+) done in (?P<seconds>[\d.]+) s(?:: (?P<headline>.*))?$")
+"""The last line a stage's flow logs (:func:`run_stage`)."""
+DVC_EVENTS = ((re.compile(r"Running stage '(?P<stage>[^']+)':$"), "started"),
+              (re.compile(r"Stage '(?P<stage>[^']+)' didn't change, skipping$"), "up to date"),
+              (re.compile(r"Stage '(?P<stage>[^']+)' is cached - skipping run"), "restored from DVC's run cache"),
+              (re.compile(r"ERROR: failed to reproduce '(?P<stage>[^']+)'"), "failed"),
+              (re.compile(r"stage (?P<stage>\S+) interrupted\. (?P<detail>.*)$"), "interrupted"))
+"""What ``dvc repro`` (dvc 3.67: ``stage/run.py``, ``stage/__init__.py``, ``stage/cache.py``, ``repo/reproduce.py``)
+and a stage's :func:`main` print for each stage event."""
+FAILED_TAIL = 5
+"""Lines of a failed stage's output the console shows."""
+
+_API_ONLY = logging.getLogger("foresight.command_output")
+"""Lines for the Prefect API alone: Prefect's ``APILogHandler`` takes them, the console handler (the root logger's)
+never sees them (no propagation)."""
+_API_ONLY.propagate = False
+_API_ONLY.setLevel(logging.INFO)  # not the root's WARNING, which it would inherit
+
+
+class PipelineConsole(CommandOutput):
+    """The console of ``dvc repro`` under the pipeline flow: one line per stage event, a progress bar while a stage
+    runs, and the full output in a log file and the Prefect API instead.
+
+    - Every line goes to ``log_file`` as the stages printed it.
+    - The Prefect API (the ``dvc-repro`` task run's log) gets DVC's lines and the stages' other output (warnings,
+      tracebacks, libraries' lines), not what a stage's flow logged: that is in its own flow run's log already.
+    - The console gets each stage's start, its end (``done in N s`` with its headline figures, :attr:`Stage.headline`,
+      up to date, restored, failed with its last :data:`FAILED_TAIL` lines, interrupted), the warnings and errors it
+      logged, a link to its flow run where a Prefect UI outlives the run and, on a terminal only, one tqdm
+      bar per running stage, moved by the stage's own bars (none where the console is a file: no frames in a CI log).
+    """
+
+    def __init__(self, log_file: Path) -> None:
+        from prefect.logging.handlers import APILogHandler
+
+        super().__init__()
+        if not _API_ONLY.handlers:
+            _API_ONLY.addHandler(APILogHandler())
+        self._api = logging.LoggerAdapter(_API_ONLY, get_run_logger().extra)  # the run's ids: the task run's log
+        self.log_file = log_file
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(log_file, "a", buffering=1)  # a log, read while it grows: appended to, line by line
+        self._stage: str | None = None
+        self._stage_lines: list[str] = []
+        self._interrupted: set[str] = set()
+        self._bar = None
+        self._bars = sys.stdout.isatty()
+
+    def finish(self) -> None:
+        super().finish()
+        self._close_bar()
+        self._file.close()
+        self.event(None, f"the stages' full output: {self.log_file}")
+
+    def event(self, stage: str | None, message: str) -> None:
+        """One line on the console: the time, the stage, what happened (above the progress bar, if one is drawn)."""
+        from tqdm import tqdm
+
+        tqdm.write(f"{time.strftime('%H:%M:%S')}  {f'{stage}: ' if stage else ''}{message}", file=sys.stdout)
+        sys.stdout.flush()
+
+    def line(self, line: str) -> None:
+        self._file.write(line + "\n")
+        self._stage_lines.append(line)
+        logged = PREFECT_LINE.match(line)
+        if not (logged and RUN_SOURCE.match(logged.group("source"))):
+            self._api.info("%s", line)
+        for pattern, what in DVC_EVENTS:
+            if match := pattern.match(line):
+                self._stage_event(match.group("stage"), what, match)
+                return
+        if not (logged and self._stage):
+            return
+        message, by_run = logged.group("message"), RUN_SOURCE.match(logged.group("source"))
+        if logged.group("level") in ("WARNING", "ERROR", "CRITICAL"):  # a run's logger's, or a library's
+            self.event(self._stage, f"{logged.group('level').lower()}: {message}")
+        elif by_run and (done := STAGE_DONE.match(message)):
+            self._close_bar()
+            self.event(done.group("stage"), f"done in {done.group('seconds')} s"
+                       + (f"  {done.group('headline')}" if done.group("headline") else ""))
+        elif by_run and message.startswith("View at "):  # only where a Prefect UI outlives the run (prefect_api)
+            self.event(self._stage, "view at " + message.removeprefix("View at "))
+
+    def _stage_event(self, stage: str, what: str, match: re.Match) -> None:
+        self._close_bar()
+        if what == "started":
+            self._stage, self._stage_lines = stage, []
+            self.event(stage, "started")
+        elif what == "failed":
+            if stage not in self._interrupted:  # DVC calls an interrupted stage failed as well
+                tail = "\n".join("    " + line for line in self._stage_lines[-FAILED_TAIL - 1:-1])
+                self.event(stage, f"failed (full output: {self.log_file}); its last lines:\n{tail}")
+        elif what == "interrupted":
+            self._interrupted.add(stage)
+            self.event(stage, f"interrupted. {match.group('detail')}")
+        else:
+            self.event(stage, what)
+
+    def progress(self, frame: re.Match, last: bool) -> None:
+        if not self._bars or self._stage is None:
+            return
+        from tqdm import tqdm
+
+        desc, n, total = f"{self._stage}: {frame.group('desc') or ''}", int(frame.group("n")), int(frame.group("total"))
+        if self._bar is None or self._bar.desc != desc or self._bar.total != total or n < self._bar.n:
+            self._close_bar()
+            self._bar = tqdm(total=total, desc=desc, leave=False, file=sys.stdout, dynamic_ncols=True)
+        self._bar.update(n - self._bar.n)
+        if last:
+            self._close_bar()
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def _task_kwargs(stage: Stage, cfg) -> dict:
@@ -232,7 +429,9 @@ def run_stage(stage: Stage, params_path: str, overrides: dict | None, parent_run
     preflight(stage, cfg, visible_gpus())  # on GPUs: fail now, naming the knob, rather than out of memory later
     started = time.perf_counter()
     sections = sorted({param.split(".")[0] for param in stage.params})  # logged to MLflow whole
-    with stage_run(cfg, stage.name, sections, parent_run_id) as run_id:
+    # a training stage killed mid-way resumes from its checkpoints when run again; they go once it succeeds
+    with (stage_run(cfg, stage.name, sections, parent_run_id) as run_id,
+          training_checkpoints(cfg.path(CHECKPOINTS_DIR) / stage.name)):
         try:
             if stage.distributed and cfg.launch.num_processes > 1:
                 result, modules = _launch(stage, cfg, params_path, overrides)
@@ -250,11 +449,14 @@ def run_stage(stage: Stage, params_path: str, overrides: dict | None, parent_run
             raise
         _check_modules(stage, modules)
         result.metrics["stage_seconds"] = time.perf_counter() - started
+        # the machine's load over the stage (its timings are only comparable on an otherwise idle machine): the
+        # 1-, 5- and 15-minute run-queue averages as it ends (foresight/report.py shows them beside the wall time)
+        result.metrics |= dict(zip(("load_average_1min", "load_average_5min", "load_average_15min"), os.getloadavg()))
         tables = {name: read_table(path, name) for name, path in result.tables.items()}
         registered = register_models(cfg, result.models)
         result.metrics |= {f"model_version.{name}": version for name, version in registered.items()}
         attached = {name: path for name, path in result.models.items() if name not in registered}
-        log_stage_outputs(cfg, result.metrics, tables, result.artifacts | attached, result.curves)
+        log_stage_outputs(cfg, result.metrics, tables, result.artifacts | attached, result.curves, stage.headline)
     write_json(result.metrics, metrics_path(cfg, stage.name))
     if stage.curves:
         write_curves(result.curves, cfg.path(cfg.paths.metrics_dir) / "curves" / stage.name)
@@ -265,7 +467,11 @@ def run_stage(stage: Stage, params_path: str, overrides: dict | None, parent_run
         markdown=f"# Stage `{stage.name}`\n\nMLflow run `{run_id}`\n\n| metric | value |\n|---|---|\n{lines}\n",
         description=f"Metrics of stage {stage.name}",
     )
-    get_run_logger().info("stage %s done in %.1f s", stage.name, result.metrics["stage_seconds"])
+    # the line the pipeline's console shows for the stage (PipelineConsole, STAGE_DONE), with its headline figures
+    headline = ", ".join(f"{key}={format(value, '.4g') if isinstance(value, float) else value}"
+                         for key in stage.headline if (value := result.metrics.get(key)) is not None)
+    get_run_logger().info("stage %s done in %.1f s%s", stage.name, result.metrics["stage_seconds"],
+                          f": {headline}" if headline else "")
     return result.metrics
 
 
@@ -300,6 +506,59 @@ def restore_outputs(stage_name: str, root: Path) -> str:
             f"{(proc.stdout + proc.stderr).strip()[-500:]}); `dvc checkout {stage_name}` retries.")
 
 
+PIPELINE_RUN_ENV = "FORESIGHT_PREFECT_PIPELINE_RUN"
+"""``<flow run id>/<task run id>``: the pipeline's Prefect flow run and its ``dvc-repro`` task run, for the stage flows
+``dvc repro`` starts (:func:`run_stage_flow`); set by ``flows.pipeline.reproduce_task`` beside the MLflow parent run's
+``FORESIGHT_MLFLOW_PARENT_RUN_ID``."""
+
+
+def prefect_tags(root: Path) -> list[str]:
+    """The Prefect tags of every run of this checkout: ``foresight`` and ``checkout:<hash of its path>-<git commit>``
+    (runs of several clones on one Prefect server stay apart; the UI filters by tag)."""
+    root = root.resolve()
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=False)
+    checkout = hashlib.sha1(str(root).encode()).hexdigest()[:8]
+    return ["foresight", f"checkout:{checkout}" + (f"-{commit.stdout.strip()}" if commit.returncode == 0 else "")]
+
+
+def run_stage_flow(stage: Stage, params_path: str) -> dict:
+    """Run the stage's flow, tagged :func:`prefect_tags` and ``stage:<name>``; under a pipeline run
+    (:data:`PIPELINE_RUN_ENV`) as a subflow of its ``dvc-repro`` task run, tagged ``pipeline-run:<id>`` as well.
+
+    Prefect makes a flow called inside another flow's process a subflow by itself. Across processes this does what
+    prefect 3.8.8's ``run_deployment`` does for a deployment's run (``deployments/flow_runs.py``): a placeholder task
+    run in the parent flow run, whose parent is the calling task run, and a flow run whose ``parent_task_run_id`` is
+    that placeholder; the server keeps the placeholder's state in step with the subflow's
+    (``server/orchestration/global_policy.py``, ``UpdateSubflowParentTask``), and the UI shows the stage's run inside
+    the pipeline's. The checkout is the repository DVC runs the stage for (``DVC_ROOT``: the workspace, also for a
+    stage of ``dvc exp run --temp``, which runs in a temporary copy)."""
+    from uuid import UUID, uuid4
+
+    from prefect import Task, tags
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import TaskRunResult
+    from prefect.flow_engine import run_flow
+    from prefect.states import Pending
+
+    stage_flow, parameters = STAGE_FLOWS[stage.name], {"params_path": params_path}
+    labels = [*prefect_tags(Path(os.environ.get("DVC_ROOT") or Path(params_path).resolve().parent)),
+              f"stage:{stage.name}"]
+    if not (parent := os.environ.get(PIPELINE_RUN_ENV)):
+        with tags(*labels):
+            return stage_flow(**parameters)
+    flow_run_id, task_run_id = (UUID(part) for part in parent.split("/"))
+    labels.append(f"pipeline-run:{flow_run_id}")
+    with get_client(sync_client=True) as client:
+        placeholder = client.create_task_run(
+            Task(name=stage_flow.name, fn=stage_flow.fn), flow_run_id=flow_run_id, dynamic_key=uuid4().hex,
+            name=stage_flow.name, extra_tags=labels, state=Pending(),
+            task_inputs={"__parents__": [TaskRunResult(id=task_run_id)]})
+        flow_run = client.create_flow_run(stage_flow, parameters=stage_flow.serialize_parameters(parameters),
+                                          parent_task_run_id=placeholder.id, state=Pending(), tags=labels)
+    return run_flow(stage_flow, flow_run=flow_run, parameters=parameters)
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m flows.stages STAGE [PARAMS_PATH]``: what each DVC stage runs (``--worker STAGE PARAMS
     OVERRIDES RESULT``: one process of a launched stage)."""
@@ -313,7 +572,7 @@ def main(argv: list[str] | None = None) -> None:
     _CHECK_MODULES.set(True)
     params_path = argv[1] if len(argv) > 1 else "params.yaml"
     try:
-        STAGE_FLOWS[argv[0]](params_path=params_path)
+        run_stage_flow(next(stage for stage in STAGES if stage.name == argv[0]), params_path)
     except Exception as err:  # the traceback is in the Prefect log; end with the cause, for dvc's output
         sys.exit(f"ERROR: stage {argv[0]} failed: {type(err).__name__}: {err}\n"
                  + restore_outputs(argv[0], Path(params_path).resolve().parent))

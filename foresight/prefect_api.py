@@ -7,7 +7,8 @@ That child is in the terminal's foreground process group, so Ctrl-C kills it alo
 interrupted flows (the pipeline's and the running stage's) then retry the dead API for minutes
 (``httpx.ConnectError``) and stay marked Running. :func:`prefect_api` starts the same server in a session of its
 own (no terminal signal reaches it), points this process at it, and stops it only after the flows have reported
-how they ended and Prefect's log and event workers have sent what they hold.
+how they ended and Prefect's log and event workers have sent what they hold. Its runs get no "View at" links: a
+link to a server that is gone when the run ends leads nowhere (a configured API keeps them).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 
 import prefect
 from prefect.server.api.server import SubprocessASGIServer
-from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, get_current_settings, temporary_settings
 
 
 class _SessionServer(SubprocessASGIServer):
@@ -69,7 +70,10 @@ def prefect_api() -> Iterator[str | None]:
     server = _SessionServer(port=_free_port())
     server.start()
     try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        # no UI URL: Prefect infers one from the API's (settings/models/_defaults.py, default_ui_url) and the flow
+        # engine logs "View at <it>" for every flow run (flow_engine.py, url_for), links to a server that serves no
+        # UI and is gone when the run ends; the stage processes get the same (flows.pipeline.reproduce_task)
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url, PREFECT_UI_URL: ""}):
             try:
                 yield server.api_url
             finally:

@@ -5,13 +5,15 @@ that is not an error (an over-long prompt, a prompt file edited in place), what 
 
 DVC removes a stage's outputs before it runs it; a stage that fails brings them back from the DVC cache
 (``flows.stages.restore_outputs``), so a mistyped model path no longer costs the policy folder. Interrupts (Ctrl-C)
-have their own test, ``tests/test_interrupt.py``.
+have their own test, ``tests/test_interrupt.py``. A params file given with ``--params`` runs its values as a DVC
+experiment in the same repository (refused before anything runs when they cannot: ``tests/test_cli.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -55,9 +57,10 @@ def _snapshot(repo: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory, tiny_llama, prefect_server):
+def first_run(tmp_path_factory, tiny_llama, prefect_server):
     """A committed git + DVC repository reading its prompts from ``prompts.jsonl``, with ``prepare_policy`` and
-    ``prepare_prompts`` run and their outputs committed (``dvc.lock``)."""
+    ``prepare_prompts`` run (``foresight run prepare_prompts``) and their outputs committed (``dvc.lock``); yields
+    ``(repo, env, run)``: ``run`` the finished ``foresight run`` (its console: stdout, stderr)."""
     repo = tmp_path_factory.mktemp("bad-inputs") / "repo"
     repo.mkdir()
     _write_rows(repo / "prompts.jsonl", ROWS)
@@ -70,7 +73,39 @@ def workspace(tmp_path_factory, tiny_llama, prefect_server):
     assert ran.returncode == 0, (ran.stdout + ran.stderr)[-4000:]
     subprocess.run(["git", "add", "-A"], cwd=repo, env=env, check=True)
     subprocess.run(["git", "commit", "-qm", "first stages"], cwd=repo, env=env, check=True)
-    return repo, env
+    return repo, env, ran
+
+
+@pytest.fixture(scope="module")
+def workspace(first_run):
+    """:func:`first_run`'s repository and environment."""
+    return first_run[:2]
+
+
+def test_console_shows_stage_events_and_keeps_the_full_output_in_a_log(first_run, prefect_server):
+    """Issue #34, defect 3: the console of ``foresight run`` (the first run: ``prepare_policy``, ``prepare_prompts``)
+    is one line per stage event with the stage's headline figures, without the stages' output re-logged under a
+    second timestamp, blank or progress-bar lines, MLflow's system-metrics lines, or links to another server than
+    the configured Prefect API's UI; the stages' full output is in the log file the console names."""
+    repo, _, ran = first_run
+    lines = (ran.stdout + ran.stderr).splitlines()
+    events = ran.stdout.split("=" * 72)[0].strip().splitlines()  # what comes before the summary
+    assert all(re.match(r"\d\d:\d\d:\d\d  \S", line) for line in events), events
+    for stage in STAGES_RUN:
+        assert sum(re.fullmatch(rf"\S+  {stage}: started", line) is not None for line in events) == 1, events
+        assert sum(re.match(rf"\S+  {stage}: done in [\d.]+ s", line) is not None for line in events) == 1, events
+    assert any("prepare_prompts: done in" in line and "num_train=6, num_eval=2" in line for line in events), events
+    assert not [line for line in lines if len(re.findall(r"\b\d\d:\d\d:\d\d\b", line)) > 1], lines  # doubled
+    assert not [line for line in lines if re.search(r"\d+%\|", line)], lines  # progress-bar frames
+    assert not [line for line in lines if re.fullmatch(r"[\d:. ]+\| \w+ *\| .+? - \s*", line)], lines  # blank
+    assert not [line for line in lines if "Task run 'dvc-repro" in line and "Finished in state" not in line], lines
+    assert "system_metrics" not in ran.stdout + ran.stderr
+    links = re.findall(r"[Vv]iew at (\S+)", ran.stdout + ran.stderr)
+    assert links and all(link.startswith(prefect_server.removesuffix("/api") + "/") for link in links), links
+    (log,) = re.findall(r"the stages' full output: (\S+)", ran.stdout)
+    full = Path(log).read_text()
+    assert Path(log).parent == repo / "logs" and "Running stage 'prepare_prompts'" in full
+    assert "prompts: 6 train, 2 eval" in full and "system_metrics" not in full  # the stage's own log, mlflow quiet
 
 
 def _params(repo: Path, **sections) -> None:
@@ -170,10 +205,10 @@ CASES = [
          ("other.jsonl", "foresight dvc-yaml > dvc.yaml", "restored from the DVC cache")),
     # not errors: what the stage does with them
     Case("prompt file edited in place", lambda repo: _write_rows(repo / "prompts.jsonl", ROWS[4:]),
-         _foresight("run", "prepare_prompts"), 0, ("Running stage 'prepare_prompts'",), intact=False,
+         _foresight("run", "prepare_prompts"), 0, ("prepare_prompts: started",), intact=False,
          check=_only_the_file_rows),
     Case("over-long prompt", lambda repo: _write_rows(repo / "prompts.jsonl", [*ROWS, {"prompt": LONG, "answer": "1"}]),
-         _foresight("run", "prepare_prompts"), 0, ("Running stage 'prepare_prompts'",), intact=False,
+         _foresight("run", "prepare_prompts"), 0, ("prepare_prompts: started",), intact=False,
          check=_long_prompt_dropped),
     Case("multi-turn prompt set", _multi_turn, _foresight("run", "prepare_prompts"), 0,
          ("the later turns are dropped",), intact=False, check=_first_turns_kept),
@@ -199,5 +234,44 @@ def test_bad_input_is_named_and_loses_nothing(workspace, case):
     finally:  # back to the committed params, files, dvc.lock and outputs for the next case
         subprocess.run(["git", "checkout", "-q", "--", "."], cwd=repo, env=env, check=True)
         subprocess.run(["git", "clean", "-qfx", "--", "other.jsonl"], cwd=repo, env=env, check=True)
+        restored = _run(_dvc("checkout", "--force", *STAGES_RUN), repo, env)
+        assert restored.returncode == 0, restored.stdout + restored.stderr
+
+
+def test_params_file_runs_its_values_as_a_dvc_experiment(workspace, tmp_path):
+    """``foresight run prepare_prompts --params study.yaml`` (a file outside the project) with another prompt count
+    runs it: DVC's experiment sets the changed key on params.yaml, the stage writes that many prompts, ``dvc.lock``
+    records it, ``dvc status`` finds params, lock and outputs agreeing, DVC lists the experiment, and the MLflow
+    parent run logs the params the stage read."""
+    import mlflow
+
+    from foresight.config import load_config
+    from foresight.tracking import flatten
+
+    repo, env = workspace
+    study = tmp_path / "study.yaml"
+    study.write_text("prompts:\n  num_train: 4\n  num_eval: 2\n")  # num_eval as in params.yaml: not set
+    try:
+        ran = _run(_foresight("run", "prepare_prompts", "--params", str(study)), repo, env)
+        out = ran.stdout + ran.stderr
+        assert ran.returncode == 0, out[-4000:]
+        assert "prompts.num_train=4" in ran.stdout and "prompts.num_eval" not in ran.stdout, out[-4000:]
+        assert len((repo / "data/prompts/train.jsonl").read_text().splitlines()) == 4  # 6 before
+        assert yaml.safe_load((repo / "params.yaml").read_text())["prompts"]["num_train"] == 4
+        lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["prepare_prompts"]
+        assert lock["params"]["params.yaml"]["prompts"]["num_train"] == 4
+        status = _run(_dvc("status", "prepare_prompts", "--json"), repo, env)
+        assert status.returncode == 0 and json.loads(status.stdout) == {}, status.stdout + status.stderr
+        exps = subprocess.run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=repo, env=env,
+                              capture_output=True, text=True, check=True)
+        assert exps.stdout.split(), "DVC recorded no experiment (dvc exp show)"
+        client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+        runs = client.search_runs([client.get_experiment_by_name("test").experiment_id],
+                                  "tags.`foresight.kind` = 'pipeline'", order_by=["attributes.start_time DESC"],
+                                  max_results=1)
+        ran_with = flatten(load_config(repo / "params.yaml").model_dump(mode="json", by_alias=True))
+        assert runs[0].data.params["prompts.num_train"] == "4" and runs[0].data.params == ran_with
+    finally:  # back to the committed params, dvc.lock and outputs
+        subprocess.run(["git", "checkout", "-q", "--", "."], cwd=repo, env=env, check=True)
         restored = _run(_dvc("checkout", "--force", *STAGES_RUN), repo, env)
         assert restored.returncode == 0, restored.stdout + restored.stderr

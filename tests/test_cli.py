@@ -1,8 +1,10 @@
-"""The command line: ``--params`` anywhere, stage names checked, and ``foresight ui`` for real (both servers up on
-loopback, both gone after SIGTERM)."""
+"""The command line: ``--params`` anywhere, stage names checked, a ``run --params`` study refused before anything
+runs when its values cannot run (its run as a DVC experiment: tests/test_bad_inputs.py, in that file's DVC
+repository), and ``foresight ui`` for real (both servers up on loopback, both gone after SIGTERM)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -59,6 +61,9 @@ def test_ui_serves_mlflow_and_prefect_on_loopback_and_stops_both(tmp_path):
         printed = log.read_text(errors="replace")
         assert f"MLflow UI: http://127.0.0.1:{mlflow_port}" in printed
         assert f"Prefect UI: http://127.0.0.1:{prefect_port}" in printed
+        # the experiment's runs, in the UI's model-training view (not the GenAI traces it opens on by default)
+        assert re.search(rf"MLflow runs: http://127.0.0.1:{mlflow_port}/#/experiments/\d+/runs\?workflowType="
+                         "machine_learning", printed), printed
         with urllib.request.urlopen(f"http://127.0.0.1:{mlflow_port}/health", timeout=5) as response:
             assert response.status == 200
         with urllib.request.urlopen(f"http://127.0.0.1:{prefect_port}/api/health", timeout=5) as response:
@@ -77,10 +82,28 @@ def test_ui_serves_mlflow_and_prefect_on_loopback_and_stops_both(tmp_path):
             urllib.request.urlopen(url, timeout=2)
 
 
-def test_pipeline_refuses_a_params_file_its_stages_would_not_read(tmp_path, capsys):
-    """``dvc repro``'s stages read params.yaml: a preset given to ``pipeline``/``run`` must be copied there, not
-    planned from one file and run from another (``plan``/``check`` take it as it is)."""
-    preset = Path(__file__).resolve().parents[1] / "configs" / "llama3-8b.yaml"
-    assert main(["pipeline", "--params", str(preset)]) == 2
-    assert main(["run", "generate", "--params", str(preset)]) == 2
-    assert f"cp {preset} params.yaml" in capsys.readouterr().err
+def test_run_params_refuses_a_study_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """``foresight run --params FILE`` validates FILE's values on the project's params.yaml first: a key
+    params.yaml lacks, a bad value, a value DVC's --set-param cannot carry, no DVC project here — each fails
+    with the key named and the pipeline never starts."""
+    import flows.pipeline
+
+    started = []
+    monkeypatch.setattr(flows.pipeline, "pipeline_flow", lambda **kwargs: started.append(kwargs))
+    project = tmp_path / "project"
+    (project / ".dvc").mkdir(parents=True)
+    (project / "params.yaml").write_text("prompts:\n  num_train: 6\n  instruction: null\n")
+    monkeypatch.chdir(project)
+    study = tmp_path / "study.yaml"
+    for text, named in (("generate:\n  seed: 3\n", "generate is not a key of"),
+                        ("prompts:\n  num_trian: 4\n", "prompts.num_trian is not a key of"),
+                        ("prompts:\n  num_train: many\n", "prompts.num_train"),
+                        ("prompts:\n  instruction: 'say ${x}'\n", "interpolation")):
+        study.write_text(text)
+        assert main(["run", "prepare_prompts", "--params", str(study)]) == 2
+        assert named in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # no DVC project
+    study.write_text("prompts:\n  num_train: 4\n")
+    assert main(["run", "prepare_prompts", "--params", str(study)]) == 2
+    assert "not inside of a DVC repository" in capsys.readouterr().err
+    assert started == []

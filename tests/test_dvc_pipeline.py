@@ -315,6 +315,35 @@ def test_pipeline_prefect_artifacts(dvc_repo, pipeline_result):
         assert any(f"Stage `{stage}`" in a.data and run.info.run_id in a.data for a in artifacts), stage
 
 
+def test_stage_flow_runs_are_tagged_subflows_of_the_pipeline_run(dvc_repo, pipeline_result):
+    """Issue #34, defect 6: every stage's flow run (in its own process, started by DVC) is a subflow of the pipeline
+    run's ``dvc-repro`` task run (a placeholder task run in the pipeline's flow run, as Prefect makes for a subflow),
+    tagged ``foresight``, ``stage:<name>``, the checkout's tag and ``pipeline-run:<id>``; the pipeline run carries
+    the first and the checkout's tag."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags, TaskRunFilter, TaskRunFilterFlowRunId
+
+    pipeline_id = pipeline_result["flow_run_id"]
+    with get_client(sync_client=True) as client:
+        pipeline = client.read_flow_run(pipeline_id)
+        stage_runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[f"pipeline-run:{pipeline_id}"])))
+        placeholders = {run.id: client.read_task_run(run.parent_task_run_id) for run in stage_runs
+                        if run.parent_task_run_id}
+        task_runs = client.read_task_runs(task_run_filter=TaskRunFilter(
+            flow_run_id=TaskRunFilterFlowRunId(any_=[pipeline_id])))
+    (checkout,) = [tag for tag in pipeline.tags if tag.startswith("checkout:")]  # path hash - git commit
+    assert "foresight" in pipeline.tags and re.fullmatch(r"checkout:[0-9a-f]{8}-[0-9a-f]{7,}", checkout), pipeline.tags
+    (repro,) = [run for run in task_runs if run.name.startswith("dvc-repro")]
+    by_stage = {tag.removeprefix("stage:"): run for run in stage_runs for tag in run.tags if tag.startswith("stage:")}
+    assert len(stage_runs) == len(STAGES) and sorted(by_stage) == sorted(STAGES), [run.tags for run in stage_runs]
+    for stage, run in by_stage.items():
+        assert {"foresight", checkout} <= set(run.tags) and run.state.is_completed(), (stage, run.tags, run.state)
+        placeholder = placeholders[run.id]  # the subflow's task run in the pipeline's flow run, under dvc-repro
+        assert placeholder.flow_run_id == pipeline.id and placeholder.state.is_completed(), (stage, placeholder)
+        assert [parent.id for parent in placeholder.task_inputs["__parents__"]] == [repro.id], stage
+
+
 def test_dvc_metrics_show_lists_every_stage(dvc_repo, pipeline_result):
     repo, _, env = dvc_repo
     shown = json.loads(_dvc("metrics", "show", "--json", repo=repo, env=env))
@@ -327,6 +356,32 @@ def test_dvc_metrics_show_lists_every_stage(dvc_repo, pipeline_result):
     assert files["data/metrics/prepare_prompts.json"]["data"]["num_train"] == NUM_TRAIN
     table = _dvc("metrics", "show", repo=repo, env=env)
     assert all(f"data/metrics/{stage}.json" in table for stage in STAGES), table
+
+
+def test_pipeline_report_reaches_mlflow_and_prefect(dvc_repo, pipeline_result):
+    """The run ends with the results report: on disk, as the parent run's artifacts (with every plot) and
+    description (the headline table), and as a Prefect artifact; it links the parent run and every stage's run."""
+    from mlflow.tracking import MlflowClient
+
+    repo, run_id = dvc_repo[0], pipeline_result["mlflow_run_id"]
+    page, twin = (repo / "data/reports/report.html").read_text(), (repo / "data/reports/report.md").read_text()
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    assert client.get_run(run_id).data.tags["mlflow.note.content"].count("\n| ") >= 5  # the headline rows
+
+    def files(path: str) -> list[str]:
+        return [f for entry in client.list_artifacts(run_id, path)
+                for f in (files(entry.path) if entry.is_dir else [entry.path])]
+
+    logged = files("report")
+    assert {"report/report.html", "report/report.md"} <= set(logged)
+    plots = sorted(p.relative_to(repo).as_posix() for p in (repo / "data").rglob("*.png")
+                   if not p.is_relative_to(repo / "data/reports"))  # but the Data Docs' logos
+    assert plots and sorted(p.removeprefix("report/plots/") for p in logged if p.endswith(".png")) == plots
+    assert page.count("data:image/png;base64,") == len(plots)
+    assert f"/runs/{run_id}" in page and all(f"/runs/{run.info.run_id}" in page
+                                             for run in _stage_runs(repo, run_id).values())
+    (artifact,) = _read_artifacts("pipeline-report", pipeline_result["flow_run_id"])
+    assert artifact.data == twin
 
 
 def test_second_repro_is_a_noop(dvc_repo, pipeline_result):

@@ -9,7 +9,17 @@ import pytest
 
 from foresight.config import parse_config
 from foresight.storage import atomic_path, read_table, write_json, write_table
-from foresight.tracking import PARENT_RUN_ENV, flatten, log_stage_outputs, pipeline_run, stage_run
+from foresight.tracking import (
+    EXPERIMENT_KIND,
+    HEADLINE_TABLE,
+    PARENT_RUN_ENV,
+    experiment_url,
+    flatten,
+    interval_table,
+    log_stage_outputs,
+    pipeline_run,
+    stage_run,
+)
 
 
 def test_parent_and_nested_stage_runs(tmp_path, monkeypatch):
@@ -21,8 +31,10 @@ def test_parent_and_nested_stage_runs(tmp_path, monkeypatch):
     with pipeline_run(cfg) as parent:
         monkeypatch.setenv(PARENT_RUN_ENV, parent)  # how dvc-run stage processes learn their parent
         with stage_run(cfg, "generate", ["generate"]) as child:
-            log_stage_outputs(cfg, {"num_samples": 10, "tokens_per_s": 99.5, "flag": True}, {"samples": table},
-                              {"datadocs": docs})
+            log_stage_outputs(cfg, {"num_samples": 10, "tokens_per_s": 99.5, "flag": True, "win_rate": 0.6,
+                                    "win_rate_low": 0.5, "win_rate_high": 0.7, "accuracy": 0.4,
+                                    "accuracy_low": 0.3, "accuracy_high": 0.45}, {"samples": table},
+                              {"datadocs": docs}, headline=("num_samples", "win_rate"))
             # a curve named like a metric would overwrite it with its last step in MLflow: refused, nothing logged
             with pytest.raises(ValueError, match=r"\['tokens_per_s'\] are both metrics and per-step curves"):
                 log_stage_outputs(cfg, {"tokens_per_s": 99.5}, {}, {}, {"tokens_per_s": [1.0, 2.0]})
@@ -33,7 +45,22 @@ def test_parent_and_nested_stage_runs(tmp_path, monkeypatch):
     client = mlflow.tracking.MlflowClient(cfg.mlflow_uri())
     run = client.get_run(child)
     assert run.data.tags["mlflow.parentRunId"] == parent and run.data.tags["foresight.stage"] == "generate"
-    assert run.data.metrics == {"num_samples": 10.0, "tokens_per_s": 99.5}
+    # the flat metrics stay (the runs table sorts and compares runs by them) ...
+    assert run.data.metrics == {"num_samples": 10.0, "tokens_per_s": 99.5, "win_rate": 0.6, "win_rate_low": 0.5,
+                                "win_rate_high": 0.7, "accuracy": 0.4, "accuracy_low": 0.3, "accuracy_high": 0.45}
+    # ... and each interval is one row of the run's table: the headline first, then every other interval
+    mlflow.set_tracking_uri(cfg.mlflow_uri())
+    rows = mlflow.load_table(HEADLINE_TABLE, run_ids=[child]).to_dict("records")
+    assert [(r["stage"], r["metric"], r["figure"]) for r in rows] == [
+        ("generate", "num_samples", "10"), ("generate", "win_rate", "0.6 [0.5, 0.7]"),
+        ("generate", "accuracy", "0.4 [0.3, 0.45]")]
+    assert (rows[1]["low"], rows[1]["high"], rows[1]["level"]) == pytest.approx((0.5, 0.7, 0.95))
+    assert pd.isna(rows[0]["low"]) and pd.isna(rows[0]["level"])
+    # the experiment opens on its runs: tagged as a model-training one, and so linked
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags[EXPERIMENT_KIND[0]] == "custom_model_development"
+    assert experiment_url(cfg, "http://h:5000/") == (
+        f"http://h:5000/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning")
     assert run.data.params["generate.num_samples"] == str(cfg.generate.num_samples)
     artifacts = {a.path for a in client.list_artifacts(child)} | {a.path for a in client.list_artifacts(child, "tables")}
     assert {"tables/samples.json", "datadocs"} <= artifacts
@@ -42,6 +69,90 @@ def test_parent_and_nested_stage_runs(tmp_path, monkeypatch):
     assert client.get_run(parent).info.status == "FINISHED"
     # artifacts live beside the params file, whatever the working folder
     assert client.get_run(child).info.artifact_uri.startswith((tmp_path / "mlruns").resolve().as_uri())
+
+
+def test_interval_table_rows_are_the_measured_figures_with_their_intervals():
+    """The parent run's table: one row per stage's headline figure it measured as a number, with its interval where
+    it has one."""
+    table = interval_table({"a": {"x": 1.0, "x_low": 0.5, "x_high": 1.5, "n": 3, "flag": True},
+                            "b": {"y": float("nan")}}, {"a": ("x", "n", "flag", "missing"), "b": ("y",)})
+    assert table[["stage", "metric", "figure"]].values.tolist() == [["a", "x", "1 [0.5, 1.5]"], ["a", "n", "3"]]
+    assert table["level"].tolist()[0] == 0.95 and pd.isna(table["level"].tolist()[1])
+
+
+def test_live_curves_number_points_by_step_across_loops_and_after_a_resume(tmp_path, monkeypatch):
+    """A loop resumed at step 3 leaves steps 1–2 empty (NaN: the killed run holds them); a loop that counts from 1
+    again is the block's next one, its steps after the last one's; a key ``names`` maps to None is no curve."""
+    from foresight.tracking import STAGE_RUN_ENV, LiveCurves
+
+    monkeypatch.delenv(STAGE_RUN_ENV, raising=False)  # no stage run: the points are only kept
+    live = LiveCurves(parse_config({}, root=tmp_path), {"loss": "fit.loss"}.get)
+    for values, step in (({"loss": 0.5, "other": 1.0}, 3), ({"loss": 0.4}, 4), ({"loss": 0.3}, 1), ({"loss": 0.2}, 2)):
+        live(values, step)
+    assert list(live.curves) == ["fit.loss"]
+    assert live.curves["fit.loss"][2:] == [0.5, 0.4, 0.3, 0.2] and all(v != v for v in live.curves["fit.loss"][:2])
+
+
+def test_training_curves_reach_the_stage_run_while_it_trains(tmp_path):
+    """A training loop's steps are in the stage's run while it still trains, each at its own step and time; the
+    end-of-stage logging leaves them alone and logs only the curves that were not live."""
+    import time
+    from functools import partial
+
+    import torch
+    from accelerate import Accelerator
+    from torch import nn
+
+    from models.common.training import train
+    from tasks.common import live_curves
+
+    cfg = parse_config({"tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "t"}}, root=tmp_path)
+    client = mlflow.MlflowClient(cfg.mlflow_uri())
+    data = torch.utils.data.TensorDataset(torch.randn(12, 4), torch.randn(12, 1))
+    model = nn.Linear(4, 1)
+
+    def step(model, batch):
+        time.sleep(0.005)  # a step takes time: the points' timestamps tell when each step ended
+        x, y = batch
+        loss = (model(x) - y).pow(2).mean()
+        return loss, {"loss": loss.detach()}
+
+    seen_in_mlflow = []
+    with stage_run(cfg, "train_medusa", ["tracking"]) as run_id:
+        with live_curves(cfg, {"loss": "fit.loss", "learning_rate": "fit.learning_rate"}.get) as live:
+            def on_step(step_number, num_steps, stats):
+                live.wait()  # what MLflow holds while the loop is still at this step
+                seen_in_mlflow.append(len(client.get_metric_history(run_id, "fit.loss")))
+
+            _, history = train(model, data, step, model.parameters(), partial(torch.optim.SGD, lr=0.1),
+                               accelerator=Accelerator(cpu=True), epochs=2, batch_size=4, seed=0, on_step=on_step)
+            # a second loop in the block (COrAL's stage 2): its steps continue the first one's curves
+            _, second = train(model, data, step, model.parameters(), partial(torch.optim.SGD, lr=0.05),
+                              accelerator=Accelerator(cpu=True), epochs=1, batch_size=6, seed=0)
+        curves = {key: history[key] + second[key] for key in ("loss", "learning_rate")}
+        log_stage_outputs(cfg, {"final_loss": history["loss"][-1]}, {}, {},
+                          {"fit.loss": curves["loss"], "fit.learning_rate": curves["learning_rate"],
+                           "held_out.curve": [0.25, float("nan"), 0.5]})
+    assert seen_in_mlflow == [1, 2, 3, 4, 5, 6]
+    assert live.curves == {"fit.loss": curves["loss"], "fit.learning_rate": curves["learning_rate"]}
+    points = client.get_metric_history(run_id, "fit.loss")
+    assert [(p.step, p.value) for p in points] == [(i + 1, v) for i, v in enumerate(curves["loss"])]  # once each
+    stamps = [p.timestamp for p in points]
+    assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps)  # one time per step, not one for all
+    assert [p.step for p in client.get_metric_history(run_id, "fit.learning_rate")] == list(range(1, 9))
+    # a curve no loop logged live arrives at the end, NaN steps left out
+    assert [(p.step, p.value) for p in client.get_metric_history(run_id, "held_out.curve")] == [(1, 0.25), (3, 0.5)]
+
+    # an experiment made before the kind tag existed gets it; one whose kind a user chose keeps it
+    old = mlflow.create_experiment("old", artifact_location=(tmp_path / "mlruns").as_uri())
+    chosen = mlflow.create_experiment("chosen", artifact_location=(tmp_path / "mlruns").as_uri(),
+                                      tags={EXPERIMENT_KIND[0]: "genai_development"})
+    for name in ("old", "chosen"):
+        with stage_run(cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"experiment": name})}),
+                       "label", ["label"]):
+            pass
+    assert client.get_experiment(old).tags[EXPERIMENT_KIND[0]] == "custom_model_development"
+    assert client.get_experiment(chosen).tags[EXPERIMENT_KIND[0]] == "genai_development"
 
 
 def test_an_interrupted_run_ends_killed_and_a_failed_one_failed(tmp_path):
