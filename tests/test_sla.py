@@ -548,7 +548,7 @@ def test_benchmark_task_reports_intervals_everywhere(tiny_llama, tmp_path, monke
 
     cfg = _sla_project(tmp_path, tiny_llama, num_prompts=6, speed_prompts=2, max_new_tokens=4, overhead_repeats=3,
                        decoders=["greedy", "top_k", "sla"], dpo_decoders=["greedy", "sla"], dpo_timed=True,
-                       **_tuning())
+                       leaf_score_ablation=True, **_tuning())
     def fake_is_correct(response, answer, truncated=False):
         return len(response) % 2 == 0
 
