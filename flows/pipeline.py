@@ -232,10 +232,11 @@ def pipeline_flow(params_path: str = "params.yaml", targets: list[str] | None = 
         mlflow.log_artifact(str(claims_path))  # claims.md: the paper's figure, ours, the verdict, the reason
         mlflow.log_dict({"claims": claims}, "claims.json")
         mlflow.log_metrics({f"{r['stage']}.seconds": r["seconds"] for r in rows if r["status"] == "ran"})
+        headlines = {stage.name: stage.headline for stage in STAGES}
         # every stage's headline figures (with their intervals) on the parent run: one row per pipeline run
-        mlflow.log_metrics(headline_metrics(every, {stage.name: stage.headline for stage in STAGES}))
+        mlflow.log_metrics(headline_metrics(every, headlines))
         # the same figures as one row each, value [low, high] (headline.json): the flat metrics are three columns
-        log_interval_table(interval_table(every, {stage.name: stage.headline for stage in STAGES}))
+        log_interval_table(interval_table(every, headlines))
         # the results report (foresight/report.py) with its plots, and its headline table as the run's description
         report_html, report_md, report = write_report(cfg, every)
         mlflow.log_artifact(str(report_html), "report")
