@@ -748,3 +748,47 @@ def test_adaptation_is_refused_without_plain_steps_and_checks_its_settings(tiny)
     for bad in ({"window": 0}, {"probe_every": 0}, {"cycle_cost": 0.0}, {"probe_every": 16, "max_probe_every": 8}):
         with pytest.raises(ValueError):
             Adaptation(**bad)
+
+
+def test_auto_budget_is_the_widest_width_within_the_tolerance_less_the_root():
+    from models.engine.speculative import auto_budget
+
+    # the bf16 policy on the 2-core CPU (ms): 4 tokens cost what 1 does, 8 tokens 1.3×, 16 tokens 1.6×
+    assert auto_budget({1: 47.0, 4: 46.0, 8: 61.0, 16: 75.0}, 0.25) == 3
+    assert auto_budget({1: 47.0, 4: 46.0, 8: 61.0, 16: 75.0}, 0.30) == 7
+    # float32 (MKL's blocking): 4 tokens dearer than 8; the widest within 1.25 × 77 = 96.25 is 8, not the first over
+    assert auto_budget({1: 77.0, 4: 120.0, 8: 91.0, 16: 107.0}, 0.25) == 7
+    assert auto_budget({1: 10.0, 32: 10.2, 64: 10.5}, 0.0) == 1  # tolerance 0: nothing dearer than one token
+    assert auto_budget({1: 10.0, 32: 10.2, 64: 10.5}, 0.05) == 63  # a GPU-like curve: the widest
+    assert auto_budget({1: 10.0, 4: 20.0}, 0.25) == 1  # even the narrowest tree costs too much: one node
+    with pytest.raises(ValueError, match="width 1"):
+        auto_budget({4: 1.0, 8: 2.0}, 0.25)
+    with pytest.raises(ValueError, match="tolerance"):
+        auto_budget({1: 1.0}, -0.1)
+
+
+def test_verification_costs_time_each_width_interleaved_and_take_the_median(tiny):
+    """On the tiny Llama with a scripted clock: one warm-up round (dropped), then rounds of every width in turn; each
+    width's cost is the median of its rounds' times."""
+    from models.engine.speculative import verification_costs
+
+    model, _ = tiny
+    # per (round, width) forward: the elapsed seconds the clock shows; round 0 is the warm-up
+    elapsed = [100.0, 100.0, 1.0, 5.0, 3.0, 9.0, 2.0, 7.0]  # widths (1, 4) × rounds 0 … 3
+    ticks = iter([t for e in elapsed for t in (0.0, e)])
+    costs = verification_costs(model, [1, 4], context_length=12, repeats=3, clock=lambda: next(ticks))
+    assert costs == {1: 2.0, 4: 7.0}
+    assert next(ticks, None) is None  # every forward timed, none more
+    real = verification_costs(model, [1, 2, 8], context_length=5, repeats=2)
+    assert list(real) == [1, 2, 8] and all(seconds > 0 for seconds in real.values())
+    with pytest.raises(ValueError, match="≥ 1"):
+        verification_costs(model, [0, 4], context_length=5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_verification_costs_of_a_bfloat16_policy(tiny_llama, device):
+    """The prefill and the timed forwards run on the model's device, in its dtype (CUDA synchronised by the clock)."""
+    from models.engine.speculative import verification_costs
+
+    costs = verification_costs(bf16_tiny(tiny_llama, device), [1, 16], context_length=9, repeats=1)
+    assert list(costs) == [1, 16] and all(seconds > 0 for seconds in costs.values())

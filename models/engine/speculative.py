@@ -8,7 +8,8 @@ attention, §2.3.1 typical acceptance), built as a pipeline of small pure functi
     draft (drafter)  →  candidates on a tree (:func:`tree_candidates`)
       →  tree forward (:func:`tree_forward`: position ids = cache length + depth, additive 4-D mask)
       →  evaluate (:func:`verify_greedy` lossless | :func:`verify_typical` lossy | :func:`verify_speculative_sampling`)
-        (:func:`verify_rows`: speculative sampling of a batch)
+        (:func:`verify_rows`: speculative sampling of a batch;
+         :func:`verify_tree_sampling`: speculative sampling of a tree of top-k candidates, EAGLE-2's)
       →  update (:func:`keep_accepted`: gather the accepted nodes' keys/values into the cache)
 
 Sliding-window attention (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``). The cache comes from
@@ -42,7 +43,8 @@ The loop. :func:`speculative_stream` is the one outer loop of every method; what
                 → :func:`keep_accepted` → ``drafter.accept``          (until an end token or max_new_tokens)
 
 * Medusa: :class:`TreeDrafter` over the heads + :class:`TreeVerifier` (greedy or typical).
-* MTP: its chain drafter with one KV cache per depth + :class:`TreeVerifier` or :class:`SamplingVerifier`.
+* MTP: its chain drafter with one KV cache per depth + :class:`TreeVerifier` or :class:`SamplingVerifier`; its
+  dynamic tree (EAGLE-2's top-k expansion) + :class:`TreeVerifier` or :class:`TreeSamplingVerifier`.
 * COrAL: its ensemble drafter + eq. 6/7/8 verifier + target-aware tree forward; its root is the prompt's
   last token (prefilled without it, re-fed each step), and a step may accept a prefix of a path, no bonus.
 
@@ -55,7 +57,9 @@ cycle every so many plain tokens. A plain step is greedy's step (greedy verifica
 model itself (speculative sampling), so the output stays exactly what it was.
 
 Why it pays on a CPU. A forward of a 135M model at batch 1 is memory-bound (every weight is read once
-per forward), so scoring ~20 tree tokens costs little more than scoring one.
+per forward), so scoring ~20 tree tokens costs little more than scoring one. :func:`verification_costs` measures
+where that stops on the machine at hand, and :func:`auto_budget` turns it into the width of a dynamic tree (EAGLE-2's
+budget, :class:`models.engine.config.DynamicTree`).
 
 Counters (:class:`SpeculativeStats`): generated tokens / model forwards, the prefill and plain steps included
 (greedy is 1.0); τ per draft–verify cycle and the acceptance rate α count cycles only.
@@ -376,6 +380,59 @@ def verify_rows(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: t
     # the bonus draws from p itself; p == q exactly (total 0): any draw from p is right
     law = torch.where((accepted < depth)[:, None] & (total > 0), residual / total, p)  # (B, V)
     return accepted, draw_rows(law, generators)
+
+
+def verify_tree_sampling(tokens: torch.Tensor, target_probs: torch.Tensor, tree: Tree,
+                         generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Speculative sampling on a TREE of deterministic candidates (a drafter's top-k at each node): LOSSLESS for
+    sampling. Returns the accepted nodes, root first, and the next token.
+
+    ``tokens`` (N+1,): the tree's tokens, the root first; ``target_probs`` (N+1, V): the model's distribution after
+    each node. From the root: with p = the law at the current node, its children x_1, x_2, … are tried in node
+    order (rank order); child x_j passes with probability p(x_j) / (mass p has left); on rejection p(x_j) is set to
+    0 (and p renormalised); on a pass the walk moves to that child and repeats. Where no child passes (or at a
+    leaf) the next token is drawn from what is left of p.
+
+    Why it is exact. This is SpecInfer's multi-step speculative sampling (Miao et al. 2024, "SpecInfer", §4) with
+    every candidate's draft law a point mass q = one-hot(x): min(1, p(x)/q(x)) = p(x), and the residual
+    norm(max(0, p − q)) is p without x — the rule EAGLE-2 (Li et al. 2024) verifies its top-k trees with; on a
+    chain it is Leviathan et al. 2023's rule with one-hot drafts. At a node, child x_j passes with probability
+    Π_{i<j} (1 − p(x_i) / (1 − Σ_{l<i} p(x_l))) · p(x_j) / (1 − Σ_{i<j} p(x_i)) = p(x_j) (the product
+    telescopes to 1 − Σ_{i<j} p(x_i)), and a token t no child holds comes out with probability
+    (1 − Σ_i p(x_i)) · p(t) / (1 − Σ_i p(x_i)) = p(t): the token leaving each node is a draw from p, i.e. exactly
+    "draw x ~ p, walk to the child holding x, if any". By induction each emitted token is a draw from the model
+    given everything before it, whatever chose the candidates, provided the choice does not see this function's
+    random numbers. A token repeated among siblings has p = 0 left when its second copy's turn comes, so that copy
+    never passes (the law stays p).
+
+    One pass, one host sync: a uniform is drawn for every non-root node up front. Node i's test u_i · (mass its
+    parent has left after its earlier siblings' rejections) < (p(x_i) unless an earlier sibling holds x_i) is the
+    walk's own test whenever the walk reaches it (its parent reached, its earlier siblings rejected), so the path is
+    the chain of first-passing children from the root, and unread uniforms change no law. ``generator``: on
+    ``target_probs``' device (``tokens`` are moved there).
+    """
+    device = target_probs.device
+    _check_generator(generator, device)
+    tokens, probs = tokens.to(device), target_probs.float()
+    parents = _parents(tree).to(device)  # (N+1,) root: -1
+    nodes = torch.arange(tree.size, device=device)
+    # (N+1, N+1) [i, j]: node j is an earlier sibling of node i (tried before it)
+    earlier = (parents[:, None] == parents[None, :]) & (nodes[None, :] < nodes[:, None])
+    repeated = (earlier & (tokens[:, None] == tokens[None, :])).any(dim=1)  # (N+1,) x_i already tried and rejected
+    offered = torch.where(repeated, 0.0, probs[parents.clamp(min=0), tokens])  # (N+1,) p(x_i) left at its turn
+    left = (probs.sum(dim=-1)[parents.clamp(min=0)] - earlier.float() @ offered).clamp(min=0)  # (N+1,) parent's mass
+    uniforms = F.pad(torch.rand(tree.size - 1, generator=generator, device=device), (1, 0))  # (N+1,) root: unused
+    passes = uniforms * left < offered  # u < p(x) / left, without dividing by a zero left
+    passes[0] = True
+    first = passes & ~(earlier & passes[None, :]).any(dim=1)  # (N+1,) the first passing child of its parent
+    on_path = ~(tree.ancestors.to(device) & ~first[None, :]).any(dim=1)  # (N+1,) every ancestor passed first
+    last = torch.where(on_path, tree.depths.to(device), -1).argmax()  # the deepest node reached
+    tried = torch.zeros_like(probs[0]).index_add_(0, tokens, (parents == last).float())  # (V,) its children's tokens
+    law = torch.where(tried > 0, 0.0, probs[last])  # (V,) p with every rejected child removed
+    law = torch.where(law.sum() > 0, law, probs[last])  # all mass rejected can only be rounding: any draw from p
+    token = draw_rows(law[None], [generator])  # (1,) the race needs no normalising
+    flags = torch.cat([on_path.long(), token]).tolist()  # one host sync
+    return [node for node in range(tree.size) if flags[node]], flags[-1]
 
 
 def _parents(tree: Tree) -> torch.Tensor:
@@ -729,6 +786,58 @@ def speculative_generate(model, drafter: Drafter, verifier: Verifier, input_ids:
     return tokens, stats
 
 
+@torch.no_grad()
+def verification_costs(model, widths: Sequence[int], context_length: int, repeats: int = 5, seed: int = 0,
+                       clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
+    """What a verification forward costs against its width, on ``model`` as it runs here: for each width w of
+    ``widths`` (tokens scored, the root included: 1 = a plain one-token step), the median seconds of
+    :func:`tree_forward` over a chain of w tokens after a prefill of ``context_length`` random tokens (seeded), the
+    cache cut back to the prefix after every forward. The widths take turns, one warm-up round (first calls pay
+    one-off allocations) then ``repeats`` timed rounds, so a drift of the machine's speed touches every width alike.
+    What :func:`auto_budget` reads (EAGLE-2's verification budget, :class:`models.engine.config.DynamicTree`): a
+    small model's forward is memory-bound on a CPU or a GPU, so scoring many tokens costs about what one does, up to
+    a width where compute takes over."""
+    if not widths or min(widths) < 1:
+        raise ValueError(f"verification widths are tokens per forward, each ≥ 1, got {list(widths)}")
+    if context_length < 1 or repeats < 1:
+        raise ValueError(f"need context_length ≥ 1 and repeats ≥ 1, got {context_length} and {repeats}")
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.get_input_embeddings().num_embeddings
+    prompt = torch.randint(vocab, (1, context_length), generator=generator)  # (1, context_length)
+    trees = {w: chain_tree(w - 1) if w > 1 else root_tree() for w in widths}
+    tokens = {w: torch.randint(vocab, (w,), generator=generator) for w in widths}
+    cache = speculative_cache(model)
+    prefill(model, prompt.to(model.device), cache)
+    seconds: dict[int, list[float]] = {w: [] for w in widths}
+    for round_ in range(repeats + 1):
+        for w in widths:
+            _synchronize(model.device)
+            started = clock()
+            tree_forward(model, tokens[w], trees[w], cache)
+            _synchronize(model.device)
+            elapsed = clock() - started
+            keep_accepted(cache, context_length, [])  # back to the prefix: every width sees the same context
+            if round_:
+                seconds[w].append(elapsed)
+    return {w: statistics.median(seconds[w]) for w in widths}
+
+
+def auto_budget(costs: dict[int, float], tolerance: float) -> int:
+    """``DynamicTree.budget: auto`` from :func:`verification_costs` (``costs``: width → seconds, width 1 included):
+    the nodes besides the root of the widest measured forward whose cost is at most (1 + ``tolerance``) × the
+    one-token forward's — that width − 1 — and at least 1 (a tree verifies one draft at the least; where even two
+    tokens cost too much, the adaptive rule decides whether drafting pays at all). The widest, not the first
+    over: measured costs need not grow monotonically (MKL's GEMM blocking made a float32 forward of 4 tokens dearer
+    than one of 8 on the 2-core CPU)."""
+    if 1 not in costs:
+        raise ValueError(f"auto_budget compares with the one-token forward: width 1 is not among {sorted(costs)}")
+    if tolerance < 0:
+        raise ValueError(f"the tolerance is an extra cost, ≥ 0, got {tolerance}")
+    limit = (1 + tolerance) * costs[1]
+    widest = max(width for width, seconds in costs.items() if seconds <= limit)
+    return max(1, widest - 1)
+
+
 def _decoder(model) -> torch.nn.Module:
     """The decoder stack (``get_decoder()``: Llama's ``model.model``) of a causal LM, through the wrappers that hide
     it (DDP's ``module``; PEFT forwards ``get_decoder`` itself)."""
@@ -827,3 +936,20 @@ class SamplingVerifier:
         accepted, token = verify_speculative_sampling(drafts, draft.probs, temperature_probs(logits, self.temperature),
                                                       self.generator)
         return Verdict(list(range(accepted + 1)), [*drafts[:accepted], token])
+
+
+class TreeSamplingVerifier(SamplingVerifier):
+    """Speculative sampling of any tree of deterministic candidates (:func:`verify_tree_sampling`) at ``temperature``
+    > 0 — EAGLE-2-style top-k trees, Medusa's trees, chains of top-1 drafts: the output is distributed exactly as
+    sampling from the model, whatever the candidates. A plain step (:func:`root_tree`) is a draw from the model. A
+    chain whose drafts were drawn from a stated law (``draft.probs``) is verified against that law instead
+    (:class:`SamplingVerifier`: a draft x passes with min(1, p(x)/q(x)), where the one-hot rule passes it with p(x)
+    only). ``generator``: on the model's device."""
+
+    def __call__(self, draft: Draft, out: tuple[torch.Tensor, torch.Tensor]) -> Verdict:
+        if draft.probs is not None and len(draft.tree.paths) == 1:
+            return super().__call__(draft, out)
+        logits, _ = out
+        path, token = verify_tree_sampling(draft.tokens, temperature_probs(logits, self.temperature), draft.tree,
+                                           self.generator)
+        return Verdict(path, draft.tokens[path[1:]].tolist() + [token])
