@@ -249,17 +249,18 @@ def test_equip_training_changes_only_the_module_and_lowers_the_loss(tiny_llama, 
     assert len(history["ce_depth_1"]) == len(history["loss"]) == 6 * 2
     # eight copies of one response, in batches of 3, 3 and 2: the same counts for each, padding or not
     acceptance = chain_acceptance(policy, module, sequences, hidden, batch_size=3)
-    response_tokens = sum(sequences[0][1])  # every depth's target and every full chain lies inside it
+    response_tokens = sum(sequences[0][1])  # every depth's target lies inside it
+    chains = response_tokens - 2  # cycles whose root is a decoded token and whose 2 drafts have targets
     assert acceptance.targets.tolist() == [[response_tokens] * 2] * 8
-    assert acceptance.positions.tolist() == [response_tokens] * 8
+    assert acceptance.positions.tolist() == [chains] * 8
     assert (acceptance.hits == acceptance.hits[0]).all() and (acceptance.accepted == acceptance.accepted[0]).all()
-    assert acceptance.accepted[0] <= 2 * response_tokens
+    assert acceptance.accepted[0] <= 2 * chains
     evaluation = _chain_evaluation(acceptance)
     assert evaluation["top1_depth_1"] == pytest.approx(float(acceptance.hits[0, 0] / response_tokens))
-    assert evaluation["expected_tau"] == pytest.approx(1 + float(acceptance.accepted[0] / response_tokens))
+    assert evaluation["expected_tau"] == pytest.approx(1 + float(acceptance.accepted[0] / chains))
     assert evaluation["expected_acceptance_rate"] == pytest.approx((evaluation["expected_tau"] - 1) / 2)
     assert evaluation["expected_tau_low"] == pytest.approx(evaluation["expected_tau"])  # identical responses
-    assert (evaluation["positions"], evaluation["responses"]) == (8 * response_tokens, 8)
+    assert (evaluation["positions"], evaluation["responses"]) == (8 * chains, 8)
 
 
 def test_equip_training_stops_on_the_validation_loss_and_keeps_the_best_module(tiny_llama, tmp_path):
@@ -299,8 +300,9 @@ def test_equip_training_stops_on_the_validation_loss_and_keeps_the_best_module(t
 
 def test_chain_acceptance_counts_each_response_alone(tiny, tiny_llama, tmp_path):
     """Per-response counts of a batch with padding equal each response's counted alone; on the model's own greedy
-    continuations (n response tokens after a prompt longer than K + 1) every depth has n targets and n positions
-    start a full chain, and the perturbed module's drafts are sometimes right."""
+    continuations (n response tokens after a prompt longer than K + 1) every depth has n targets, and n − K positions
+    start a full chain: a cycle's root is a decoded token (the prefill decides the first, which no draft targets) and
+    its K drafts' targets exist; the perturbed module's drafts are sometimes right."""
     from transformers import AutoTokenizer
 
     from models.engine.policy import Policy
@@ -319,7 +321,7 @@ def test_chain_acceptance_counts_each_response_alone(tiny, tiny_llama, tmp_path)
     alone = [chain_acceptance(policy, module, [sequences[i]], hidden.select([i])) for i in range(3)]
     for counts in ("hits", "targets", "accepted", "positions"):
         assert torch.equal(getattr(batched, counts), torch.cat([getattr(a, counts) for a in alone])), counts
-    assert batched.targets.tolist() == [[24, 24], [12, 12], [3, 3]] and batched.positions.tolist() == [24, 12, 3]
+    assert batched.targets.tolist() == [[24, 24], [12, 12], [3, 3]] and batched.positions.tolist() == [22, 10, 1]
     assert batched.accepted.sum() > 0 and (batched.hits <= batched.targets).all()
     assert (batched.accepted <= 2 * batched.positions).all()
 
@@ -750,3 +752,41 @@ def test_mtp_equip_and_decoding_on_cuda_in_bfloat16(tiny_llama, tmp_path):
     generator = torch.Generator(device="cuda").manual_seed(0)
     sampled = mtp_generate(policy.model, policy.model, module, ids, 12, set(), 0.8, generator, SpeculativeStats())
     assert len(sampled) == 12
+
+
+def test_data_curve_rows_are_nested_seeded_subsets():
+    from tasks.mtp import data_curve_rows
+
+    rows = torch.arange(100, 120)
+    two, five = data_curve_rows(rows, 2, 0), data_curve_rows(rows, 5, 0)
+    assert len(two) == 2 and len(five) == 5 and set(two.tolist()) <= set(five.tolist()) <= set(rows.tolist())
+    assert torch.equal(five, five.sort().values) and torch.equal(data_curve_rows(rows, 5, 0), five)
+    assert not torch.equal(data_curve_rows(rows, 5, 1), five)
+    assert torch.equal(data_curve_rows(rows, 20, 0), rows)
+    with pytest.raises(ValueError, match="21 training responses"):
+        data_curve_rows(rows, 21, 0)
+
+
+def test_equip_stage_data_curve_has_one_row_per_count_and_ends_with_the_main_module(tiny_llama, tmp_path):
+    """``mtp.data_curve``: a module per count, trained on that many training responses, and the main module's
+    point last — its held-out τ the stage's own ``held_out_expected_tau``; the table, plot and metrics."""
+    import pandas as pd
+    from prefect.logging import disable_run_logger
+
+    from foresight.storage import write_table
+    from tasks.mtp import train_mtp_task
+
+    cfg = rl_stage(tmp_path, tiny_llama, {"What is 2 + 3?": "5"}, {"What is 1 + 1?": "2"},
+                   mtp={"data": "correct", "epochs": 1, "batch_size": 2, "num_depths": 2, "data_curve": [2, 1]})
+    table = scores_table({f"train{i}": [1.0, 1.0] for i in range(8)})
+    table["prompt"] = [f"Question {row}: what is {row} + 1?" for row in table["prompt_id"]]
+    table["response"] = ["The answer is one more.", "It is one more than that."] * 8
+    write_table(table, cfg.path(cfg.paths.scores))
+    with disable_run_logger():
+        result = train_mtp_task.fn(cfg)
+    curve = pd.read_csv(cfg.path(cfg.paths.mtp_dir) / "data_curve.csv")
+    assert curve["train_responses"].tolist() == [1, 2, result.metrics["num_train_sequences"]]
+    assert curve["all_expected_tau"].iloc[-1] == pytest.approx(result.metrics["held_out_expected_tau"])
+    assert curve["all_top1_depth_1"].iloc[-1] == pytest.approx(result.metrics["held_out_top1_depth_1"])
+    assert result.metrics["data_curve_1_all_expected_tau"] == pytest.approx(curve["all_expected_tau"].iloc[0])
+    assert (cfg.path(cfg.paths.mtp_dir) / "data_curve.png").is_file()

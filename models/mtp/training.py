@@ -202,7 +202,10 @@ def chain_acceptance(policy: Policy, module: MTPModule, sequences: Sequences, hi
             targets[this, k - 1] = ok.sum(dim=1).float().cpu()
             correct.append(hit)
             valid.append(ok)
-        full_chain = valid[-1]  # the deepest target exists, so every shallower one does
+        # a cycle starts at i when its root t_{i+1} is a decoded (response) token — the prefill decides the first, so
+        # no draft ever targets it — and runs its whole chain where the deepest target is one too
+        _, decoded_root = depth_targets(input_ids, batch["response_mask"].to(policy.device), 0)
+        full_chain = decoded_root & valid[-1]
         consecutive = torch.stack(correct, dim=-1).long().cumprod(dim=-1).sum(dim=-1)  # (B, T): accepted drafts
         accepted[this] = (consecutive * full_chain).sum(dim=1).float().cpu()
         positions[this] = full_chain.sum(dim=1).float().cpu()
