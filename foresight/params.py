@@ -158,6 +158,31 @@ class ValidateConfig(Knobs):
     (ArmoRM) make C(n, 2) pairs of n samples; ``num_pairs_uncapped`` in the stage's metrics counts them before."""
 
 
+class SelfInstructConfig(Knobs):
+    """How the policy writes its own instructions for the distillation (``distill.self_instruct_prompts``;
+    Self-Instruct, Wang et al. 2023, §2.2: ``foresight.self_instruct``)."""
+
+    shots: int = Field(3, ge=1)
+    """Instructions of the general set's training part shown, drawn at random, in each prompt that asks for a new
+    one (Self-Instruct: 8 on a 175B model; a 135M policy copies long lists)."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature of the new instructions: variety, not quality, is what a drafter needs of its prompts."""
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    """Nucleus sampling threshold of the new instructions."""
+    min_tokens: int = Field(4, ge=1)
+    """Shortest instruction kept, in tokens."""
+    max_tokens: int = Field(48, ge=2)
+    """Longest instruction kept, in tokens (a reply is sampled to one token more, so a cut-off one is dropped)."""
+    max_overlap: float = Field(0.7, gt=0.0, le=1.0)
+    """An instruction is dropped when its word-set Jaccard similarity to any training or held-out instruction of
+    the general set, or to one kept before it, reaches this (Self-Instruct's ROUGE-L threshold: 0.7)."""
+    batch_size: int = Field(40, ge=1)
+    """Instructions sampled per round (one ``generate`` batch); rounds run until enough are kept, at most
+    4 × ceil(self_instruct_prompts / batch_size)."""
+    seed: int = 0
+    """Seeds the shots drawn and the sampling (round r: seed + r)."""
+
+
 class DistillConfig(Knobs):
     """Self-distillation data (stage ``distill``): the policy's own responses that Medusa's heads, RLMedusa, COrAL
     and the MTP module learn from, and their one train / held-out split."""
@@ -178,6 +203,13 @@ class DistillConfig(Knobs):
     ``foresight.prompts.general_instructions``) whose greedy responses join the distillation data, so the heads
     (and the MTP module and COrAL, which train on the same responses) draft for general text too, not only for
     the task prompts; 0 = the task prompts only."""
+    self_instruct_prompts: int = Field(0, ge=0)
+    """How many instructions the policy writes itself (``self_instruct``; Self-Instruct §2.2,
+    ``foresight.self_instruct``) whose greedy responses join the distillation data as ``prompt_set: general``
+    (column ``self_instruct``), all for training: the held-out responses stay those of the task prompts and the
+    hand-written instructions. 0 = none."""
+    self_instruct: SelfInstructConfig = Field(default_factory=SelfInstructConfig)
+    """How the policy writes those instructions: shots, sampling, the length and overlap filter, the seed."""
     max_new_tokens: int = Field(64, ge=2)
     """Longest greedy response (``data: greedy``)."""
     samples_per_prompt: int = Field(5, ge=1)

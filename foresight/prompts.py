@@ -221,7 +221,8 @@ def _dataset_table(cfg: DatasetSourceConfig) -> tuple[pd.DataFrame, int]:
     return _table_from_dataset(ds, cfg.text_column, cfg.answer_column, f"dataset {cfg.name!r}")
 
 
-def _stable_id(source: str, text: str) -> str:
+def stable_id(source: str, text: str) -> str:
+    """A prompt's id: its source and the first 12 hex digits of its text's SHA-1 (the same on every machine)."""
     return f"{source}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
@@ -248,7 +249,7 @@ def general_instructions(split: Literal["train", "eval"], count: int | None = No
         raise PromptSourceError(f"{count} instructions asked of the general set's {split} part, which holds "
                                 f"{len(part)}")
     part = part.head(count)
-    return pd.DataFrame({"prompt_id": [_stable_id("general", q) for q in part["prompt"]], "question": part["prompt"],
+    return pd.DataFrame({"prompt_id": [stable_id("general", q) for q in part["prompt"]], "question": part["prompt"],
                          "answer": None, "source": "general", "category": part["category"]})
 
 
@@ -272,7 +273,7 @@ def load_prompts(cfg: PromptsConfig, root: Path,
         df.loc[with_answer, "question"] = df.loc[with_answer, "question"] + " " + cfg.instruction
     df = df.drop_duplicates("question").reset_index(drop=True)
     df["source"] = cfg.source
-    df["prompt_id"] = [_stable_id(cfg.source, q) for q in df["question"]]
+    df["prompt_id"] = [stable_id(cfg.source, q) for q in df["question"]]
     # Deterministic split: a seeded permutation, eval first so that adding train prompts keeps eval fixed.
     order = random.Random(cfg.seed).sample(range(len(df)), len(df))
     df = df.iloc[order].reset_index(drop=True)[PROMPT_COLUMNS]

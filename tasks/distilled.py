@@ -33,13 +33,16 @@ def distilled_dir(cfg: Config) -> Path:
 
 
 def split_distilled(responses: pd.DataFrame, eval_fraction: float, seed: int):
-    """Training and held-out rows of the distilled responses, split by prompt among the responses that every drafter
-    learns from (not ``further_prompt``); the responses to further task prompts, the Medusa heads' alone, all train.
-    So the held-out sequences are the same for Medusa, COrAL and the MTP module (:func:`drafter_split`)."""
-    shared = responses.index[~responses["further_prompt"].to_numpy(bool)]
+    """Training and held-out rows of the distilled responses, split by prompt among the responses to the training
+    prompts and the hand-written general instructions; the responses to further task prompts (the Medusa heads'
+    alone) and to the instructions the policy wrote (``self_instruct``) all train. So the held-out sequences are
+    the same for Medusa, COrAL and the MTP module (:func:`drafter_split`), and the same with or without written
+    instructions: a drafter's acceptance is measured on the instructions people wrote."""
+    always_train = responses["further_prompt"].to_numpy(bool) | responses["self_instruct"].to_numpy(bool)
+    shared = responses.index[~always_train]
     train_shared, eval_rows = split_responses(responses.loc[shared], eval_fraction, seed)
     # copies: pandas' copy-on-write hands out read-only arrays, which torch.from_numpy warns about sharing
-    further = torch.from_numpy(responses.index[responses["further_prompt"].to_numpy(bool)].to_numpy(copy=True))
+    further = torch.from_numpy(responses.index[always_train].to_numpy(copy=True))
     shared_rows = torch.from_numpy(shared.to_numpy(copy=True))
     train_rows = torch.cat([shared_rows[train_shared], further]).sort().values
     return train_rows, shared_rows[eval_rows]

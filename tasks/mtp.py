@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from foresight import statistics
 from foresight.benchmark import batch_speed_curve, curve_bars, display_rows, markdown_table
-from foresight.plots import bar_panels, bar_plot, interval_bar, line_plot
+from foresight.plots import bar_panels, bar_plot, interval_bar, line_panels, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
 from models.common.lora import trained_weight_names
 from models.common.sequences import fitting_sft
@@ -46,7 +46,7 @@ from models.engine.decoding import GREEDY, hf_decode
 from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
 from models.labeling.answers import cut_by_length, is_correct
 from models.labeling.labelers import build_labeler
-from models.mtp.module import MTPBatchDrafter, MTPModule, MTPModuleConfig, draft_parts
+from models.mtp.module import MTPBatchDrafter, MTPModule, MTPModuleConfig, draft_parts, frequent_tokens
 from models.mtp.rl import (
     rollout_drafting,
     rollout_generator,
@@ -109,6 +109,8 @@ def train_mtp_task(cfg: Config) -> StageResult:
     fit_rows, validation_rows = validation_split(responses, train_rows, m.validation_fraction, m.seed)
     depths = [m.num_depths, *sorted(set(m.ablation_depths) - {m.num_depths})]
     modules, histories, evaluations, acceptance, seconds = {}, {}, {}, {}, {}
+    # per prompt set (task text, general instructions): the same held-out sequences Medusa's heads are scored on
+    sets = responses["prompt_set"].to_numpy()[eval_rows.numpy()] if "prompt_set" in responses else None
     # the frozen policy's states, on disk in its dtype: at 8B they would not fit in RAM
     with _shared_scratch(accelerator, "mtp-states-") as scratch:
         hidden = frozen_states(policy, sequences, scratch, accelerator=accelerator)
@@ -132,6 +134,8 @@ def train_mtp_task(cfg: Config) -> StageResult:
             evaluations[num_depths] = _chain_evaluation(acceptance[num_depths])
             accelerator.free_memory()
             logger.info("K = %d: held-out %s", num_depths, json.dumps(evaluations[num_depths]))
+        data_curve = _data_curve(policy, sequences, hidden, fit_rows, validation, held_out, sets, m, accelerator,
+                                 acceptance[m.num_depths])
 
     ablation = pd.DataFrame([{"num_depths": k, "main": k == m.num_depths, **evaluations[k],
                               "train_seconds": seconds[k]} for k in sorted(depths)])
@@ -139,14 +143,13 @@ def train_mtp_task(cfg: Config) -> StageResult:
                         "expected_tau", "expected_acceptance_rate", "positions", "train_seconds"]
     out = cfg.path(cfg.paths.mtp_dir)
     if accelerator.is_main_process:  # every process holds the same module; one writes it
+        modules[m.num_depths].draft_vocab = _draft_vocab(train[0], m.draft_vocab_size, policy)
         _write_mtp(out, modules[m.num_depths], evaluations, histories, ablation, policy, m, len(train[0]),
-                   len(held_out[0]))
+                   len(held_out[0]), data_curve)
         table_artifact(key="mtp-depth-ablation", table=display_rows(ablation.to_dict("records"), ablation_columns),
                        description="Expected initial acceptance length per number of shared MTP depths (95 % "
                                    "intervals over held-out responses)")
     accelerator.wait_for_everyone()  # no process returns before the folder is whole
-    # per prompt set (task text, general instructions): the same held-out sequences Medusa's heads are scored on
-    sets = responses["prompt_set"].to_numpy()[eval_rows.numpy()] if "prompt_set" in responses else None
     by_set = ({name: _chain_evaluation(_responses_of(acceptance[m.num_depths], torch.from_numpy(sets == name)))
                for name in sorted(set(sets))} if sets is not None else {})
     history = histories[m.num_depths]
@@ -161,11 +164,75 @@ def train_mtp_task(cfg: Config) -> StageResult:
                   for key, value in evaluation.items()},
                **{f"ablation_k{k}_expected_tau{end}": evaluations[k][f"expected_tau{end}"] for k in depths
                   for end in ("", "_low", "_high")},
+               **{f"data_curve_{row['train_responses']}_{key}": value for row in data_curve.to_dict("records")
+                  for key, value in row.items() if key != "train_responses" and not key.endswith(("_low", "_high"))},
                "wall_seconds": time.perf_counter() - started}
     curves = {key: values for key, values in history.items()
               if key not in ("held_out_loss", "best_epoch", "weights_changed")}
-    return StageResult(metrics=metrics, curves=curves, tables={"mtp_ablation": out / "ablation.csv"},
-                       artifacts={"mtp": out}, models={"mtp-module": out / "module"})
+    tables = {"mtp_ablation": out / "ablation.csv"} | (
+        {"mtp_data_curve": out / DATA_CURVE_FILE} if len(data_curve) else {})
+    return StageResult(metrics=metrics, curves=curves, tables=tables, artifacts={"mtp": out},
+                       models={"mtp-module": out / "module"})
+
+
+DATA_CURVE_FILE = "data_curve.csv"
+"""In ``${paths.mtp_dir}``, with ``mtp.data_curve``: held-out acceptance per number of training responses."""
+DATA_CURVE_KEYS = ("expected_tau", "top1_depth_1")
+"""What a data curve's point records of each held-out prompt set's evaluation (:func:`_chain_evaluation`)."""
+
+
+def data_curve_rows(rows: torch.Tensor, count: int, seed: int) -> torch.Tensor:
+    """The first ``count`` of the training ``rows`` in a shuffle seeded with ``seed``, sorted: a data curve's
+    training responses, task and general mixed as in the whole set, and each count's a subset of every larger one."""
+    if count > len(rows):
+        raise ValueError(f"mtp.data_curve asks for {count} training responses; the training split holds {len(rows)}")
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
+    return rows[order[:count].sort().values]
+
+
+def _data_curve(policy, sequences, hidden, fit_rows: torch.Tensor, validation, held_out, sets, m, accelerator,
+                main_acceptance) -> pd.DataFrame:
+    """``mtp.data_curve``: for each count n, a module trained as the main one (same knobs, validation responses and
+    early stopping) on n of its training responses (:func:`data_curve_rows`), evaluated on the same held-out
+    responses; then the main module's point (every training response). One row per n: ``train_responses`` and
+    :data:`DATA_CURVE_KEYS` with their intervals, over all held-out responses and per prompt set (``<set>_…``).
+    Empty without counts."""
+    if not m.data_curve:
+        return pd.DataFrame()
+    points = []
+    for count in sorted(m.data_curve):
+        rows = data_curve_rows(fit_rows, count, m.seed).tolist()
+        module, _ = train_mtp_module(policy, [sequences[i] for i in rows], hidden.select(rows), m.num_depths, m,
+                                     accelerator, None, validation)
+        points.append((count, chain_acceptance(policy, module, *held_out)))
+        accelerator.free_memory()
+    points.append((len(fit_rows), main_acceptance))
+    table = []
+    for count, acceptance in points:
+        evaluations = {"all": _chain_evaluation(acceptance)} | (
+            {name: _chain_evaluation(_responses_of(acceptance, torch.from_numpy(sets == name)))
+             for name in sorted(set(sets))} if sets is not None else {})
+        table.append({"train_responses": count, **{f"{name}_{key}{end}": evaluation[f"{key}{end}"]
+                                                   for name, evaluation in evaluations.items()
+                                                   for key in DATA_CURVE_KEYS for end in ("", "_low", "_high")}})
+        stage_logger().info("data curve, %d training responses: %s", count, json.dumps(table[-1]))
+    return pd.DataFrame(table)
+
+
+def _write_data_curve(data_curve: pd.DataFrame, folder: Path) -> None:
+    """:data:`DATA_CURVE_FILE` and its plot, ``data_curve.png``: held-out expected τ and depth-1 top-1 against the
+    number of training responses, one line per held-out prompt set."""
+    write_table(data_curve, folder / DATA_CURVE_FILE)
+    counts = data_curve["train_responses"].tolist()
+    names = [column.removesuffix("_expected_tau") for column in data_curve.columns
+             if column.endswith("_expected_tau")]
+    panels, bands = {}, {}
+    for key, label in (("expected_tau", "expected τ"), ("top1_depth_1", "depth-1 top-1")):
+        panels[label] = {f"{name} ({label})": (counts, data_curve[f"{name}_{key}"].tolist()) for name in names}
+        bands |= {f"{name} ({label})": (data_curve[f"{name}_{key}_low"].tolist(),
+                                        data_curve[f"{name}_{key}_high"].tolist()) for name in names}
+    line_panels(panels, "MTP module: held-out acceptance against training responses", "training responses",
+                folder / "data_curve.png", bands)
 
 
 def _responses_of(acceptance, mask: torch.Tensor):
@@ -190,9 +257,18 @@ def _chain_evaluation(acceptance) -> dict:
             "positions": int(acceptance.positions.sum()), "responses": len(acceptance.positions)}
 
 
+def _draft_vocab(sequences, size: int | None, policy) -> torch.Tensor | None:
+    """``mtp.draft_vocab_size``: the most frequent tokens of the training responses (their response positions)."""
+    if size is None:
+        return None
+    responses = [[token for token, counted in zip(ids, mask, strict=True) if counted] for ids, mask in sequences]
+    return frequent_tokens(responses, size, len(policy.model.get_output_embeddings().weight))
+
+
 def _write_mtp(out: Path, module, evaluations: dict, histories: dict, ablation: pd.DataFrame, policy, m,
-               num_train: int, num_eval: int) -> None:
-    """The equip stage's folder: the module, its held-out evaluation, the histories, the ablation and plots."""
+               num_train: int, num_eval: int, data_curve: pd.DataFrame) -> None:
+    """The equip stage's folder: the module (and its draft vocabulary), its held-out evaluation, the histories, the
+    ablation, the data curve (with ``mtp.data_curve``) and plots."""
     with atomic_path(out) as tmp:
         tmp.mkdir(parents=True)
         module.save(tmp / "module")
@@ -210,6 +286,8 @@ def _write_mtp(out: Path, module, evaluations: dict, histories: dict, ablation: 
                                                 for row in ablation.to_dict("records")}},
                  "MTP depth ablation: expected initial acceptance length (1 = no drafts)", "τ", tmp / "ablation.png",
                  reference_line=1.0)
+        if len(data_curve):
+            _write_data_curve(data_curve, tmp)
 
 
 ROLLOUT_COLUMNS = ["variant", "steps", "nonzero_advantage_share", "tau_window", "tau_start", "tau_end",

@@ -76,7 +76,7 @@ def test_distill_writes_the_responses_their_split_and_the_dropped_prompts(tiny_l
     assert set(responses.index[responses["further_prompt"]]) <= set(train)  # Medusa's heads' alone: all train
     assert not set(responses["prompt_id"][train]) & set(responses["prompt_id"][held_out])  # split by prompt
     assert json.loads((out / "dropped_long_prompts.json").read_text()) == {
-        "dropped_long_prompts.further": 0, "dropped_long_prompts.general": 0}
+        "dropped_long_prompts.further": 0, "dropped_long_prompts.general": 0, "dropped_long_prompts.self_instruct": 0}
     assert {key: result.metrics[key] for key in ("num_responses", "num_task_responses", "num_general_responses",
                                                  "num_further_responses", "num_train_responses",
                                                  "num_eval_responses", "dropped_long_prompts.general")} == {
@@ -119,3 +119,32 @@ def test_no_drafters_knobs_reach_the_distill_stage_and_every_drafter_reads_its_o
     distill_task.fn(reseeded)
     splits = [load_file(tmp_path / run / "data/distill/split.safetensors")["eval_samples"] for run in ("a", "c")]
     assert not torch.equal(*splits)
+
+
+def test_self_instruct_responses_all_train_and_the_benchmark_instructions_stay_out(tiny_llama, tmp_path):
+    """With ``distill.self_instruct_prompts``: the instructions the policy wrote join as ``general`` responses marked
+    ``self_instruct``, after the hand-written ones; they all train, so the held-out responses are exactly those of
+    the run without them; and nothing distilled is an instruction of the benchmarks' held-out general set."""
+    from foresight.prompts import general_instructions
+    from foresight.self_instruct import SOURCE
+    from tasks.distill import distill_task
+
+    written = {"self_instruct_prompts": 2, "self_instruct": {"min_tokens": 1, "max_tokens": 24, "batch_size": 4}}
+    base = _distill_cfg(tmp_path / "a", tiny_llama)
+    with_written = _distill_cfg(tmp_path / "b", tiny_llama, distill=written)
+    distill_task.fn(base)
+    result = distill_task.fn(with_written)
+    before, after = (pd.read_parquet(tmp_path / run / "data/distill/responses.parquet") for run in ("a", "b"))
+    assert after["prompt_set"].tolist() == ["task"] * 7 + ["general"] * 5
+    assert after["self_instruct"].tolist() == [False] * 10 + [True] * 2 and not before["self_instruct"].any()
+    assert after["prompt_id"][10:].str.startswith(f"{SOURCE}-").all()
+    pd.testing.assert_frame_equal(after.iloc[:10].drop(columns="self_instruct"), before.drop(columns="self_instruct"))
+    splits = [load_file(tmp_path / run / "data/distill/split.safetensors") for run in ("a", "b")]
+    assert torch.equal(splits[0]["eval_samples"], splits[1]["eval_samples"])
+    assert {10, 11} <= set(splits[1]["train_samples"].tolist())
+    assert (result.metrics["num_self_instruct_responses"], result.metrics["num_general_responses"]) == (2, 5)
+    assert result.metrics["dropped_long_prompts.self_instruct"] == 0
+
+    benchmark = general_instructions("eval")
+    assert not set(benchmark["prompt_id"]) & set(after["prompt_id"])
+    assert not [q for q in benchmark["question"] for prompt in after["prompt"] if q in prompt]

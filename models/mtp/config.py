@@ -151,6 +151,17 @@ class MTPConfig(MTPTraining):
     ablation_depths: list[Annotated[int, Field(ge=1, le=8)]] = Field(default_factory=list)
     """Further K trained the same way for Table 2's ablation (expected initial τ per K), e.g. [1, 2, 4] (the study
     profile: ~90 s more on a 2-core CPU); [] skips it."""
+    data_curve: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    """Training-response counts of the data curve: for each n, a module trained as the main one on n of its training
+    responses (the first n of a seeded shuffle, task and general mixed as in the whole set) and measured on the
+    same held-out responses, per prompt set (``data_curve.csv`` / ``.png``, metrics ``data_curve_<n>_…``; the main
+    module is the last point): does acceptance still rise with more of the policy's text? [] (the default: each
+    point is another training run) skips it; the study profile's recipe sets it (docs/study.md)."""
+    draft_vocab_size: int | None = Field(8192, ge=1)
+    """Tokens a draft may take, saved with the module: the most frequent of the training responses (EAGLE-3's draft
+    vocabulary). The dynamic-tree drafter then reads that many rows of the LM head instead of the whole vocabulary
+    (49,152 for SmolLM2: 2.3 ms per draft depth on the 2-core CPU against 0.5 ms for 8,192); a token outside it is
+    never drafted, the output is unchanged. null: the whole vocabulary."""
     mixed_precision: MixedPrecision = "bf16"
     """accelerate's autocast for the training forward passes."""
 
