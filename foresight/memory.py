@@ -428,6 +428,9 @@ def benchmark_medusa_memory(stage, cfg, shapes, nbytes):
              "prefill": forward_working_set(shape, b.batch_size, prompt, nbytes),
              "hidden states (last layer)": last_layer_states(shape, b.batch_size, prompt, nbytes),
              "batched tree logits": logits(shape, b.batch_size, nodes)}
+    if {"mtp_chain", "mtp_tree"} & set(b.decoders):  # the MTP module, and its copy in the drafts' precision
+        draft_bytes = 2 if b.draft_dtype == "bfloat16" else 4
+        parts["MTP module"] = _mtp_module(shape) * (nbytes + (draft_bytes if draft_bytes != nbytes else 0))
     fixes = [halve("medusa_benchmark.batch_size"), halve("medusa_benchmark.tree_size")]
     if b.float32_recheck and nbytes < 4:  # a float32 copy of the policy scores the divergences from greedy
         parts["float32 recheck copy"] = weights(shape.parameters, 4)
@@ -585,8 +588,9 @@ def _distilled(cfg) -> tuple[int, int, int]:
     d, p = cfg.distill, cfg.prompts
     if d.data == "greedy":
         further = max(0, d.task_prompts - p.num_train)
-        return p.num_train + further + d.general_prompts, further, d.max_new_tokens
-    count = p.num_train * min(d.samples_per_prompt, cfg.generate.num_samples) + d.general_prompts
+        return p.num_train + further + d.general_prompts + d.self_instruct_prompts, further, d.max_new_tokens
+    count = (p.num_train * min(d.samples_per_prompt, cfg.generate.num_samples) + d.general_prompts
+             + d.self_instruct_prompts)
     return count, 0, max(cfg.generate.max_new_tokens, d.max_new_tokens)
 
 

@@ -256,8 +256,10 @@ STAGES: tuple[Stage, ...] = (
         details="the policy's greedy responses to 384 task prompts (the 96 training prompts and 288 further problems "
                  "of the source, for the Medusa heads alone) and to 64 instructions of the project's general "
                  "instruction set (`foresight/instructions/general.jsonl`: writing, advice, reasoning, coding), or "
-                 "the generated samples (`distill.data`); one train / held-out split by prompt that every drafter "
-                 "takes",
+                 "the generated samples (`distill.data`); with `distill.self_instruct_prompts`, also to instructions "
+                 "the policy writes itself from the set's training instructions (Self-Instruct §2.2: sampled, "
+                 "deduplicated, never a held-out one; all for training); one train / held-out split by prompt that "
+                 "every drafter takes",
         output_files='`data/distill/` (`responses.parquet`, `split.safetensors`, `dropped_long_prompts.json`)',
         task="tasks.distill:distill_task",
         # prompts, generate.max_new_tokens and label.*: the prompt limit of the further and general prompts
@@ -268,7 +270,7 @@ STAGES: tuple[Stage, ...] = (
         disk="distill_disk",
         outputs=("${paths.distill_dir}",),
         files=("prompts.file.path",),  # its further task prompts
-        headline=("num_task_responses", "num_general_responses", "num_eval_responses"),
+        headline=("num_task_responses", "num_general_responses", "num_self_instruct_responses", "num_eval_responses"),
     ),
     Stage(
         name="train_reward",
@@ -385,31 +387,36 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="benchmark_medusa",
-        description="Tree speculative decoding with Medusa / RLMedusa heads vs HF greedy on the task and general "
-                    "prompt sets: speedup, τ, identity to greedy (95 % intervals), divergences.",
-        details='at batch 1, per prompt set — 40 held-out task prompts, 40 held-out general instructions, any '
-                 '`medusa_benchmark.prompt_files`: HF greedy and Medusa (prompt lookup and Medusa-RL by configuration) '
-                 'with tree verification and adaptive drafting (plain steps while drafting does not pay, one decision '
-                 'state per decoder): speedup over greedy on 8 prompts, interleaved, with intervals; τ on all prompts, '
-                 'and the share identical to HF greedy decoding the whole set in one left-padded batch (batch-1 '
-                 "greedy's own share on the timed prompts shows what batching alone changes in bf16); every divergence "
-                 "with the policy's logit margin there (bf16 near-ties); a speed curve at batch 1 and 16 on the task "
-                 'prompts (HF batched greedy vs batched Medusa, adaptive per batch size, interleaved batch by batch, '
-                 "with intervals and the share of rows identical to HF's)",
+        description="Every drafter side by side vs HF greedy on the task and general prompt sets: HF prompt lookup, "
+                    "Medusa / RLMedusa heads, the MTP module as a chain and as an EAGLE-2 dynamic tree: speedup, τ, "
+                    "identity to greedy (95 % intervals), divergences.",
+        details='at batch 1, per prompt set — 40 held-out task prompts, 24 held-out general instructions, any '
+                 '`medusa_benchmark.prompt_files`: HF greedy, HF prompt lookup, Medusa (Medusa-RL by configuration) '
+                 'and the MTP module drafting a chain (`mtp_chain`) and an EAGLE-2 dynamic tree (`mtp_tree`, its '
+                 "verification budget the widest forward within 25 % of a one-token forward's cost, measured on the "
+                 'policy at the start) with tree verification and adaptive drafting (plain steps while drafting does '
+                 'not pay, one decision state per decoder): speedup over greedy on 8 prompts, interleaved, with '
+                 'intervals; τ on all prompts, and the share identical to HF greedy decoding the whole set in one '
+                 "left-padded batch (batch-1 greedy's own share on the timed prompts shows what batching alone changes "
+                 "in bf16); every divergence with the policy's logit margin there (bf16 near-ties); a speed curve at "
+                 'batch 1 and 16 on the task prompts (HF batched greedy vs batched Medusa and MTP chain — the batched '
+                 'engine has no dynamic tree — adaptive per batch size, interleaved batch by batch, with intervals and '
+                 "the share of rows identical to HF's)",
         output_files='`data/benchmarks/medusa/` (`report.md`, `table.csv`, `speed_curve.csv`, `speed_curve.png`, '
-                 '`speedup.png`, `tau.png`, `tree.json`)',
-        task="tasks.medusa:benchmark_medusa_task",
+                 '`speedup.png`, `tau.png`, `tree.json`, `verification_cost.csv`, `verification_cost.png`)',
+        task="tasks.speculative_benchmark:benchmark_medusa_task",
         params=("policy", "medusa_benchmark", "prompts.system_prompt", "rlmedusa.inits", "prompts.max_prompt_tokens",
                 "generate.max_new_tokens", "label.labeler", "label.max_length"),
         inputs=("${paths.policy_dir}", "${paths.prompts_dir}", "${paths.medusa_dir}/supervised",
-                "${paths.medusa_dir}/rl"),
+                "${paths.medusa_dir}/rl", "${paths.mtp_dir}"),
         gpu=True,
         memory="benchmark_medusa_memory",
         disk="benchmark_medusa_disk",
         outputs=("${paths.benchmarks_dir}/medusa",),
         files=("medusa_benchmark.prompt_files.path",),
         headline=("held_out.medusa_supervised.tau", "held_out.medusa_supervised.speedup_vs_reference",
-                  "held_out.medusa_supervised.identical_to_greedy", "general.medusa_supervised.speedup_vs_reference"),
+                  "held_out.medusa_supervised.identical_to_greedy", "general.medusa_supervised.speedup_vs_reference",
+                  "held_out.mtp_tree.speedup_vs_reference", "general.mtp_tree.speedup_vs_reference"),
     ),
     Stage(
         name="train_coral",
@@ -459,8 +466,10 @@ STAGES: tuple[Stage, ...] = (
                  "norm(previous state)], one decoder layer, the policy's final norm, LM head and embedding) applied K "
                  "= 3 times with shared parameters, trained on the policy's own greedy responses with CE weights 0.6 / "
                  "0.3 / 0.1, the policy frozen; held-out top-1 per depth and the greedy chain's expected acceptance "
-                 'length; the same for K = 1, 2, 4 (Table 2)',
-        output_files='`data/mtp/` (`module/`, `evaluation.json`, `ablation.csv`, `ablation.png`, `loss.png`)',
+                 'length; the same for K = 1, 2, 4 (Table 2); with `mtp.data_curve`, the held-out acceptance per '
+                 'prompt set against the number of training responses',
+        output_files='`data/mtp/` (`module/`, `evaluation.json`, `ablation.csv`, `ablation.png`, `loss.png`, '
+                     '`data_curve.csv` / `.png` with `mtp.data_curve`)',
         task="tasks.mtp:train_mtp_task",
         params=("policy", "mtp"),
         inputs=("${paths.policy_dir}", "${paths.distill_dir}", "${paths.scores}"),

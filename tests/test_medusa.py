@@ -337,7 +337,7 @@ def test_drafter_precision_only_changes_the_drafts(policy):
 def test_prompt_sets_are_the_held_out_prompts_the_general_set_and_each_prompt_file(tmp_path):
     from foresight.config import parse_config
     from foresight.prompts import general_instructions
-    from tasks.medusa import _prompt_sets
+    from tasks.speculative_benchmark import _prompt_sets
 
     (tmp_path / "data/prompts").mkdir(parents=True)
     pd.DataFrame({"question": ["q1", "q2", "q3"]}).to_json(tmp_path / "data/prompts/eval.jsonl", orient="records",
@@ -472,7 +472,7 @@ def _timer(tokens: list[int], seconds: list[float]):
 
 
 def test_speed_rows_against_hand_worked_numbers():
-    from tasks.medusa import _speed_rows
+    from tasks.speculative_benchmark import _speed_rows
 
     def record(decoder, i, tokens, forwards=None, plain=None, batch=1):
         return {"prompt_index": i, "decoder": decoder, "batch": batch, "tokens": tokens, "new_tokens": len(tokens),
@@ -544,7 +544,7 @@ def test_divergences_report_the_margin_at_the_first_differing_token(spiky_policy
     from models.engine.decoding import GREEDY, hf_decode
     from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
     from tasks.common import load_stage_policy
-    from tasks.medusa import _DivergenceChecks
+    from tasks.speculative_benchmark import _DivergenceChecks
 
     cfg = _policy_cfg(spiky_policy_dir, tmp_path, dtype="bfloat16")
     policy = load_stage_policy(cfg, "base")
@@ -587,20 +587,17 @@ def test_divergences_report_the_margin_at_the_first_differing_token(spiky_policy
 
 def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spiky_policy_dir, tmp_path):
     """distill and train_medusa on task + general prompts, then benchmark_medusa on a float32 policy: each prompt set
-    reported separately, τ from the decoded outputs, greedy-verified (adaptive) Medusa identical to HF greedy
-    everywhere."""
+    reported separately, every drafter side by side, τ from the decoded outputs, greedy-verified (adaptive, a fixed
+    cycle cost: deterministic) Medusa and MTP drafting — chain and dynamic tree, batch 1 and batched — identical to
+    HF greedy everywhere; the dynamic tree's budget from the verification cost measured at the start."""
     from foresight.prompts import general_instructions
     from models.medusa.rlmedusa import trajectory_candidates
     from tasks.common import load_stage_policy
     from tasks.distilled import drafter_split, sft_responses
     from tasks.distill import distill_task
-    from tasks.medusa import (
-        benchmark_medusa_task,
-        candidate_tree,
-        load_distilled,
-        train_medusa_task,
-        train_rlmedusa_task,
-    )
+    from tasks.medusa import load_distilled, train_medusa_task, train_rlmedusa_task
+    from tasks.speculative_benchmark import benchmark_medusa_task, candidate_tree
+    from tests.helpers import perturbed_module
 
     prompts = tmp_path / "data/prompts"
     prompts.mkdir(parents=True)
@@ -615,8 +612,9 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
         medusa={"num_heads": 2, "epochs": 1, "batch_size": 16, "distill_batch_size": 4, "mixed_precision": "no"},
         rlmedusa={"trajectory_tokens": 4, "top_pool": 10},
         medusa_benchmark={"tree": [[0], [1], [0, 0]], "num_prompts": 3, "speed_prompts": 2, "general_prompts": 2,
-                          "max_new_tokens": 8, "decoders": ["greedy", "prompt_lookup", "medusa_supervised"],
-                          "curve_batch_sizes": [1, 2], "curve_batches": 2, "curve_sets": ["held_out", "general"]})
+                          "max_new_tokens": 8, "curve_batch_sizes": [1, 2], "curve_batches": 2,
+                          "curve_sets": ["held_out", "general"], "adaptation": {"cycle_cost": 1.0}})
+    assert cfg.medusa_benchmark.decoders == ["greedy", "prompt_lookup", "medusa_supervised", "mtp_chain", "mtp_tree"]
 
     distilled = distill_task.fn(cfg)
     trained = train_medusa_task.fn(cfg)
@@ -663,24 +661,32 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     assert [list(choice) for choice in candidate_tree(auto).choices] == sorted(
         (entry["path"] for entry in paths[:2]), key=lambda path: (len(path), path))
 
+    # the MTP module the mtp_* decoders draft with (train_mtp's output): its initial copy of the last layer, whose
+    # drafts are sometimes right here
+    perturbed_module(load_stage_policy(cfg, "base").model, 2, scale=0.0).save(tmp_path / "data/mtp/module")
     result = benchmark_medusa_task.fn(cfg)
     assert result.metrics["dropped_long_prompts.held_out"] == result.metrics["dropped_long_prompts.general"] == 0
     out = tmp_path / "data/benchmarks/medusa"
     table = pd.read_csv(out / "table.csv")
-    assert table["prompt_set"].tolist() == ["held_out"] * 4 + ["general"] * 4
-    assert table["decoder"].tolist() == (["greedy", "prompt_lookup", "medusa_supervised", "medusa_supervised_batched"]
-                                         * 2)
-    assert table["batch"].tolist() == [1, 1, 1, 40] * 2
+    timed = ["greedy", "prompt_lookup", "medusa_supervised", "mtp_chain", "mtp_tree"]
+    assert table["prompt_set"].tolist() == ["held_out"] * 7 + ["general"] * 7
+    # every drafter side by side; the batched engine has no dynamic tree: the MTP chain stands for the module there
+    assert table["decoder"].tolist() == [*timed, "medusa_supervised_batched", "mtp_chain_batched"] * 2
+    assert table["batch"].tolist() == [1, 1, 1, 1, 1, 40, 40] * 2
     assert "lossless" not in table.columns
     by = table.set_index(["prompt_set", "decoder"])
     # batch 1 on the timed prompts only; batched on the whole set, untimed
-    assert (table.loc[table["batch"] == 1, "prompts"] == 2).all() and (table["speed_prompts"] == [2, 2, 2, 0] * 2).all()
+    assert (table.loc[table["batch"] == 1, "prompts"] == 2).all()
+    assert (table["speed_prompts"] == [2, 2, 2, 2, 2, 0, 0] * 2).all()
     assert by.loc[("held_out", "medusa_supervised_batched"), "prompts"] == 3
-    assert by.loc[("general", "medusa_supervised_batched"), "prompts"] == 2
-    assert by["speedup_vs_reference"].isna().tolist() == [False, False, False, True] * 2
-    assert (table.loc[table["decoder"] != "prompt_lookup", "identical_to_greedy"] == 1.0).all()  # float32: exact
+    assert by.loc[("general", "mtp_chain_batched"), "prompts"] == 2
+    assert by["speedup_vs_reference"].isna().tolist() == [False] * 5 + [True] * 2 + [False] * 5 + [True] * 2
+    # float32: every greedy-verified drafter's output is HF greedy's, token for token
+    assert (table.loc[table["decoder"] != "prompt_lookup", "identical_to_greedy"] == 1.0).all()
     outputs = pd.read_parquet(out / "outputs.parquet")
-    for (prompt_set, decoder), mine in outputs[outputs["decoder"].str.startswith("medusa")].groupby(
+    tree_rows = outputs[outputs["decoder"] == "mtp_tree"]
+    assert tree_rows["forwards"].sum() < tree_rows["new_tokens"].sum()  # drafts were accepted: identity is no accident
+    for (prompt_set, decoder), mine in outputs[outputs["decoder"].str.startswith(("medusa", "mtp"))].groupby(
             ["prompt_set", "decoder"]):
         row = by.loc[(prompt_set, decoder)]
         assert row["tau"] == pytest.approx(mine["new_tokens"].sum() / mine["forwards"].sum())
@@ -693,13 +699,21 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     curve = pd.read_csv(out / "speed_curve.csv")
     assert list(zip(curve["prompt_set"], curve["batch"], curve["decoder"], strict=True)) == [
         (prompt_set, batch, decoder) for prompt_set in ("held_out", "general") for batch in (1, 2)
-        for decoder in ("greedy", "medusa_supervised")]
-    medusa = curve[curve["decoder"] == "medusa_supervised"]
-    assert (medusa["identical_to_reference"] == 1.0).all() and medusa["tokens_per_forward"].notna().all()
-    assert (medusa["speedup_vs_reference_low"] <= medusa["speedup_vs_reference_high"]).all()
+        for decoder in ("greedy", "medusa_supervised", "mtp_chain")]
+    drafting = curve[curve["decoder"] != "greedy"]
+    assert (drafting["identical_to_reference"] == 1.0).all() and drafting["tokens_per_forward"].notna().all()
+    assert (drafting["speedup_vs_reference_low"] <= drafting["speedup_vs_reference_high"]).all()
     assert curve.loc[curve["decoder"] == "greedy", "speedup_vs_reference"].isna().all()  # no ratio to itself
     assert (out / "speed_curve.png").is_file() and "## Speed against batch size" in report
     assert "held_out.medusa_supervised.batch2.speedup_vs_reference_low" in result.metrics
+    assert "general.mtp_chain.batch2.speedup_vs_reference" in result.metrics
+    # budget: auto, measured on the policy at the start: the curve, its plot, and the budget it gave
+    costs = pd.read_csv(out / "verification_cost.csv")
+    assert costs["width"].tolist() == [1, 4, 8, 16, 24, 32, 48, 64] and costs["cost_vs_one_token"].iloc[0] == 1.0
+    within = costs.loc[costs["cost_vs_one_token"] <= 1 + cfg.medusa_benchmark.dynamic_tree.budget_tolerance, "width"]
+    assert result.metrics["mtp_tree.budget"] == max(1, within.max() - 1)
+    assert (out / "verification_cost.png").is_file() and "## Verification cost against tree width" in report
+    assert {"held_out.mtp_tree.speedup_vs_reference", "general.mtp_tree.speedup_vs_reference"} <= set(result.metrics)
 
 
 class _Handed(Exception):
@@ -766,25 +780,32 @@ def test_medusa_sections_are_their_components_and_their_keys_reach_the_model_cod
 def test_the_benchmarks_adaptation_and_typical_acceptance_come_from_params(policy, monkeypatch, tmp_path):
     """``medusa_benchmark.adaptation`` is the rule of every AdaptiveDrafting the benchmark builds (batch 1 and the
     speed curve), and the section itself, with its ``typical_*`` knobs, the typical verifier's rule."""
-    import tasks.medusa as task
+    import tasks.speculative_benchmark as task
     from foresight.config import load_config
 
+    from models.mtp.module import MTPModule, MTPModuleConfig
+
     cfg = load_config(Path(__file__).resolve().parent.parent / "params.yaml", {
-        "paths.medusa_dir": str(tmp_path / "medusa"), "medusa_benchmark.adaptation.window": 5,
-        "medusa_benchmark.acceptance": "typical", "medusa_benchmark.typical_alpha": 0.5})
+        "paths.medusa_dir": str(tmp_path / "medusa"), "paths.mtp_dir": str(tmp_path / "mtp"),
+        "medusa_benchmark.adaptation.window": 5, "medusa_benchmark.acceptance": "typical",
+        "medusa_benchmark.typical_alpha": 0.5})
     heads_for(policy.model, 2).save(tmp_path / "medusa" / "supervised")
+    MTPModule(policy.model, MTPModuleConfig(2)).save(tmp_path / "mtp" / "module")
     rules, verifiers = [], []
     monkeypatch.setattr(task, "AdaptiveDrafting", lambda adaptation: rules.append(adaptation))
     monkeypatch.setattr(task, "TreeVerifier", lambda acceptance: verifiers.append(acceptance))
-    _, drafters = task._medusa_decoders(cfg, policy, chain_tree(2))
-    assert list(drafters) == ["medusa_supervised"] and len(rules) == 1
+    decoders, drafters = task._medusa_decoders(cfg, policy, chain_tree(2), 3)
+    # the default decoders: every drafter side by side; the batched engine runs Medusa and the MTP chain
+    assert list(decoders) == ["greedy", "prompt_lookup", "medusa_supervised", "mtp_chain", "mtp_tree"]
+    assert list(drafters) == ["medusa_supervised", "mtp_chain"] and len(rules) == 3
     assert verifiers == [cfg.medusa_benchmark] and verifiers[0].typical_alpha == 0.5
 
-    def one_batch(decoders, prompts, decode, *args):
-        decode("medusa_supervised", prompts[:1], 2)
+    def each_once(decoders, prompts, decode, *args):
+        for decoder in decoders[1:]:
+            decode(decoder, prompts[:1], 2)
         return []
 
-    monkeypatch.setattr(task, "batch_speed_curve", one_batch)
+    monkeypatch.setattr(task, "batch_speed_curve", each_once)
     monkeypatch.setattr(task, "batched_speculative_generate", lambda *args: ([[]], []))
     task._speed_curve(cfg, policy, drafters, [[1, 2, 3]], set(), "held_out")
-    assert len(rules) == 2 and all(rule.window == 5 and rule == cfg.medusa_benchmark.adaptation for rule in rules)
+    assert len(rules) == 5 and all(rule.window == 5 and rule == cfg.medusa_benchmark.adaptation for rule in rules)

@@ -249,7 +249,8 @@ def test_medusa_distillation_drops_over_long_further_prompts_and_general_instruc
     monkeypatch.setattr(tasks.distill, "general_instructions", _general_with_a_long_instruction)
     with caplog.at_level(logging.WARNING):
         responses, dropped = _distillation_data(cfg, load_stage_policy(cfg, "base"))
-    assert dropped == {"dropped_long_prompts.further": 1, "dropped_long_prompts.general": 1}
+    assert dropped == {"dropped_long_prompts.further": 1, "dropped_long_prompts.general": 1,
+                       "dropped_long_prompts.self_instruct": 0}
     assert not any(LONG in p or LONG_INSTRUCTION in p for p in responses["prompt"])
     taken = len(read_prompts(cfg, "train")) + len(read_prompts(cfg, "eval"))
     assert int(responses["further_prompt"].sum()) == len(SHORT) - taken  # every short prompt the splits left
@@ -262,14 +263,14 @@ def test_benchmark_prompt_sets_drop_over_long_prompts_per_set(tiny_llama, tmp_pa
     leave every set, counted as ``dropped_long_prompts.<set>``; the held-out split passed already."""
     from transformers import AutoTokenizer
 
-    import tasks.medusa
-    from tasks.medusa import benchmark_prompt_sets
+    import tasks.speculative_benchmark
+    from tasks.speculative_benchmark import benchmark_prompt_sets
 
     _prepare(tmp_path, tiny_llama, SHORT)
     (tmp_path / "mixed.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in [*SHORT[:3], LONG]))
     cfg = _medusa_cfg(tmp_path, medusa_benchmark={
         "num_prompts": 10, "general_prompts": 2, "prompt_files": [{"path": "mixed.jsonl", "text_column": "prompt"}]})
-    monkeypatch.setattr(tasks.medusa, "general_instructions", _general_with_a_long_instruction)
+    monkeypatch.setattr(tasks.speculative_benchmark, "general_instructions", _general_with_a_long_instruction)
     sets, dropped = benchmark_prompt_sets(cfg, AutoTokenizer.from_pretrained(tiny_llama))
     assert dropped == {"dropped_long_prompts.held_out": 0, "dropped_long_prompts.general": 1,
                        "dropped_long_prompts.mixed": 1}
@@ -281,7 +282,7 @@ def test_benchmark_prompt_files_are_sampled_across_the_file_with_the_seed(tmp_pa
     """A prompt file sorted by category: ``num_prompts`` rows drawn across the whole file (not its first rows, all
     of one category), the same draw every time, another with another ``medusa_benchmark.seed``."""
     from foresight.config import parse_config
-    from tasks.medusa import _prompt_sets
+    from tasks.speculative_benchmark import _prompt_sets
 
     (tmp_path / "data/prompts").mkdir(parents=True)
     pd.DataFrame({"question": ["q1", "q2"]}).to_json(tmp_path / "data/prompts/eval.jsonl", orient="records",

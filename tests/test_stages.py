@@ -30,9 +30,10 @@ from foresight.stages import (
 from models.engine.config import PolicyConfig
 
 REPO = Path(__file__).resolve().parent.parent
-BATCHED_ENGINE_STAGES = {"train_medusa", "train_rlmedusa", "benchmark_medusa", "train_mtp", "train_mtp_rl"}
-"""The stages that import the batched speculative engine (models/engine/batched.py): the Medusa stages share one
-task module, whose benchmark decodes batched, and the MTP module drafts batched (models/mtp/module.py)."""
+BATCHED_ENGINE_STAGES = {"benchmark_medusa", "train_mtp", "train_mtp_rl"}
+"""The stages that import the batched speculative engine (models/engine/batched.py): the speculative benchmark
+decodes batched, and the MTP module drafts batched (models/mtp/module.py); the Medusa training stages do not (their
+task module holds no benchmark: tasks/speculative_benchmark.py)."""
 
 
 def test_committed_dvc_yaml_is_the_rendered_stage_table():

@@ -14,7 +14,7 @@ from pydantic import Field
 
 from models.common.config import FileSourceConfig
 from models.common.config import Knobs, MixedPrecision, TrainingLoop
-from models.engine.config import Adaptation, DraftDtypeName, TypicalAcceptance
+from models.engine.config import Adaptation, DraftDtypeName, DynamicTree, TypicalAcceptance
 
 
 class RLMedusaCandidates(Knobs):
@@ -135,13 +135,15 @@ class MedusaBenchmarkConfig(TypicalAcceptance):
     larger trees pay (docs/medusa.md#the-tree)."""
     acceptance: Literal["greedy", "typical"] = "greedy"
     """``greedy``: lossless exact-match verification; ``typical``: Medusa's typical acceptance (lossy)."""
-    decoders: list[Literal["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl"]] = Field(
-        default_factory=lambda: ["greedy", "medusa_supervised"])
-    """Decoders to compare at batch 1 (HF greedy with KV cache is always the reference); ``medusa_rl`` runs
-    once per RL head (``rlmedusa.inits``), as ``medusa_rl_base`` / ``medusa_rl_supervised``. Each Medusa decoder
-    decodes every prompt of every set (80 by default), as long as greedy itself where drafting does not pay
-    (open-ended text), so the default keeps the supervised heads; add ``medusa_rl`` and ``prompt_lookup`` (timed
-    prompts only) for the full comparison."""
+    decoders: list[Literal["greedy", "prompt_lookup", "medusa_supervised", "medusa_rl", "mtp_chain", "mtp_tree"]] = (
+        Field(default_factory=lambda: ["greedy", "prompt_lookup", "medusa_supervised", "mtp_chain", "mtp_tree"]))
+    """Decoders to compare at batch 1 (HF greedy with KV cache is always the reference): HF prompt lookup, Medusa
+    (``medusa_supervised``; ``medusa_rl`` runs once per RL head, ``rlmedusa.inits``, as ``medusa_rl_base`` /
+    ``medusa_rl_supervised``), and the ``train_mtp`` stage's MTP module as a drafter: ``mtp_chain`` (its K chained
+    top-1 drafts) and ``mtp_tree`` (EAGLE-2's dynamic tree, ``dynamic_tree``). Every drafter also decodes every
+    prompt of every set batched, greedy-verified (``<decoder>_batched``), and runs on the speed curve
+    (``curve_sets``), except ``mtp_tree``: the batched engine has no dynamic tree, so ``mtp_chain`` stands for the
+    MTP module there. Prompt lookup runs on the timed prompts only."""
     prompt_lookup_tokens: int = Field(10, ge=1)
     """``prompt_lookup_num_tokens`` of HF prompt-lookup decoding."""
     num_prompts: int = Field(40, ge=1)
@@ -161,15 +163,20 @@ class MedusaBenchmarkConfig(TypicalAcceptance):
     """Where an output differs from greedy's and the policy is not float32: also score the first differing
     position with a float32 copy of the policy (loaded once, at the first divergence; 4 bytes per parameter)."""
     draft_dtype: DraftDtypeName = "bfloat16"
-    """Precision of the drafts (heads + LM head copy). Verification stays in the policy's dtype, so this never
-    changes greedy-verified output; bf16 drafts are ~4× cheaper on a CPU with bf16 units."""
+    """Precision of the drafts (Medusa's heads, the MTP module, and a copy of the LM head they read). Verification
+    stays in the policy's dtype, so this never changes greedy-verified output; bf16 drafts are ~4× cheaper on a CPU
+    with bf16 units."""
     adaptive: bool = True
-    """The Medusa decoders draft only while drafting pays: where the last cycles gained fewer tokens than a cycle
-    costs in plain forwards (measured in the run), they decode plainly, probing again every few tokens
-    (``adaptation``). Lossless either way."""
+    """The drafting decoders (Medusa, MTP) draft only while drafting pays: where the last cycles gained fewer
+    tokens than a cycle costs in plain forwards (measured in the run), they decode plainly, probing again every
+    few tokens (``adaptation``). Lossless either way."""
     adaptation: Adaptation = Field(default_factory=Adaptation)
-    """The adaptive drafting rule of every Medusa decoder, at batch 1 and in the speed curve (``adaptive``;
-    :class:`models.engine.config.Adaptation`)."""
+    """The adaptive drafting rule of every drafting decoder (Medusa, MTP), one decision state each, at batch 1 and
+    in the speed curve (``adaptive``; :class:`models.engine.config.Adaptation`)."""
+    dynamic_tree: DynamicTree = Field(default_factory=DynamicTree)
+    """The ``mtp_tree`` decoder's EAGLE-2 dynamic tree (:class:`models.engine.config.DynamicTree`); with ``budget:
+    auto`` the budget comes from the policy's verification cost against tree width, measured at the start of the
+    stage (``verification_cost.csv``, ``verification_cost.png``, metric ``mtp_tree.budget``)."""
     max_new_tokens: int = Field(64, ge=1)
     """Longest output."""
     prompt_files: list[FileSourceConfig] = Field(default_factory=list)
