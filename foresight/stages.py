@@ -386,6 +386,30 @@ STAGES: tuple[Stage, ...] = (
         headline=("supervised_t2_top1", "rl_base_t2_top1", "rl_supervised_t2_top1"),
     ),
     Stage(
+        name="train_mtp",
+        description="MTP equip: a shared-parameter multi-token-prediction module on the frozen policy, and its "
+                    "depth ablation.",
+        details='the MTP-equipped stage: a DeepSeek-V3-style MTP module (projection of [norm(embedding of t+k) ; '
+                 "norm(previous state)], one decoder layer, the policy's final norm, LM head and embedding) applied K "
+                 "= 3 times with shared parameters, trained on the policy's own greedy responses with CE weights 0.6 / "
+                 "0.3 / 0.1, the policy frozen; held-out top-1 per depth and the greedy chain's expected acceptance "
+                 'length; the same for K = 1, 2, 4 (Table 2); with `mtp.data_curve`, the held-out acceptance per '
+                 'prompt set against the number of training responses',
+        output_files='`data/mtp/` (`module/`, `evaluation.json`, `ablation.csv`, `ablation.png`, `loss.png`, '
+                     '`data_curve.csv` / `.png` with `mtp.data_curve`)',
+        task="tasks.mtp:train_mtp_task",
+        params=("policy", "mtp"),
+        inputs=("${paths.policy_dir}", "${paths.distill_dir}", "${paths.scores}"),
+        gpu=True,
+        memory="train_mtp_memory",
+        disk="train_mtp_disk",
+        outputs=("${paths.mtp_dir}",),
+        distributed=True,
+        curves=True,
+        headline=("held_out_expected_tau", "held_out_top1_depth_1", "ablation_k1_expected_tau",
+                  "ablation_k4_expected_tau"),
+    ),
+    Stage(
         name="benchmark_medusa",
         description="Every drafter side by side vs HF greedy on the task and general prompt sets: HF prompt lookup, "
                     "Medusa / RLMedusa heads, the MTP module as a chain and as an EAGLE-2 dynamic tree: speedup, τ, "
@@ -457,30 +481,6 @@ STAGES: tuple[Stage, ...] = (
         outputs=("${paths.benchmarks_dir}/coral",),
         headline=("next_token.accuracy", "coral.accuracy", "coral.speedup_vs_reference", "coral_no_verifier.accuracy",
                   "coral_no_verifier.speedup_vs_reference"),
-    ),
-    Stage(
-        name="train_mtp",
-        description="MTP equip: a shared-parameter multi-token-prediction module on the frozen policy, and its "
-                    "depth ablation.",
-        details='the MTP-equipped stage: a DeepSeek-V3-style MTP module (projection of [norm(embedding of t+k) ; '
-                 "norm(previous state)], one decoder layer, the policy's final norm, LM head and embedding) applied K "
-                 "= 3 times with shared parameters, trained on the policy's own greedy responses with CE weights 0.6 / "
-                 "0.3 / 0.1, the policy frozen; held-out top-1 per depth and the greedy chain's expected acceptance "
-                 'length; the same for K = 1, 2, 4 (Table 2); with `mtp.data_curve`, the held-out acceptance per '
-                 'prompt set against the number of training responses',
-        output_files='`data/mtp/` (`module/`, `evaluation.json`, `ablation.csv`, `ablation.png`, `loss.png`, '
-                     '`data_curve.csv` / `.png` with `mtp.data_curve`)',
-        task="tasks.mtp:train_mtp_task",
-        params=("policy", "mtp"),
-        inputs=("${paths.policy_dir}", "${paths.distill_dir}", "${paths.scores}"),
-        gpu=True,
-        memory="train_mtp_memory",
-        disk="train_mtp_disk",
-        outputs=("${paths.mtp_dir}",),
-        distributed=True,
-        curves=True,
-        headline=("held_out_expected_tau", "held_out_top1_depth_1", "ablation_k1_expected_tau",
-                  "ablation_k4_expected_tau"),
     ),
     Stage(
         name="train_mtp_rl",
