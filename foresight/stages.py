@@ -417,7 +417,7 @@ STAGES: tuple[Stage, ...] = (
         details='at batch 1, per prompt set — 40 held-out task prompts, 24 held-out general instructions, any '
                  '`medusa_benchmark.prompt_files`: HF greedy, HF prompt lookup, Medusa (Medusa-RL by configuration) '
                  'and the MTP module drafting a chain (`mtp_chain`) and an EAGLE-2 dynamic tree (`mtp_tree`, its '
-                 "verification budget the widest forward within 25 % of a one-token forward's cost, measured on the "
+                 "verification budget the widest forward within `budget_tolerance` (10 %) of a one-token forward's cost, measured on the "
                  'policy at the start) with tree verification and adaptive drafting (plain steps while drafting does '
                  'not pay, one decision state per decoder): speedup over greedy on 8 prompts, interleaved, with '
                  'intervals; τ on all prompts, and the share identical to HF greedy decoding the whole set in one '

@@ -73,8 +73,8 @@ class MTPTreeDrafter(PolicyTrail):
             child_logps, child_tokens = torch.log_softmax(logits.float(), dim=-1).topk(self.shape.top_k, dim=-1)
             child_tokens = child_tokens if vocab is None else vocab[child_tokens]  # (F, k) token ids
             child_values = frontier_values[:, None] + child_logps  # (F, k) log of the path's probability product
-            for f, (parent, row_tokens, row_values) in enumerate(zip(frontier_paths, child_tokens.tolist(),
-                                                                     child_values.tolist(), strict=True)):
+            for parent, row_tokens, row_values in zip(frontier_paths, child_tokens.tolist(), child_values.tolist(),
+                                                      strict=True):
                 paths += [(*parent, rank) for rank in range(len(row_tokens))]
                 tokens += row_tokens
                 values += row_values
