@@ -195,11 +195,21 @@ def test_the_verifier_plain_steps_stated_laws_and_devices():
         verify_tree_sampling(TOKENS, torch.full((TREE.size, V), 1 / V, device="meta"), TREE, torch.Generator())
 
 
-def test_the_batched_engine_still_refuses_to_sample_a_tree():
-    """Batched speculative sampling verifies chains only, and says so (trees are sampled at batch 1)."""
-    logits = torch.randn(2, TREE.size, V)
-    with pytest.raises(ValueError, match="verifies a chain; this tree has 4 paths"):
-        BatchSampling(1.0, [None, None])(TOKENS.expand(2, -1), None, logits, TREE, [0, 1])
+def test_the_batched_engine_samples_a_tree_row_by_row_as_batch_1_does():
+    """BatchSampling on a shared tree of deterministic candidates: each row's accepted nodes and next token are
+    verify_tree_sampling's on that row with the same seed (χ²-tested above); drafts drawn from a stated law are
+    verified as a chain only, and a tree of them is refused by name."""
+    logits = torch.randn(3, TREE.size, V, generator=torch.Generator().manual_seed(4))
+    tokens = torch.stack([TOKENS, TOKENS, torch.tensor([0, 2, 2, 5, 1, 3, 3])])  # the third row repeats siblings
+    nodes, counts, next_tokens = BatchSampling(0.7, [torch.Generator().manual_seed(s) for s in range(3)])(
+        tokens, None, logits, TREE, [0, 1, 2])
+    for row in range(3):
+        path, token = verify_tree_sampling(tokens[row], temperature_probs(logits[row], 0.7), TREE,
+                                           torch.Generator().manual_seed(row))
+        assert nodes[row, : counts[row]].tolist() == path and int(next_tokens[row]) == token
+    assert len({(tuple(nodes[r, : counts[r]].tolist()), int(next_tokens[r])) for r in range(3)}) > 1
+    with pytest.raises(ValueError, match="verified as one chain shared by every row; this step has 4 paths"):
+        BatchSampling(1.0, [None] * 2)(TOKENS.expand(2, -1), torch.ones(2, TREE.depth, V) / V, logits[:2], TREE, [0, 1])
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

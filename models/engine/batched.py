@@ -3,8 +3,11 @@
 sampling draws: :func:`models.engine.speculative.draw_rows`, each row's own generator), and one host sync to read
 every row's kept tokens.
 
-The batch-B counterpart of :func:`models.engine.speculative.speculative_stream`, for Medusa's heads and MTP's
-chained drafts alike. Medusa §2.1.2 (tree attention) batched, as the same pipeline of small functions:
+The batch-B counterpart of :func:`models.engine.speculative.speculative_stream`, for Medusa's heads, MTP's
+chained drafts and MTP's dynamic trees alike. A drafter's tree is one :class:`~models.engine.speculative.Tree` shared
+by every row (Medusa's, a chain) or each row's own (:class:`~models.engine.speculative.RowTrees`: EAGLE-2's dynamic
+tree follows each row's drafter confidence), the same N + 1 nodes per row either way; the functions below read both.
+Medusa §2.1.2 (tree attention) batched, as the same pipeline of small functions:
 
     draft (``drafter.propose``: every row's N + 1 tree tokens)  →  one tree forward of every row
     (:func:`batch_tree_inputs`)  →  a verdict per row (:class:`BatchGreedy` | :class:`BatchSampling`)
@@ -32,8 +35,9 @@ more plain steps (the forward stops being memory-bound), which is where drafting
 follows it.
 
 Scope: full-attention models (every cache layer a plain ``DynamicLayer``: Llama, SmolLM2; sliding-window and
-other layers are refused, naming the layer); speculative sampling on chains (one path, as at batch 1). Typical
-acceptance and sliding windows stay in :mod:`models.engine.speculative`, at batch 1.
+other layers are refused, naming the layer); speculative sampling on chains drafted from a law, and on any tree of
+deterministic candidates (a shared tree, or each row's dynamic tree). Typical acceptance and sliding windows stay
+in :mod:`models.engine.speculative`, at batch 1.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from models.engine.kv_cache import cache_kwargs
 from models.engine.speculative import (
     AdaptiveDrafting,
     DraftLogits,
+    RowTrees,
     SpeculativeStats,
     Tree,
     accepted_paths,
@@ -62,13 +67,14 @@ from models.engine.speculative import (
     root_tree,
     temperature_probs,
     verify_rows,
+    verify_tree_rows,
 )
 
 
 class BatchDrafter(Protocol):
     """Proposes every decoding row's tree at once, and follows the rows' verified outputs."""
 
-    tree: Tree  # the tree of every drafting step
+    tree: Tree | RowTrees  # the last proposal's tree: one shared by every row (every step's), or each row's own
 
     def start(self, prompts: Sequence[Sequence[int]], hidden: torch.Tensor, roots: torch.Tensor) -> None:
         """After the prefill: the prompts, their final hidden states (B, P, H), right-padded, and the first roots
@@ -76,7 +82,7 @@ class BatchDrafter(Protocol):
 
     def propose(self, roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every row's N + 1 tree tokens (B, N+1), root first, and the law each draft of a chain was drawn from
-        (B, D, V) (None: drafts for greedy verification only)."""
+        (B, D, V) (None: drafts for greedy verification only); ``tree`` is then their tree."""
 
     def accept(self, hidden: torch.Tensor, tokens: Sequence[Sequence[int]]) -> None:
         """Each row's step: the final hidden states of the nodes it kept (B, D+1, H), root first, row b's first a_b
@@ -93,7 +99,7 @@ class BatchVerifier(Protocol):
     def choose(self, logits: torch.Tensor, prompts: Sequence[int]) -> torch.Tensor:
         """The model's next token (B,) of each row from its logits (B, V); ``prompts``: each row's prompt index."""
 
-    def __call__(self, tokens: torch.Tensor, probs: torch.Tensor | None, logits: torch.Tensor, tree: Tree,
+    def __call__(self, tokens: torch.Tensor, probs: torch.Tensor | None, logits: torch.Tensor, tree: Tree | RowTrees,
                  prompts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """From the tree forward's logits (B, N+1, V): each row's kept nodes (B, D+1), root first, entries past
         its count filler; the count (B,), root included; and the next root (B,), the model's own token."""
@@ -113,9 +119,12 @@ class BatchGreedy:
 
 
 class BatchSampling:
-    """Speculative sampling (:func:`models.engine.speculative.verify_speculative_sampling`) of each row's chain at
-    ``temperature`` > 0 with its prompt's generator: every row's output is distributed exactly as sampling from the
-    model. ``generators``: one per prompt, on the model's device."""
+    """Speculative sampling of every row at ``temperature`` > 0 with its prompt's generator: every row's output is
+    distributed exactly as sampling from the model. A chain whose drafts were drawn from a stated law (``probs``:
+    MTP's chained drafts) is verified against it (:func:`models.engine.speculative.verify_rows`); deterministic
+    candidates (``probs`` None: a tree shared by the rows, or each row's own dynamic tree) by the tree rule
+    (:func:`models.engine.speculative.verify_tree_rows`, SpecInfer's rule with point-mass drafts). Row b consumes
+    its generator as it would decoding alone at batch 1. ``generators``: one per prompt, on the model's device."""
 
     def __init__(self, temperature: float, generators: Sequence[torch.Generator | None]):
         if temperature <= 0:
@@ -126,12 +135,14 @@ class BatchSampling:
         return draw_rows(temperature_probs(logits, self.temperature), [self.generators[p] for p in prompts])
 
     def __call__(self, tokens, probs, logits, tree, prompts):
-        if len(tree.paths) != 1:
-            raise ValueError(f"speculative sampling verifies a chain; this tree has {len(tree.paths)} paths")
         target = temperature_probs(logits, self.temperature)  # (B, N+1, V)
-        if probs is None:  # a plain step: no drafts, a draw from the model at the root
-            probs = target.new_zeros(len(prompts), 0, target.shape[-1])  # (B, 0, V)
-        accepted, roots = verify_rows(tokens[:, 1:], probs, target, [self.generators[p] for p in prompts])
+        generators = [self.generators[p] for p in prompts]
+        if probs is None:  # deterministic candidates, or a plain step (the root alone: a draw from the model)
+            return verify_tree_rows(tokens, target, tree, generators)
+        if isinstance(tree, RowTrees) or len(tree.paths) != 1:
+            raise ValueError("drafts drawn from a stated law are verified as one chain shared by every row; this step "
+                             f"has {'each row its own tree' if isinstance(tree, RowTrees) else f'{len(tree.paths)} paths'}")
+        accepted, roots = verify_rows(tokens[:, 1:], probs, target, generators)
         nodes = torch.arange(tree.size, device=logits.device).expand(len(prompts), -1)  # (B, N+1) the chain
         return nodes, accepted + 1, roots
 
@@ -158,12 +169,13 @@ class HeadsDrafter:
         self.hidden = self.hidden[rows]
 
 
-def batch_tree_inputs(tree: Tree, visible: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_tree_inputs(tree: Tree | RowTrees, visible: torch.Tensor, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Position ids (B, N+1) and the additive mask (B, 1, N+1, T + N+1) of a tree forward over a cache of T columns,
-    row b's real keys at its ``visible`` (B, T) columns."""
-    positions = visible.sum(dim=1, keepdim=True) + tree.depths.to(visible.device)[None]  # (B, N+1)
+    row b's real keys at its ``visible`` (B, T) columns; ``tree``: shared by every row, or each row's."""
+    positions = visible.sum(dim=1, keepdim=True) + tree.depths.to(visible.device)  # (B, N+1)
     keys = torch.cat([visible[:, None, :].expand(-1, tree.size, -1),
-                      tree.ancestors.to(visible.device)[None].expand(len(visible), -1, -1)], dim=2)  # (B, N+1, T+N+1)
+                      tree.ancestors.to(visible.device).expand(len(visible), -1, -1)], dim=2)  # (B, N+1, T+N+1)
     mask = torch.where(keys, 0.0, torch.finfo(dtype).min).to(dtype)
     return positions, mask[:, None]  # (B, N+1), (B, 1, N+1, T+N+1)
 
@@ -262,8 +274,8 @@ def batched_speculative_generate(model, drafter: BatchDrafter, verifier: BatchVe
             visible = compact_cache(cache, visible)
         drafts = adapter is None or adapter.drafts()
         if drafts:
-            tree = drafter.tree
             tokens, probs = drafter.propose(roots)  # (B, N+1), (B, D, V) | None
+            tree = drafter.tree  # this proposal's: shared, or each row's
         else:  # a plain step: each row's root alone
             tree, tokens, probs = root_tree(), roots[:, None], None
         positions, mask = batch_tree_inputs(tree, visible, model.dtype)

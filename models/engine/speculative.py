@@ -81,7 +81,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from models.engine.config import Adaptation, TypicalAcceptance
+from models.engine.config import Adaptation, DynamicTree, TypicalAcceptance
 from models.engine.kv_cache import cache_kwargs
 
 
@@ -208,6 +208,46 @@ def root_tree() -> Tree:
                 ancestors=torch.ones(1, 1, dtype=torch.bool), paths=torch.tensor([[0]]))
 
 
+@dataclass(frozen=True)
+class RowTrees:
+    """Each row's own tree in a batched step (EAGLE-2's dynamic tree drafted per row,
+    :class:`models.mtp.dynamic_tree.MTPBatchTreeDrafter`): N + 1 nodes in every row (node 0 the root), each row its
+    own shape. It has :class:`Tree`'s fields that the batched engine reads, with a leading batch dimension, so
+    :func:`greedy_match`, :func:`accepted_paths` and :func:`models.engine.batched.batch_tree_inputs` take either (a
+    shared tree broadcasts to every row)."""
+
+    depths: torch.Tensor  # (B, N+1) node depth, root 0
+    ancestors: torch.Tensor  # (B, N+1, N+1) bool: [b, i, j] = in row b, node j is node i or one of its ancestors
+    paths: torch.Tensor  # (B, P, D+1) node indices of every root-to-leaf path, padded with -1 (rows of -1: no path)
+
+    @property
+    def size(self) -> int:
+        """Nodes per row of the tree forward, the root included."""
+        return self.depths.shape[-1]
+
+    @classmethod
+    def stack(cls, trees: Sequence[Tree]) -> RowTrees:
+        """One row per tree, all of the same size; shorter path lists and paths are padded with -1."""
+        if len({tree.size for tree in trees}) != 1:
+            raise ValueError(f"row trees need one node count, got sizes {[tree.size for tree in trees]}")
+        count, width = max(len(t.paths) for t in trees), max(t.paths.shape[1] for t in trees)
+        paths = [F.pad(t.paths, (0, width - t.paths.shape[1], 0, count - len(t.paths)), value=-1) for t in trees]
+        return cls(depths=torch.stack([t.depths for t in trees]), ancestors=torch.stack([t.ancestors for t in trees]),
+                   paths=torch.stack(paths))
+
+    @classmethod
+    def of_nodes(cls, depths: torch.Tensor, ancestors: torch.Tensor, real: torch.Tensor) -> RowTrees:
+        """The trees of each row's node ``depths`` (B, N+1) and ``ancestors`` (B, N+1, N+1); ``real`` (B, N+1): the
+        nodes that may be accepted — the others are filler (a row that drafted fewer than N nodes) and lie on no
+        path. A path per real leaf, in node order."""
+        children = (ancestors & real[:, :, None]).sum(dim=1) - 1  # (B, N+1) real nodes below each node
+        leaves = real & (children == 0)
+        levels = torch.arange(int(depths.max()) + 1, device=depths.device)
+        on_level = ancestors[..., None] & (depths[:, None, :, None] == levels)  # (B, N+1, N+1, D+1) [b, i, j, t]
+        paths = torch.where(on_level.any(dim=2), on_level.int().argmax(dim=2), -1)  # (B, N+1, D+1) node i's path
+        return cls(depths=depths, ancestors=ancestors, paths=torch.where(leaves[..., None], paths, -1))
+
+
 def tree_candidates(root_token: int, draft_logits: torch.Tensor, tree: Tree) -> torch.Tensor:
     """The tree's N + 1 tokens: the root, then each node's rank-r draft token at its depth, from ``draft_logits``
     (D', V) with D' ≥ the tree's depth."""
@@ -287,15 +327,17 @@ def tree_forward(model, tokens: torch.Tensor, tree: Tree, cache: DynamicCache) -
     return out.logits[0], hidden[0]
 
 
-def accepted_paths(tree: Tree, match: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accepted_paths(tree: Tree | RowTrees, match: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For each row of ``match`` (B, N+1) — ``match[b, i]``: node i would be accepted given its parent is (root:
-    True) — the path with the longest run of accepted children (ties: the first path): its node indices (B, D+1),
-    root first, entries past the count being filler, and the accepted count, root included (B,)."""
-    paths = tree.paths.to(match.device)  # (P, D+1)
-    ok = match[:, paths.clamp(min=0)] & (paths >= 0)  # (B, P, D+1)
+    True) — the path of its tree (``tree``: shared, or each row's) with the longest run of accepted children (ties:
+    the first path): its node indices (B, D+1), root first, entries past the count being filler, and the accepted
+    count, root included (B,)."""
+    paths = tree.paths.to(match.device).expand(len(match), -1, -1)  # (B, P, D+1)
+    ok = match.gather(1, paths.clamp(min=0).flatten(1)).view_as(paths) & (paths >= 0)  # (B, P, D+1)
     accepted = ok.long().cumprod(dim=2).sum(dim=2)  # (B, P) root included
     best = accepted.argmax(dim=1)  # (B,) the first longest
-    return paths[best].clamp(min=0), accepted.gather(1, best[:, None])[:, 0]
+    nodes = paths.gather(1, best[:, None, None].expand(-1, 1, paths.shape[2]))[:, 0]  # (B, D+1)
+    return nodes.clamp(min=0), accepted.gather(1, best[:, None])[:, 0]
 
 
 def _accepted_path(tree: Tree, match: torch.Tensor) -> list[int]:
@@ -304,11 +346,11 @@ def _accepted_path(tree: Tree, match: torch.Tensor) -> list[int]:
     return nodes[0, : int(counts[0])].tolist()
 
 
-def greedy_match(tokens: torch.Tensor, predictions: torch.Tensor, tree: Tree) -> torch.Tensor:
+def greedy_match(tokens: torch.Tensor, predictions: torch.Tensor, tree: Tree | RowTrees) -> torch.Tensor:
     """Which nodes greedy verification accepts given their parent is (..., N+1): the node's token is its parent's
-    argmax (``predictions``, the model's argmax at each node); the root always."""
-    parents = _parents(tree).to(tokens.device).clamp(min=0)
-    match = tokens == predictions[..., parents]
+    argmax (``predictions``, the model's argmax at each node); the root always. ``tree``: shared, or each row's."""
+    parents = _parents(tree).to(tokens.device).clamp(min=0).expand_as(predictions)  # (..., N+1)
+    match = tokens == predictions.gather(-1, parents)
     match[..., 0] = True
     return match
 
@@ -409,38 +451,63 @@ def verify_tree_sampling(tokens: torch.Tensor, target_probs: torch.Tensor, tree:
     parent has left after its earlier siblings' rejections) < (p(x_i) unless an earlier sibling holds x_i) is the
     walk's own test whenever the walk reaches it (its parent reached, its earlier siblings rejected), so the path is
     the chain of first-passing children from the root, and unread uniforms change no law. ``generator``: on
-    ``target_probs``' device (``tokens`` are moved there).
+    ``target_probs``' device (``tokens`` are moved there). :func:`verify_tree_rows` of one row.
     """
+    nodes, counts, token = verify_tree_rows(tokens[None], target_probs[None], tree, [generator])
+    flags = torch.cat([counts, nodes[0], token]).tolist()  # one host sync
+    return flags[1 : 1 + flags[0]], flags[-1]
+
+
+def verify_tree_rows(tokens: torch.Tensor, target_probs: torch.Tensor, tree: Tree | RowTrees,
+                     generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`verify_tree_sampling` of B rows at once, row b with ``generators[b]`` (each consumes its generator as
+    one row alone does: N uniforms, then one draw): ``tokens`` (B, N+1), ``target_probs`` (B, N+1, V), ``tree``
+    shared by the rows or each row's own (:class:`RowTrees`, whose filler nodes — on no path — never pass) →
+    each row's accepted nodes (B, D+1), root first, entries past its count filler; the count, root included
+    (B,); and the next token (B,). No host sync."""
     device = target_probs.device
-    _check_generator(generator, device)
+    for generator in generators:
+        _check_generator(generator, device)
     tokens, probs = tokens.to(device), target_probs.float()
-    parents = _parents(tree).to(device)  # (N+1,) root: -1
-    nodes = torch.arange(tree.size, device=device)
-    # (N+1, N+1) [i, j]: node j is an earlier sibling of node i (tried before it)
-    earlier = (parents[:, None] == parents[None, :]) & (nodes[None, :] < nodes[:, None])
-    repeated = (earlier & (tokens[:, None] == tokens[None, :])).any(dim=1)  # (N+1,) x_i already tried and rejected
-    offered = torch.where(repeated, 0.0, probs[parents.clamp(min=0), tokens])  # (N+1,) p(x_i) left at its turn
-    left = (probs.sum(dim=-1)[parents.clamp(min=0)] - earlier.float() @ offered).clamp(min=0)  # (N+1,) parent's mass
-    uniforms = F.pad(torch.rand(tree.size - 1, generator=generator, device=device), (1, 0))  # (N+1,) root: unused
+    batch, size = tokens.shape
+    rows = torch.arange(batch, device=device)[:, None]
+    parents = _parents(tree).to(device).expand(batch, -1)  # (B, N+1) root: -1
+    depths = tree.depths.to(device).expand(batch, -1)  # (B, N+1)
+    ancestors = tree.ancestors.to(device).expand(batch, -1, -1)  # (B, N+1, N+1)
+    paths = tree.paths.to(device).expand(batch, -1, -1)  # (B, P, D+1)
+    real = torch.zeros(batch, size + 1, dtype=torch.bool, device=device).scatter(
+        1, (paths.flatten(1) % (size + 1)), True)[:, :size]  # (B, N+1) on some path (-1 lands in the extra column)
+    nodes = torch.arange(size, device=device)
+    # (B, N+1, N+1) [b, i, j]: node j is an earlier sibling of node i (tried before it); filler is never tried
+    earlier = ((parents[:, :, None] == parents[:, None, :]) & (nodes[None, None, :] < nodes[None, :, None])
+               & real[:, None, :])
+    repeated = (earlier & (tokens[:, :, None] == tokens[:, None, :])).any(dim=2)  # (B, N+1) x_i already rejected
+    offered = torch.where(repeated | ~real, 0.0, probs[rows, parents.clamp(min=0), tokens])  # (B, N+1) p(x_i) left
+    left = (probs.sum(dim=-1).gather(1, parents.clamp(min=0))
+            - (earlier.float() @ offered[..., None])[..., 0]).clamp(min=0)  # (B, N+1) the parent's mass left
+    uniforms = F.pad(torch.stack([torch.rand(size - 1, generator=g, device=device) for g in generators]),
+                     (1, 0))  # (B, N+1) root: unused
     passes = uniforms * left < offered  # u < p(x) / left, without dividing by a zero left
-    passes[0] = True
-    first = passes & ~(earlier & passes[None, :]).any(dim=1)  # (N+1,) the first passing child of its parent
-    on_path = ~(tree.ancestors.to(device) & ~first[None, :]).any(dim=1)  # (N+1,) every ancestor passed first
-    last = torch.where(on_path, tree.depths.to(device), -1).argmax()  # the deepest node reached
-    tried = torch.zeros_like(probs[0]).index_add_(0, tokens, (parents == last).float())  # (V,) its children's tokens
-    law = torch.where(tried > 0, 0.0, probs[last])  # (V,) p with every rejected child removed
-    law = torch.where(law.sum() > 0, law, probs[last])  # all mass rejected can only be rounding: any draw from p
-    token = draw_rows(law[None], [generator])  # (1,) the race needs no normalising
-    flags = torch.cat([on_path.long(), token]).tolist()  # one host sync
-    return [node for node in range(tree.size) if flags[node]], flags[-1]
+    passes[:, 0] = True
+    first = passes & ~(earlier & passes[:, None, :]).any(dim=2)  # (B, N+1) the first passing child of its parent
+    on_path = ~(ancestors & ~first[:, None, :]).any(dim=2)  # (B, N+1) every ancestor passed first
+    last = torch.where(on_path, depths, -1).argmax(dim=1)  # (B,) the deepest node reached
+    tried = torch.zeros_like(probs[:, 0]).scatter_add_(1, tokens, ((parents == last[:, None]) & real).float())  # (B, V)
+    law = torch.where(tried > 0, 0.0, probs[rows[:, 0], last])  # (B, V) p with every rejected child removed
+    # all mass rejected can only be rounding: any draw from p
+    law = torch.where(law.sum(dim=-1, keepdim=True) > 0, law, probs[rows[:, 0], last])
+    counts = on_path.sum(dim=1)  # (B,) root included
+    # the path's nodes by depth (the others after them, as filler)
+    order = torch.where(on_path, depths, size + depths).argsort(dim=1, stable=True)[:, : paths.shape[2]]  # (B, D+1)
+    return order, counts, draw_rows(law, generators)  # the race needs no normalising
 
 
-def _parents(tree: Tree) -> torch.Tensor:
-    """(N+1,) index of each node's parent (root: -1): its deepest strict ancestor."""
-    strict = tree.ancestors & ~torch.eye(tree.size, dtype=torch.bool)
-    depth_of = torch.where(strict, tree.depths[None, :], torch.full_like(strict, -1, dtype=torch.long))
-    parents = depth_of.argmax(dim=1)
-    parents[0] = -1
+def _parents(tree: Tree | RowTrees) -> torch.Tensor:
+    """(N+1,) index of each node's parent (root: -1): its deepest strict ancestor; (B, N+1) for row trees."""
+    strict = tree.ancestors & ~torch.eye(tree.size, dtype=torch.bool, device=tree.ancestors.device)
+    depth_of = torch.where(strict, tree.depths[..., None, :], torch.full_like(strict, -1, dtype=torch.long))
+    parents = depth_of.argmax(dim=-1)
+    parents[..., 0] = -1
     return parents
 
 
@@ -836,6 +903,22 @@ def auto_budget(costs: dict[int, float], tolerance: float) -> int:
     limit = (1 + tolerance) * costs[1]
     widest = max(width for width, seconds in costs.items() if seconds <= limit)
     return max(1, widest - 1)
+
+
+VERIFICATION_WIDTHS = (1, 4, 8, 16, 24, 32, 48, 64)
+"""Tokens per verification forward (the root included) whose cost ``DynamicTree.budget: auto`` measures."""
+VERIFICATION_REPEATS = 5
+"""Timed rounds of every width (after one warm-up round): the median is each width's cost."""
+
+
+def tree_budget(model, tree: DynamicTree, context_length: int) -> tuple[int, dict[int, float]]:
+    """``tree``'s verification budget and the costs it was chosen from: as configured (no costs), or, with ``auto``,
+    :func:`auto_budget` over ``model``'s forward cost at each of :data:`VERIFICATION_WIDTHS` after
+    ``context_length`` tokens (:func:`verification_costs`, batch 1)."""
+    if tree.budget != "auto":
+        return tree.budget, {}
+    costs = verification_costs(model, VERIFICATION_WIDTHS, context_length, VERIFICATION_REPEATS)
+    return auto_budget(costs, tree.budget_tolerance), costs
 
 
 def _decoder(model) -> torch.nn.Module:
