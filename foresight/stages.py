@@ -423,8 +423,8 @@ STAGES: tuple[Stage, ...] = (
                  'intervals; τ on all prompts, and the share identical to HF greedy decoding the whole set in one '
                  "left-padded batch (batch-1 greedy's own share on the timed prompts shows what batching alone changes "
                  "in bf16); every divergence with the policy's logit margin there (bf16 near-ties); a speed curve at "
-                 'batch 1 and 16 on the task prompts (HF batched greedy vs batched Medusa and MTP chain — the batched '
-                 'engine has no dynamic tree — adaptive per batch size, interleaved batch by batch, with intervals and '
+                 'batch 1 and 16 on the task prompts (HF batched greedy vs batched Medusa, MTP chain and MTP dynamic tree, '
+                 'each row its own tree — adaptive per batch size, interleaved batch by batch, with intervals and '
                  "the share of rows identical to HF's)",
         output_files='`data/benchmarks/medusa/` (`report.md`, `table.csv`, `speed_curve.csv`, `speed_curve.png`, '
                  '`speedup.png`, `tau.png`, `tree.json`, `verification_cost.csv`, `verification_cost.png`)',

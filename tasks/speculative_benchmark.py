@@ -66,14 +66,14 @@ from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
 from models.engine.policy import load_policy
 from models.engine.speculative import (
     AdaptiveDrafting,
+    VERIFICATION_REPEATS,
     TreeVerifier,
-    auto_budget,
     build_tree,
     speculative_generate,
-    verification_costs,
+    tree_budget,
 )
 from models.medusa.heads import MedusaDrafter, MedusaHeads
-from models.mtp.dynamic_tree import MTPTreeDrafter
+from models.mtp.dynamic_tree import MTPBatchTreeDrafter, MTPTreeDrafter
 from models.mtp.module import MTPBatchDrafter, MTPDrafter, MTPModule, MTPModuleConfig, draft_parts
 from tasks.common import (
     StageResult,
@@ -148,9 +148,10 @@ def candidate_tree(cfg: Config):
 def benchmark_medusa_task(cfg: Config) -> StageResult:
     """Every speculative decoder against HF greedy, on each prompt set: at batch 1 on its first ``speed_prompts``
     prompts (speed, every decoder interleaved prompt by prompt; τ; identity), and — each drafter the batched engine
-    runs (Medusa's, ``mtp_chain``), under greedy verification — batched on all of them (``<decoder>_batched``: τ and
-    identity over the whole set, in batches of ``batch_size``, untimed); and the policy's logit margin at every
-    divergence. ``mtp_tree``'s budget, when ``auto``, is resolved first, on the policy's measured verification cost.
+    runs (Medusa's, ``mtp_chain``, ``mtp_tree``), under greedy verification — batched on all of them
+    (``<decoder>_batched``: τ and identity over the whole set, in batches of ``batch_size``, untimed); and the
+    policy's logit margin at every divergence. ``mtp_tree``'s budget, when ``auto``, is resolved first, on the
+    policy's measured verification cost.
 
     Identity is judged against HF greedy decoding the whole set in left-padded batches of ``batch_size``. In half
     precision that reference rounds differently from greedy at batch 1 too; the greedy row's own identity share
@@ -204,26 +205,18 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
     return result
 
 
-VERIFICATION_WIDTHS = (1, 4, 8, 16, 24, 32, 48, 64)
-"""Tokens per verification forward (the root included) whose cost ``dynamic_tree.budget: auto`` measures."""
-VERIFICATION_REPEATS = 5
-"""Timed rounds of every width (after one warm-up round): the median is each width's cost."""
-
-
 def _dynamic_tree_budget(cfg: Config, policy, prompt_ids: list[torch.Tensor]) -> tuple[int | None, dict[int, float]]:
     """``mtp_tree``'s verification budget (``medusa_benchmark.dynamic_tree.budget``) and the costs it was chosen from:
-    as configured (no costs), or, with ``auto``, :func:`models.engine.speculative.auto_budget` over the policy's
-    forward cost at each of :data:`VERIFICATION_WIDTHS` (:func:`models.engine.speculative.verification_costs`) after a
-    context as long as the middle of a typical response: the median prompt of ``prompt_ids`` (the first prompt set)
-    plus half of ``max_new_tokens``. None and no costs without ``mtp_tree``."""
+    :func:`models.engine.speculative.tree_budget` after a context as long as the middle of a typical response: the
+    median prompt of ``prompt_ids`` (the first prompt set) plus half of ``max_new_tokens``. None and no costs without
+    ``mtp_tree``."""
     s = cfg.medusa_benchmark
     if "mtp_tree" not in s.decoders:
         return None, {}
-    if s.dynamic_tree.budget != "auto":
-        return s.dynamic_tree.budget, {}
     context = int(pd.Series([ids.shape[1] for ids in prompt_ids]).median()) + s.max_new_tokens // 2
-    costs = verification_costs(policy.model, VERIFICATION_WIDTHS, context, VERIFICATION_REPEATS)
-    budget = auto_budget(costs, s.dynamic_tree.budget_tolerance)
+    budget, costs = tree_budget(policy.model, s.dynamic_tree, context)
+    if not costs:
+        return budget, costs
     stage_logger().info("verification forward after %d tokens, ms by width: %s; dynamic tree budget %d nodes (the "
                         "widest within %.0f %% of one token's cost, the root excluded)", context,
                         {w: round(1000 * seconds, 1) for w, seconds in costs.items()}, budget,
@@ -234,9 +227,9 @@ def _dynamic_tree_budget(cfg: Config, policy, prompt_ids: list[torch.Tensor]) ->
 def _speed_curve(cfg: Config, policy, drafters: dict[str, Callable[[], BatchDrafter]], prompts: list[list[int]],
                  eos: set[int], set_name: str) -> list[dict]:
     """Speed against batch size on one prompt set (:func:`foresight.benchmark.batch_speed_curve`): HF batched greedy
-    (the reference) and each batched drafter (``drafters``: name → a new one; Medusa's and ``mtp_chain``) in the
-    batched tree engine, greedy-verified, adaptive as configured with one decision state per drafter and batch size
-    (a cycle's cost in plain steps grows with the batch)."""
+    (the reference) and each batched drafter (``drafters``: name → a new one; Medusa's, ``mtp_chain``, ``mtp_tree``) in
+    the batched tree engine, greedy-verified, adaptive as configured with one decision state per drafter and batch
+    size (a cycle's cost in plain steps grows with the batch)."""
     s = cfg.medusa_benchmark
     states: dict[tuple[str, int], AdaptiveDrafting | None] = {}
 
@@ -261,7 +254,7 @@ def _medusa_decoders(cfg: Config, policy, tree, budget: int | None
     shaped as ``dynamic_tree``), both from the module's draft vocabulary where it has one — every drafter with the
     configured verification, adaptive or not (``medusa_benchmark.adaptive``, one decision state per decoder); and
     name → a new batched drafter (:class:`models.engine.batched.BatchDrafter`) for each of them the batched engine
-    runs: the Medusa drafters and ``mtp_chain`` (it has no dynamic tree)."""
+    runs: the Medusa drafters, ``mtp_chain`` and ``mtp_tree`` (each row its own dynamic tree)."""
     s = cfg.medusa_benchmark
     eos = end_token_ids(policy)
     # the section is-a TypicalAcceptance: its typical_* knobs are the rule
@@ -291,6 +284,7 @@ def _medusa_decoders(cfg: Config, policy, tree, budget: int | None
             batched["mtp_chain"] = lambda: MTPBatchDrafter(draft_base, draft_module)
         if "mtp_tree" in s.decoders:
             drafters["mtp_tree"] = lambda: MTPTreeDrafter(draft_base, draft_module, s.dynamic_tree, budget)
+            batched["mtp_tree"] = lambda: MTPBatchTreeDrafter(draft_base, draft_module, s.dynamic_tree, budget)
 
     def hf(kwargs):
         return lambda ids, max_new_tokens: (
@@ -510,8 +504,7 @@ def _report(rows: list[dict], divergences: pd.DataFrame, curve: list[dict], tree
                "(below)" if t.budget == "auto" else "as configured")
         described.append(f"`mtp_tree`: the same module drafting EAGLE-2's dynamic tree (depth {t.depth}, top-{t.top_k} "
                          f"children of the {t.frontier} likeliest nodes per depth, re-ranked to a budget of {budget} "
-                         f"nodes besides the root: {how}); the batched engine has no dynamic tree, so `mtp_chain` "
-                         "stands for the module in the batched rows and the speed curve")
+                         f"nodes besides the root: {how}); batched, each row drafts its own tree")
     lines = [
         "# Speculative decoding benchmark (HF greedy, prompt lookup, Medusa, RLMedusa, MTP)",
         (f"\nPolicy in {dtype.removeprefix('torch.')}, max {s.max_new_tokens} new tokens, {s.acceptance} "

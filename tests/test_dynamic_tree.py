@@ -14,7 +14,7 @@ import torch
 
 from models.engine.config import DynamicTree
 from models.engine.speculative import TreeVerifier, speculative_generate
-from models.mtp.dynamic_tree import MTPTreeDrafter
+from models.mtp.dynamic_tree import MTPBatchTreeDrafter, MTPTreeDrafter
 from models.mtp.module import MTPDrafter, MTPModule, draft_parts, frequent_tokens, mtp_logits
 from tests.helpers import perturbed_module
 from tests.tiny import load_spiky_tiny_llama
@@ -179,3 +179,172 @@ def test_a_draft_vocabulary_head_equals_the_full_head_on_its_tokens(tiny):
             drafter.update(model(ids, output_hidden_states=True).hidden_states[-1][0], [*ids[0, 1:].tolist(), 7])
         drafts, _ = drafter.draft(lambda step_logits: int(step_logits.argmax()))
         assert set(drafts) <= set(vocab.tolist())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# at batch B: per-row trees in the batched engine (models/engine/batched.py)
+
+
+class RecordingTreeDrafter(MTPBatchTreeDrafter):
+    """The batched tree drafter, recording by prompt every row's tree of each cycle as the set of its real nodes'
+    token paths from the root (a node's tokens along its path: tokens and shape at once)."""
+
+    def start(self, prompts, hidden, roots):
+        self.rows, self.trees = list(range(len(prompts))), [[] for _ in prompts]
+        super().start(prompts, hidden, roots)
+
+    def propose(self, roots):
+        tokens, probs = super().propose(roots)
+        for row, prompt in enumerate(self.rows):
+            self.trees[prompt].append(_token_paths(tokens[row], self.tree.paths[row]))
+        return tokens, probs
+
+    def keep(self, rows):
+        self.rows = [self.rows[i] for i in rows.tolist()]
+        super().keep(rows)
+
+
+def _token_paths(tokens: torch.Tensor, paths: torch.Tensor) -> set[tuple[int, ...]]:
+    """Every node on ``paths`` (P, D+1) as its tokens from the root's child down, read from ``tokens`` (N+1,)."""
+    nodes = [[n for n in path if n >= 0] for path in paths.tolist()]
+    return {tuple(tokens[path[1 : i + 1]].tolist()) for path in nodes for i in range(1, len(path))}
+
+
+class RecordingBatchOneDrafter(MTPTreeDrafter):
+    def propose(self, room):
+        draft = super().propose(room)
+        trees.append(_token_paths(draft.tokens, draft.tree.paths))
+        return draft
+
+
+trees: list[set[tuple[int, ...]]] = []
+
+
+@pytest.mark.parametrize("shape, budget, vocab", [(DynamicTree(depth=4, top_k=3, frontier=2), 9, None),
+                                                  (DynamicTree(depth=5, top_k=4, frontier=3), 12, 160)])
+def test_batched_dynamic_trees_are_greedy_and_each_rows_batch_1_tree(tiny, shape, budget, vocab):
+    """Prompts of different lengths (one shorter than the tree's depth), one ending early on an end token, the rest at
+    max_new_tokens: the batched output is HF greedy's, token for token, and every row's tree of every cycle is the
+    one :class:`MTPTreeDrafter` drafts at batch 1 for that prompt (tokens and shape), with or without a draft
+    vocabulary; the rows' trees differ (the per-row path is exercised)."""
+    from models.engine.batched import BatchGreedy, batched_speculative_generate
+    from tests.helpers import hf_greedy, random_prompts
+
+    model, _ = tiny
+    module = perturbed_module(model, 3, scale=0.05)
+    module.draft_vocab = None if vocab is None else torch.arange(vocab) * (model.config.vocab_size // vocab)
+    parts = draft_parts(model, module)
+    prompts = [[7], *random_prompts(4, model.config.vocab_size, seed=11)]  # [7]: L = 1 < depth at first
+    end = hf_greedy(model, torch.tensor([prompts[2]]), 3, set())[-1]  # prompt 2 ends at its third token
+    references = [hf_greedy(model, torch.tensor([p]), 20, {end}) for p in prompts]
+    assert len(references[2]) <= 3 and any(len(r) == 20 for r in references)
+    drafter = RecordingTreeDrafter(*parts, shape, budget)
+    outputs, stats = batched_speculative_generate(model, drafter, BatchGreedy(), prompts, 20, {end})
+    assert outputs == references
+    for prompt, row_trees in zip(prompts, drafter.trees, strict=True):
+        trees.clear()
+        speculative_generate(model, RecordingBatchOneDrafter(*parts, shape, budget), TreeVerifier(),
+                             torch.tensor([prompt]), 20, {end})
+        assert row_trees == trees
+    first = [row_trees[0] for row_trees in drafter.trees]
+    assert len({frozenset(t) for t in first}) == len(first), "the rows' first trees should differ"
+    assert len({frozenset(len(p) for p in t) for t in first}) > 1, "the rows' first trees should differ in shape"
+    assert len(first[0]) < budget  # the one-token prompt drafts one depth only: fewer nodes than the budget
+    assert sum(length > 2 for s in stats for length in s.accepted_lengths), "no cycle accepted two drafts"
+
+
+def test_a_per_row_tree_step_accepts_each_rows_path():
+    """Two rows, two different trees (hand-worked): greedy verification follows each row's own tree."""
+    from models.engine.speculative import RowTrees, accepted_paths, build_tree, greedy_match
+
+    trees_ = RowTrees.stack([build_tree([(0,), (1,), (0, 0)]),  # root, a, b, a → c
+                             build_tree([(0,), (0, 0), (0, 0, 0)])])  # root → a → b → c: a chain
+    tokens = torch.tensor([[5, 6, 7, 8],
+                           [5, 6, 7, 8]])
+    predictions = torch.tensor([[6, 8, 0, 0],  # after the root 6 (node 1), after node 1 8 (node 3)
+                                [6, 7, 0, 0]])  # after the root 6, after node 1 7, after node 2 not 8
+    nodes, counts = accepted_paths(trees_, greedy_match(tokens, predictions, trees_))
+    assert counts.tolist() == [3, 3]
+    assert nodes[0, :3].tolist() == [0, 1, 3] and nodes[1, :3].tolist() == [0, 1, 2]
+    # the shared-tree reading of row 0's tree gives row 0's answer: one code path for both
+    shared = build_tree([(0,), (1,), (0, 0)])
+    nodes, counts = accepted_paths(shared, greedy_match(tokens[:1], predictions[:1], shared))
+    assert counts.tolist() == [3] and nodes[0].tolist() == [0, 1, 3]
+
+
+def test_row_trees_mask_each_row_by_its_own_ancestors():
+    from models.engine.batched import batch_tree_inputs
+    from models.engine.speculative import RowTrees, build_tree
+
+    trees_ = RowTrees.stack([build_tree([(0,), (1,)]), build_tree([(0,), (0, 0)])])  # siblings; a chain
+    visible = torch.tensor([[True, False], [True, True]])
+    positions, mask = batch_tree_inputs(trees_, visible, dtype=torch.float32)
+    assert positions.tolist() == [[1, 2, 2], [2, 3, 4]]
+    seen = (mask[:, 0] == 0).int().tolist()
+    assert seen[0] == [[1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [1, 0, 1, 0, 1]]
+    assert seen[1] == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+def test_batched_tree_sampling_draws_each_row_as_it_would_alone(tiny):
+    """Speculative sampling of each row's dynamic tree at batch B (BatchSampling → verify_tree_rows) gives every
+    prompt the tokens batch-1 tree sampling (TreeSamplingVerifier, χ²-tested in tests/test_tree_sampling.py) gives it
+    from the same seed: the same trees, the same random numbers read in the same order, float32."""
+    from models.engine.batched import BatchSampling, batched_speculative_generate
+    from models.engine.speculative import TreeSamplingVerifier
+
+    model, prompts = tiny
+    module = perturbed_module(model, 3, scale=0.0)
+    shape = DynamicTree(depth=3, top_k=3, frontier=2, budget=6)
+    batch = [ids[0].tolist() for ids in prompts]
+    batch[1] = batch[1][:7]  # rows of different lengths (each longer than the depth: every tree has 6 nodes)
+    seeds = [11, 12, 13]
+    batched, stats = batched_speculative_generate(
+        model, MTPBatchTreeDrafter(*draft_parts(model, module), shape, shape.budget),
+        BatchSampling(0.3, [torch.Generator().manual_seed(s) for s in seeds]), batch, 20, set())
+    for row, seed, tokens in zip(batch, seeds, batched, strict=True):
+        alone, _ = speculative_generate(model, MTPTreeDrafter(*draft_parts(model, module), shape, shape.budget),
+                                        TreeSamplingVerifier(0.3, torch.Generator().manual_seed(seed)),
+                                        torch.tensor([row]), 20, set())
+        assert tokens == alone
+    assert sum(length > 2 for s in stats for length in s.accepted_lengths), "no cycle accepted two drafts"
+    reseeded, _ = batched_speculative_generate(
+        model, MTPBatchTreeDrafter(*draft_parts(model, module), shape, shape.budget),
+        BatchSampling(0.3, [torch.Generator().manual_seed(s + 100) for s in seeds]), batch, 20, set())
+    assert reseeded != batched, "the outputs should depend on the seeds (else equal outputs would prove nothing)"
+
+
+def test_tree_sampling_never_tries_a_rows_filler_nodes():
+    """A row that drafted fewer nodes than the budget pads its tree with filler (on no path): a filler node holding
+    a real sibling's token must neither shadow it (an earlier sibling with the same token is a rejected one) nor
+    remove its token from the residual law. Row 0: filler node 1 and real node 2 both hold token 6, p(6) = 1 at
+    the root, so node 2 passes for sure and the next token is p's at node 2 (one-hot 9); row 1, its own chain."""
+    from models.engine.speculative import RowTrees, build_tree, verify_tree_rows
+
+    chain = build_tree([(0, 0)])  # root → 1 → 2
+    depths = torch.tensor([[0, 1, 1], [0, 1, 2]])
+    ancestors = torch.stack([torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool), chain.ancestors])
+    trees = RowTrees.of_nodes(depths, ancestors, real=torch.tensor([[True, False, True], [True, True, True]]))
+    tokens = torch.tensor([[5, 6, 6], [5, 7, 8]])
+    probs = torch.zeros(2, 3, 12)
+    probs[0, 0, 6] = probs[0, 1, 3] = probs[0, 2, 9] = 1.0
+    probs[1, 0, 7] = probs[1, 1, 8] = probs[1, 2, 4] = 1.0  # row 1: both drafts certain, then the bonus 4
+    nodes, counts, next_tokens = verify_tree_rows(tokens, probs, trees, [torch.Generator().manual_seed(0)] * 2)
+    assert counts.tolist() == [2, 3] and nodes[0, :2].tolist() == [0, 2] and nodes[1].tolist() == [0, 1, 2]
+    assert next_tokens.tolist() == [9, 4]
+
+
+def test_adaptive_batched_dynamic_trees_catch_up_after_plain_steps(tiny):
+    """With a cycle cost no tree can pay, the batch mostly runs plain steps (no draft: the depths' catch-up grows) and
+    probes now and then: every row's output is still its greedy decoding."""
+    from models.engine.batched import BatchGreedy, batched_speculative_generate
+    from models.engine.config import Adaptation
+    from tests.helpers import hf_greedy, random_prompts
+
+    model, _ = tiny
+    prompts = random_prompts(4, model.config.vocab_size, seed=5)
+    references = [hf_greedy(model, torch.tensor([p]), 30, set()) for p in prompts]
+    drafter = MTPBatchTreeDrafter(model, perturbed_module(model, 2, scale=0.05), DynamicTree(depth=3, top_k=2), 5)
+    outputs, stats = batched_speculative_generate(model, drafter, BatchGreedy(), prompts, 30, set(),
+                                                  adaptation=Adaptation(window=2, probe_every=4, cycle_cost=6.0))
+    assert outputs == references
+    assert min(row.plain_forwards for row in stats) > 5 and min(len(row.accepted_lengths) for row in stats) >= 3

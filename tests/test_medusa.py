@@ -669,18 +669,19 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     out = tmp_path / "data/benchmarks/medusa"
     table = pd.read_csv(out / "table.csv")
     timed = ["greedy", "prompt_lookup", "medusa_supervised", "mtp_chain", "mtp_tree"]
-    assert table["prompt_set"].tolist() == ["held_out"] * 7 + ["general"] * 7
-    # every drafter side by side; the batched engine has no dynamic tree: the MTP chain stands for the module there
-    assert table["decoder"].tolist() == [*timed, "medusa_supervised_batched", "mtp_chain_batched"] * 2
-    assert table["batch"].tolist() == [1, 1, 1, 1, 1, 40, 40] * 2
+    assert table["prompt_set"].tolist() == ["held_out"] * 8 + ["general"] * 8
+    # every drafter side by side, batch 1 and batched (the dynamic tree: each row its own)
+    assert table["decoder"].tolist() == [*timed, "medusa_supervised_batched", "mtp_chain_batched",
+                                         "mtp_tree_batched"] * 2
+    assert table["batch"].tolist() == [1, 1, 1, 1, 1, 40, 40, 40] * 2
     assert "lossless" not in table.columns
     by = table.set_index(["prompt_set", "decoder"])
     # batch 1 on the timed prompts only; batched on the whole set, untimed
     assert (table.loc[table["batch"] == 1, "prompts"] == 2).all()
-    assert (table["speed_prompts"] == [2, 2, 2, 2, 2, 0, 0] * 2).all()
+    assert (table["speed_prompts"] == [2, 2, 2, 2, 2, 0, 0, 0] * 2).all()
     assert by.loc[("held_out", "medusa_supervised_batched"), "prompts"] == 3
     assert by.loc[("general", "mtp_chain_batched"), "prompts"] == 2
-    assert by["speedup_vs_reference"].isna().tolist() == [False] * 5 + [True] * 2 + [False] * 5 + [True] * 2
+    assert by["speedup_vs_reference"].isna().tolist() == [False] * 5 + [True] * 3 + [False] * 5 + [True] * 3
     # float32: every greedy-verified drafter's output is HF greedy's, token for token
     assert (table.loc[table["decoder"] != "prompt_lookup", "identical_to_greedy"] == 1.0).all()
     outputs = pd.read_parquet(out / "outputs.parquet")
@@ -699,7 +700,7 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     curve = pd.read_csv(out / "speed_curve.csv")
     assert list(zip(curve["prompt_set"], curve["batch"], curve["decoder"], strict=True)) == [
         (prompt_set, batch, decoder) for prompt_set in ("held_out", "general") for batch in (1, 2)
-        for decoder in ("greedy", "medusa_supervised", "mtp_chain")]
+        for decoder in ("greedy", "medusa_supervised", "mtp_chain", "mtp_tree")]
     drafting = curve[curve["decoder"] != "greedy"]
     assert (drafting["identical_to_reference"] == 1.0).all() and drafting["tokens_per_forward"].notna().all()
     assert (drafting["speedup_vs_reference_low"] <= drafting["speedup_vs_reference_high"]).all()
@@ -795,9 +796,9 @@ def test_the_benchmarks_adaptation_and_typical_acceptance_come_from_params(polic
     monkeypatch.setattr(task, "AdaptiveDrafting", lambda adaptation: rules.append(adaptation))
     monkeypatch.setattr(task, "TreeVerifier", lambda acceptance: verifiers.append(acceptance))
     decoders, drafters = task._medusa_decoders(cfg, policy, chain_tree(2), 3)
-    # the default decoders: every drafter side by side; the batched engine runs Medusa and the MTP chain
+    # the default decoders: every drafter side by side, batch 1 and batched
     assert list(decoders) == ["greedy", "prompt_lookup", "medusa_supervised", "mtp_chain", "mtp_tree"]
-    assert list(drafters) == ["medusa_supervised", "mtp_chain"] and len(rules) == 3
+    assert list(drafters) == ["medusa_supervised", "mtp_chain", "mtp_tree"] and len(rules) == 3
     assert verifiers == [cfg.medusa_benchmark] and verifiers[0].typical_alpha == 0.5
 
     def each_once(decoders, prompts, decode, *args):
@@ -808,4 +809,4 @@ def test_the_benchmarks_adaptation_and_typical_acceptance_come_from_params(polic
     monkeypatch.setattr(task, "batch_speed_curve", each_once)
     monkeypatch.setattr(task, "batched_speculative_generate", lambda *args: ([[]], []))
     task._speed_curve(cfg, policy, drafters, [[1, 2, 3]], set(), "held_out")
-    assert len(rules) == 5 and all(rule.window == 5 and rule == cfg.medusa_benchmark.adaptation for rule in rules)
+    assert len(rules) == 6 and all(rule.window == 5 and rule == cfg.medusa_benchmark.adaptation for rule in rules)

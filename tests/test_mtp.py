@@ -98,6 +98,21 @@ def test_cross_entropy_weights_each_depth(tiny):
     assert total.item() == pytest.approx(0.6 * by_hand[0] + 0.4 * by_hand[1], abs=1e-5)
 
 
+def test_cross_entropy_over_a_draft_vocabulary_skips_targets_outside_it(tiny):
+    model, _ = tiny
+    module = perturbed_module(model, 1)
+    input_ids = torch.tensor([[3, 7, 9, 11, 7, 20, 9, 5]])
+    hidden = model(input_ids, output_hidden_states=True).hidden_states[-1]
+    states = module(model, input_ids, hidden)
+    vocab = torch.tensor([2, 7, 9, 30])  # targets t_{i+2} = 9, 11, 7, 20, 9, 5: 11, 20 and 5 are outside
+    _, (ce,) = mtp_cross_entropy(model, states, input_ids, torch.ones_like(input_ids), [1.0], vocab=vocab)
+    logits = mtp_logits(model, states[0][0, [0, 2, 4]])[:, vocab]  # positions whose target is 9, 7, 9
+    by_hand = torch.nn.functional.cross_entropy(logits, torch.tensor([2, 1, 2])).item()
+    assert ce == pytest.approx(by_hand, abs=1e-5)
+    _, (whole,) = mtp_cross_entropy(model, states, input_ids, torch.ones_like(input_ids), [1.0])
+    assert abs(whole - ce) > 0.1  # the whole vocabulary's softmax and targets give another loss
+
+
 @pytest.mark.parametrize("chunks", [[7, 1, 3, 2, 4], [9, 4, 4, 1]])
 def test_cached_chained_drafts_equal_a_teacher_forced_forward(tiny, chunks):
     """After any sequence of updates, each depth's draft logits are those of one teacher-forced forward over the
@@ -261,6 +276,14 @@ def test_equip_training_changes_only_the_module_and_lowers_the_loss(tiny_llama, 
     assert evaluation["expected_acceptance_rate"] == pytest.approx((evaluation["expected_tau"] - 1) / 2)
     assert evaluation["expected_tau_low"] == pytest.approx(evaluation["expected_tau"])  # identical responses
     assert (evaluation["positions"], evaluation["responses"]) == (8 * chains, 8)
+    # a draft vocabulary without the response's tokens: no top-1 can hit; with only them, more do
+    response = sorted({t for t, counted in zip(*sequences[0], strict=True) if counted})
+    others = torch.tensor(sorted(set(range(policy.model.config.vocab_size)) - set(response)))
+    module.draft_vocab = others
+    assert chain_acceptance(policy, module, sequences, hidden).hits.sum() == 0
+    module.draft_vocab = torch.tensor(response)
+    among_response_tokens = chain_acceptance(policy, module, sequences, hidden).hits
+    assert (among_response_tokens >= acceptance.hits).all() and among_response_tokens.sum() > acceptance.hits.sum()
 
 
 def test_equip_training_stops_on_the_validation_loss_and_keeps_the_best_module(tiny_llama, tmp_path):

@@ -141,9 +141,8 @@ class MedusaBenchmarkConfig(TypicalAcceptance):
     (``medusa_supervised``; ``medusa_rl`` runs once per RL head, ``rlmedusa.inits``, as ``medusa_rl_base`` /
     ``medusa_rl_supervised``), and the ``train_mtp`` stage's MTP module as a drafter: ``mtp_chain`` (its K chained
     top-1 drafts) and ``mtp_tree`` (EAGLE-2's dynamic tree, ``dynamic_tree``). Every drafter also decodes every
-    prompt of every set batched, greedy-verified (``<decoder>_batched``), and runs on the speed curve
-    (``curve_sets``), except ``mtp_tree``: the batched engine has no dynamic tree, so ``mtp_chain`` stands for the
-    MTP module there. Prompt lookup runs on the timed prompts only."""
+    prompt of every set batched, greedy-verified (``<decoder>_batched``; ``mtp_tree``: each row its own dynamic
+    tree), and runs on the speed curve (``curve_sets``). Prompt lookup runs on the timed prompts only."""
     prompt_lookup_tokens: int = Field(10, ge=1)
     """``prompt_lookup_num_tokens`` of HF prompt-lookup decoding."""
     num_prompts: int = Field(40, ge=1)

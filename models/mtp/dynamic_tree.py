@@ -20,6 +20,12 @@ the cache) and every frontier node's path positions (each attending to the cache
 earlier positions: a tree mask), which are then dropped from the cache. The drafts are exactly those of a
 teacher-forced forward over each path (tests compare a top-1 tree with the chain drafter).
 
+At batch B (:class:`MTPBatchTreeDrafter`, the batched engine's drafter, models/engine/batched.py): the same one call
+per depth for the whole batch, each row's catch-up and frontier paths side by side under a per-row tree mask, and the
+top-k, frontier choice and re-ranking as tensors over the rows; each row gets the tree it would get alone (tests
+compare every row's trees with :class:`MTPTreeDrafter`'s), so rows verify different trees in one forward
+(:class:`models.engine.speculative.RowTrees`).
+
 Draft vocabulary (EAGLE-3, Li et al. 2025, §3.2; FR-Spec, Zhao et al. 2025): the module's logits may be restricted
 to the most frequent tokens of the training responses (``MTPModule.draft_vocab``, read by
 :func:`models.mtp.module.draft_parts`), so the LM head it reads shrinks from the
@@ -29,11 +35,21 @@ policy's whole vocabulary (49,152 rows for SmolLM2: 2.3 ms per depth on the 2-co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.nn.functional as F
 
 from models.engine.config import DynamicTree
-from models.engine.speculative import Draft, Tree, build_tree
-from models.mtp.module import MTPModule, PolicyTrail, draft_vocab_logits
+from models.engine.speculative import Draft, RowTrees, Tree, build_tree
+from models.mtp.module import (
+    BatchPolicyTrail,
+    MTPModule,
+    PolicyTrail,
+    cached_additive_mask,
+    draft_vocab_logits,
+    right_aligned_causal,
+)
 
 
 class MTPTreeDrafter(PolicyTrail):
@@ -140,3 +156,136 @@ class MTPTreeDrafter(PolicyTrail):
         visible = torch.cat([torch.ones(len(group), cached, dtype=torch.bool, device=device),
                              same_path_before | catch_up_key], dim=1)  # (Q, cached + Q)
         return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+
+
+class MTPBatchTreeDrafter(BatchPolicyTrail):
+    """:class:`MTPTreeDrafter` for a batch of sequences (:class:`models.engine.batched.BatchDrafter`): every row's
+    tree is the one :class:`MTPTreeDrafter` drafts for that row alone, and each depth runs the module's shared layer
+    ONCE and the LM head once for the whole batch; the top-k, the frontier choice and the re-ranking run as tensors
+    over the batch (no loop over rows). Greedy verification only (:class:`models.engine.batched.BatchGreedy`): the
+    trees differ from row to row (:class:`~models.engine.speculative.RowTrees`, ``tree`` after each ``propose``).
+
+    Layout: :class:`~models.mtp.module.BatchPolicyTrail`'s. Depth d's one call runs, as queries, each row's catch-up
+    (positions [F_b^d, L_b − d], right-aligned in the longest row's width, padding on the left) and then, for each of
+    the F frontier paths, its d − 1 positions L_b − d + 1 … L_b − 1 (reading the path's drafts); a per-row tree mask
+    lets a path's queries see the row's cache, its catch-up and their own path's earlier queries. A row shorter than
+    a depth (L_b < d: no position L_b − d) drafts no node there, as :class:`MTPTreeDrafter`'s depth = min(depth, L);
+    when such a row cannot fill the budget, filler nodes (on no path, never accepted) pad its tree to N + 1."""
+
+    def __init__(self, base, module: MTPModule, tree: DynamicTree, budget: int):
+        if budget < 1:
+            raise ValueError(f"a dynamic tree verifies at least one node besides the root, got budget {budget}")
+        super().__init__(base, tree.depth)
+        self.module, self.shape, self.budget = module, tree, budget
+
+    @torch.no_grad()
+    def propose(self, roots: torch.Tensor) -> tuple[torch.Tensor, None]:
+        device, lengths, top_k = self.pending.device, self.lengths, self.shape.top_k
+        batch = len(lengths)
+        length = torch.tensor(lengths, device=device)[:, None]  # (B, 1) L_b
+        depth = min(self.num_depths, max(lengths))  # deeper, no row has a position L_b − d
+        # each depth's catch-up count C_b^d = L_b − d + 1 − F_b^d (≥ 1 for a row with L_b ≥ d: L grew since the last
+        # draft), its finals after this draft, and how far each depth's finals lead the next's (its tail: 0 or 1)
+        counts = [[max(0, n - d + 1 - f) for n, f in zip(lengths, self.final[d - 1], strict=True)]
+                  for d in range(1, depth + 1)]
+        behind = [[a - b for a, b in zip(self.final[d - 1], self.final[d], strict=True)] for d in range(1, depth)]
+        finals = [[f + c for f, c in zip(self.final[d], counts[d], strict=True)] for d in range(depth)]
+        hidden_size = self.pending.shape[-1]
+        catch_up = self.pending  # depth d − 1's catch-up states, right-aligned (depth 0: the main model's)
+        tails = list(self.tails)  # the next draft's; this draft reads self.tails
+        # the frontier: its paths' tokens (B, F, d − 1), depth-(d − 1) states (B, F, d − 1, H), values (B, F), ranks
+        # (B, F, D: child ranks from the root, −1 past the path) — at depth 1, the root alone
+        path_tokens = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)
+        path_states = catch_up.new_zeros(batch, 1, 0, hidden_size)
+        frontier_values = torch.zeros(batch, 1, device=device)
+        frontier_ranks = torch.full((batch, 1, depth), -1, dtype=torch.long, device=device)
+        tokens, values, ranks, node_depths = [], [], [], []  # every drafted node, per depth (B, F·k) …
+        for d in range(1, depth + 1):
+            count = counts[d - 1]
+            if d > 1:  # depth d − 1's states up to L − d (its catch-up's last is L − d + 1), after its tail
+                catch_up = self._with_tails(catch_up[:, :-1], [max(0, c - 1) for c in counts[d - 2]], self.tails[d - 2],
+                                            behind[d - 2])
+            width = max(count)
+            catch_up = catch_up[:, catch_up.shape[1] - width:]  # (B, C, H)
+            frontier, span = path_tokens.shape[1:]  # F paths of d − 1 positions
+            inputs = torch.cat([self.module.depth_input(self.base, catch_up, self._final_tokens(width, device)),
+                                self.module.depth_input(self.base, path_states, path_tokens).flatten(1, 2)],
+                               dim=1)  # (B, C + F·(d − 1), H): t_{j+d} final in the catch-up, drafts on the paths
+            positions = torch.cat([length - d - width + 1 + torch.arange(width, device=device),
+                                   (length - d + 1 + torch.arange(span, device=device)).repeat(1, frontier)],
+                                  dim=1).clamp(min=0)  # (B, C + F·(d − 1))
+            mask = self._tree_mask(d, count, width, frontier, span, inputs.dtype)
+            out = self.module.layer_step(self.base, inputs, positions, mask, self.caches[d - 1])
+            self._keep_final(d, width, count)
+            catch_up = out[:, :width]  # (B, C, H)
+            if d < self.num_depths:  # depth d's state at L_b − d, the next draft's tail (F_b^{d+1} = L_b − d)
+                tails[d - 1] = catch_up[:, -1]
+            states = torch.cat([catch_up[:, -1:, None].expand(-1, frontier, -1, -1),
+                                out[:, width:].reshape(batch, frontier, span, hidden_size)],
+                               dim=2)  # (B, F, d, H) each path's depth-d states at L_b − d … L_b − 1
+            logits, vocab = draft_vocab_logits(self.base, states[:, :, -1])  # (B, F, V')
+            child_logps, child_tokens = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)  # (B, F, k)
+            child_tokens = child_tokens if vocab is None else vocab[child_tokens]
+            child_values = torch.where(length[..., None] >= d, frontier_values[..., None] + child_logps,
+                                       float("-inf"))  # (B, F, k) a row without position L_b − d: no node
+            child_ranks = frontier_ranks[:, :, None].repeat(1, 1, top_k, 1)  # (B, F, k, D)
+            child_ranks[..., d - 1] = torch.arange(top_k, device=device)
+            tokens.append(child_tokens.flatten(1))
+            values.append(child_values.flatten(1))
+            ranks.append(child_ranks.flatten(1, 2))
+            node_depths.append(torch.full((frontier * top_k,), d, device=device))
+            if d == depth:
+                break
+            # expand next the frontier nodes of highest value among these children (EAGLE-2 §4.1)
+            flat = child_values.flatten(1)  # (B, F·k)
+            chosen = flat.topk(min(self.shape.frontier, flat.shape[1]), dim=1).indices  # (B, F')
+            parents = chosen // top_k
+            frontier_values = flat.gather(1, chosen)
+            frontier_ranks = ranks[-1].gather(1, chosen[..., None].expand(-1, -1, depth))
+            path_tokens = torch.cat([path_tokens.gather(1, parents[..., None].expand(-1, -1, span)),
+                                     tokens[-1].gather(1, chosen)[..., None]], dim=2)  # (B, F', d)
+            path_states = states.gather(1, parents[..., None, None].expand(-1, -1, d, hidden_size))  # (B, F', d, H)
+        self.final[:depth], self.tails = finals, tails
+        self.pending = self.pending[:, :0]
+        tree, nodes = self._rerank(torch.cat(values, dim=1), torch.cat(ranks, dim=1), torch.cat(node_depths))
+        self.tree = tree
+        return torch.cat([roots[:, None], torch.cat(tokens, dim=1).gather(1, nodes).to(roots.device)], dim=1), None
+
+    def _rerank(self, values: torch.Tensor, ranks: torch.Tensor, depths: torch.Tensor
+                ) -> tuple[RowTrees, torch.Tensor]:
+        """Each row's tree of its ``budget`` drafted nodes of highest value (§4.2), from every drafted node's value
+        (B, M), ranks from the root (B, M, D) and depth (M,), and those nodes (B, N) in the tree's node order:
+        :func:`~models.engine.speculative.build_tree`'s, by depth, then ranks."""
+        batch = len(values)
+        # a stable sort: among equal values the earlier node, which is the shallower (nodes are drafted depth by
+        # depth) — a child is never worth more than its parent, so the choice is prefix-closed, as at batch 1
+        chosen = values.sort(dim=1, descending=True, stable=True).indices[:, : self.budget]  # (B, N)
+        chosen_ranks = ranks.gather(1, chosen[..., None].expand(-1, -1, ranks.shape[2]))  # (B, N, D)
+        order = torch.arange(chosen.shape[1], device=values.device).expand(batch, -1)
+        for key in [*chosen_ranks.unbind(dim=2)[::-1], depths[chosen]]:  # least significant first: a radix sort
+            order = order.gather(1, key.gather(1, order).sort(dim=1, stable=True).indices)
+        nodes = chosen.gather(1, order)  # (B, N)
+        node_ranks = F.pad(ranks.gather(1, nodes[..., None].expand(-1, -1, ranks.shape[2])), (0, 0, 1, 0),
+                           value=-1)  # (B, N+1, D) the root first: no rank
+        # node j is an ancestor of node i (or i) when j's ranks are a prefix of i's
+        ancestors = ((node_ranks[:, None] == -1) | (node_ranks[:, None] == node_ranks[:, :, None])).all(dim=3)
+        real = F.pad(values.gather(1, nodes) > float("-inf"), (1, 0), value=True)  # (B, N+1)
+        node_depths = F.pad(depths[nodes], (1, 0))  # (B, N+1)
+        return RowTrees.of_nodes(node_depths, ancestors, real), nodes
+
+    def _tree_mask(self, d: int, count: Sequence[int], width: int, frontier: int, span: int, dtype: torch.dtype
+                   ) -> torch.Tensor:
+        """(B, 1, Q, T_d + Q) additive, Q = ``width`` + ``frontier`` · ``span``: every query sees its row's visible
+        cached keys; the catch-up is causal over its real columns (:func:`right_aligned_causal`); each path's
+        ``span`` queries see the row's real catch-up and their own path's earlier queries, never another path's."""
+        device = self.visible[d - 1].device
+        catch_up = right_aligned_causal(count, width, device)  # (B, C, C)
+        real = torch.arange(width, device=device)[None] >= width - torch.tensor(count, device=device)[:, None]
+        group = torch.arange(frontier, device=device).repeat_interleave(span)  # (F·s,) each path query's path
+        index = torch.arange(span, device=device).repeat(frontier)
+        own = (group[None, :] == group[:, None]) & (index[None, :] <= index[:, None])  # (F·s, F·s)
+        paths = frontier * span
+        new = torch.cat([torch.cat([catch_up, catch_up.new_zeros(len(count), width, paths)], dim=2),
+                         torch.cat([real[:, None].expand(-1, paths, -1), own.expand(len(count), -1, -1)], dim=2)],
+                        dim=1)  # (B, Q, Q)
+        return cached_additive_mask(self.visible[d - 1], new, dtype)

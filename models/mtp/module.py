@@ -206,6 +206,14 @@ def mtp_logits(base, state: torch.Tensor) -> torch.Tensor:
     return base.get_output_embeddings()(base.get_decoder().norm(state))
 
 
+def vocab_logits(base, state: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+    """:func:`mtp_logits` restricted to ``vocab``'s tokens (..., V'), in its order; ``vocab`` None: all (..., V)."""
+    if vocab is None:
+        return mtp_logits(base, state)
+    weight = base.get_output_embeddings().weight
+    return F.linear(base.get_decoder().norm(state), weight[vocab.to(weight.device)])
+
+
 def draft_vocab_logits(base, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`mtp_logits` over the draft vocabulary alone when ``base`` (:func:`draft_parts`' copy) has one: the logits
     (..., V') and the vocabulary's token ids (V',); else the whole vocabulary's logits and None. What a drafter that
@@ -224,23 +232,39 @@ def depth_targets(input_ids: torch.Tensor, target_mask: torch.Tensor, depth: int
     return targets, valid
 
 
+def in_vocab(tokens: torch.Tensor, vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's index in ``vocab`` (sorted ids, (V',)) and whether it is there at all (both shaped as
+    ``tokens``; the index of a token outside is meaningless)."""
+    vocab = vocab.to(tokens.device)
+    index = torch.searchsorted(vocab, tokens).clamp(max=len(vocab) - 1)
+    return index, vocab[index] == tokens
+
+
 def mtp_cross_entropy(base, states: Sequence[torch.Tensor], input_ids: torch.Tensor, target_mask: torch.Tensor,
-                      depth_weights: Sequence[float], num_targets: Sequence[torch.Tensor | float] | None = None
-                      ) -> tuple[torch.Tensor, list[float]]:
+                      depth_weights: Sequence[float], num_targets: Sequence[torch.Tensor | float] | None = None,
+                      vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """Eq. 1: Σ_k λ_k · mean over valid positions of −log p^k(t_{i+k+1}). Returns it and each depth's CE.
 
     ``num_targets``: each depth's number of valid targets over a global batch of which this is one process's
     share (the shares of all processes then sum to the global loss); default: this batch's own counts. A depth
     with no target at all contributes nothing (its CE is NaN).
+
+    ``vocab`` (sorted token ids): the draft vocabulary (:func:`frequent_tokens`). The softmax then runs over its
+    tokens alone and targets outside it do not count — a draft can never take them — as EAGLE-3's released
+    training does (its ``t2d`` mask). The LM head's matmul and the softmax shrink by V / V' (49,152 / 8,192 for
+    SmolLM2): they are most of a training step's time (the one decoder layer is cheap).
     """
     total, per_depth = states[0].new_zeros(()), []
     for k, (state, weight) in enumerate(zip(states, depth_weights, strict=True), start=1):
         targets, valid = depth_targets(input_ids, target_mask, k)
+        if vocab is not None:
+            targets, known = in_vocab(targets, vocab)
+            valid = valid & known
         count = valid.sum() if num_targets is None else num_targets[k - 1]
         if count == 0:
             per_depth.append(float("nan"))
             continue
-        ce = F.cross_entropy(mtp_logits(base, state[valid]).float(), targets[valid], reduction="sum") / count
+        ce = F.cross_entropy(vocab_logits(base, state[valid], vocab).float(), targets[valid], reduction="sum") / count
         total = total + weight * ce
         per_depth.append(ce.item())
     return total, per_depth
@@ -396,36 +420,25 @@ class MTPDrafter(PolicyTrail):
         return torch.cat([final, states])  # (L, H)
 
 
-class MTPBatchDrafter:
-    """:class:`MTPDrafter` for a batch of sequences (:class:`models.engine.batched.BatchDrafter`): each depth runs the
-    shared layer ONCE for the whole batch, its LM head once, and draws every row's draft in one
-    :func:`~models.engine.speculative.draw_rows` (each prompt's own generator, as at batch 1), with no host sync —
-    K forwards per draft, not B × K. ``generators``: each prompt's, drawing its drafts at ``draft_temperature``
-    (None: the default generator; top-1 drafts draw from a one-hot law, as :class:`MTPDrafter` does).
+class BatchPolicyTrail:
+    """What an MTP drafter follows of a batch of sequences (:class:`PolicyTrail`'s batch-B counterpart) and the batched
+    engine's calls that only follow it (:class:`models.engine.batched.BatchDrafter`'s ``start``, ``accept``,
+    ``keep``), in the batched engine's layout (models/engine/batched.py): depth k keeps one KV cache for every row,
+    whose row b holds keys of the positions < F_b^k (those whose inputs are final: positions ≤ L_b − k,
+    :class:`MTPDrafter`'s bookkeeping) among masked junk columns (a (B, T_k) visibility; keys carry their rotary
+    positions, so a column's place never matters). A draft runs at depth k each row's *catch-up* [F_b^k, L_b − k],
+    right-aligned and padded on the left (masked, never read), then the positions past L_b − k, which read drafts:
+    their keys are cut off the cache after the forward, the catch-up's become visible. Depth k + 1's catch-up reads
+    depth k's states at [F_b^{k+1}, L_b − k − 1]: this draft's, plus at most one final state of the last draft
+    (F^{k+1} ≥ F^k − 1), kept per depth as its ``tails``. The main model's states since the last draft wait
+    right-aligned in ``pending``."""
 
-    The layout is the batched engine's (models/engine/batched.py): depth k keeps one KV cache for every row, whose
-    row b holds keys of the positions < F_b^k (those whose inputs are final, :class:`MTPDrafter`'s bookkeeping)
-    among masked junk columns (a (B, T_k) visibility; keys carry their rotary positions, so a column's place never
-    matters). A draft runs, at depth k, the positions [F_b^k, L_b) of every row, *right-aligned* in Q_k = max_b
-    (L_b − F_b^k) columns: the last column is every row's position L_b − 1 (its draft's), the last k − 1 columns
-    read the same draft tokens in every row (positions past L_b − k), and rows with fewer positions are padded on
-    the left, masked and never read. Those last k − 1 columns' keys depend on the drafts and are cut off the cache
-    after the forward; the other new columns of a row become visible. Depth k + 1 reads depth k's states at
-    [F_b^{k+1}, L_b): this draft's, plus at most one final state of the last draft (F^{k+1} ≥ F^k − 1), kept per
-    depth as its ``tails``. The main model's states since the last draft wait right-aligned in ``pending``.
-    """
-
-    def __init__(self, base, module: MTPModule, draft_temperature: float = 0.0,
-                 generators: Sequence[torch.Generator | None] | None = None):
-        self.base, self.module, self.draft_temperature = base, module, draft_temperature
-        self.given_generators = generators
-        self.num_depths = module.config.num_depths
-        self.tree = chain_tree(self.num_depths)
+    def __init__(self, base, num_depths: int):
+        self.base, self.num_depths = base, num_depths
         self.dtype = base.get_output_embeddings().weight.dtype
 
     def start(self, prompts: Sequence[Sequence[int]], hidden: torch.Tensor, roots: torch.Tensor) -> None:
         batch, device = len(prompts), hidden.device
-        self.generators = list(self.given_generators or [None] * batch)
         self.tokens = [[*prompt[1:], root] for prompt, root in zip(prompts, roots.tolist(), strict=True)]
         self.lengths = [len(prompt) for prompt in prompts]  # L_b: positions with the main model's final state
         self.final = [[0] * batch for _ in range(self.num_depths)]  # F_b^k: positions cached at depth k
@@ -436,6 +449,97 @@ class MTPBatchDrafter:
                       for _ in range(self.num_depths - 1)]  # depth k's final state at F_b^{k+1} (< F_b^k)
         self.pending = _append_right_aligned(hidden.new_zeros(batch, 0, hidden_size, dtype=self.dtype),
                                              [0] * batch, hidden.to(self.dtype), self.lengths)
+
+    def _with_tails(self, states: torch.Tensor, count: Sequence[int], tail: torch.Tensor, behind: Sequence[int]
+                    ) -> torch.Tensor:
+        """(B, Q + 1, H): ``states`` (B, Q, H), row b's last ``count[b]`` real, with ``tail`` (B, H) in the column just
+        before them where ``behind[b]`` (F_b^{k−1} − F_b^k) is 1."""
+        width = states.shape[1]
+        states = F.pad(states, (0, 0, 1, 0))  # (B, Q + 1, H)
+        where = [width - n if d else -1 for n, d in zip(count, behind, strict=True)]
+        put = torch.arange(width + 1, device=states.device)[None] == torch.tensor(where, device=states.device)[:, None]
+        return torch.where(put[..., None], tail[:, None], states)
+
+    def _final_tokens(self, width: int, device) -> torch.Tensor:
+        """(B, max(width, 0)): each row's last ``width`` final tokens, up to its root (0 before its first)."""
+        final = [[row[i] if i >= 0 else 0 for i in range(len(row) - width, len(row))] for row in self.tokens]
+        return torch.tensor(final, dtype=torch.long, device=device).reshape(len(self.tokens), max(0, width))
+
+    def _keep_final(self, k: int, kept: int, counts: Sequence[int]) -> None:
+        """After depth k's forward: keep only the first ``kept`` new columns of its cache (the catch-up; the columns
+        after it read drafts), mark each row's last ``counts[b]`` of them visible (the rest is padding), and move the
+        visible keys together when junk piles up."""
+        cache, visible = self.caches[k - 1], self.visible[k - 1]
+        for layer in cache.layers:
+            layer.keys = layer.keys[:, :, : visible.shape[1] + kept]
+            layer.values = layer.values[:, :, : visible.shape[1] + kept]
+        columns = torch.arange(kept, device=visible.device)
+        added = columns[None] >= kept - torch.tensor(counts, device=visible.device)[:, None]  # (B, kept)
+        visible = torch.cat([visible, added], dim=1)
+        longest = max(f + n for f, n in zip(self.final[k - 1], counts, strict=True))
+        if too_much_junk(visible.shape[1], longest):
+            visible = compact_cache(cache, visible)
+        self.visible[k - 1] = visible
+
+    def accept(self, hidden: torch.Tensor, tokens: Sequence[Sequence[int]]) -> None:
+        waiting = [n - f for n, f in zip(self.lengths, self.final[0], strict=True)]
+        self.pending = _append_right_aligned(self.pending, waiting, hidden.to(self.dtype), [len(t) for t in tokens])
+        for row, new in zip(self.tokens, tokens, strict=True):
+            row += new
+        self.lengths = [n + len(new) for n, new in zip(self.lengths, tokens, strict=True)]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        kept = rows.tolist()
+        self.tokens = [self.tokens[i] for i in kept]
+        self.lengths = [self.lengths[i] for i in kept]
+        self.final = [[final[i] for i in kept] for final in self.final]
+        self.pending = self.pending[rows]
+        self.tails = [tail[rows] for tail in self.tails]
+        self.visible = [visible[rows] for visible in self.visible]
+        for cache in self.caches:
+            keep_rows(cache, rows)
+
+
+def right_aligned_causal(count: Sequence[int], width: int, device) -> torch.Tensor:
+    """(B, W, W) bool: which of a forward's new columns each column sees, row b's last ``count[b]`` of ``width``
+    real — a real column sees the real ones up to itself; a padding column sees itself alone (its state is never
+    read, and a query that sees nothing would give NaN)."""
+    columns = torch.arange(width, device=device)
+    first = width - torch.tensor(count, device=device)  # (B,) each row's first real column
+    return (columns[None, None, :] <= columns[None, :, None]) & (
+        (columns[None, None, :] >= first[:, None, None]) | torch.eye(width, dtype=torch.bool, device=device))
+
+
+def cached_additive_mask(visible: torch.Tensor, new: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, Q, T + Q) additive mask: every query sees the ``visible`` (B, T) cached keys of its row, and the new
+    keys ``new`` (B, Q, Q) says."""
+    keys = torch.cat([visible[:, None, :].expand(-1, new.shape[1], -1), new], dim=2)  # (B, Q, T + Q)
+    return torch.where(keys, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+
+
+class MTPBatchDrafter(BatchPolicyTrail):
+    """:class:`MTPDrafter` for a batch of sequences (:class:`models.engine.batched.BatchDrafter`): each depth runs the
+    shared layer ONCE for the whole batch, its LM head once, and draws every row's draft in one
+    :func:`~models.engine.speculative.draw_rows` (each prompt's own generator, as at batch 1), with no host sync —
+    K forwards per draft, not B × K. ``generators``: each prompt's, drawing its drafts at ``draft_temperature``
+    (None: the default generator; top-1 drafts draw from a one-hot law, as :class:`MTPDrafter` does).
+
+    The layout is :class:`BatchPolicyTrail`'s. A draft runs, at depth k, the positions [F_b^k, L_b) of every row,
+    *right-aligned* in Q_k = max_b (L_b − F_b^k) columns: the last column is every row's position L_b − 1 (its
+    draft's), the last k − 1 columns read the same draft tokens in every row (positions past L_b − k), and rows with
+    fewer positions are padded on the left.
+    """
+
+    def __init__(self, base, module: MTPModule, draft_temperature: float = 0.0,
+                 generators: Sequence[torch.Generator | None] | None = None):
+        super().__init__(base, module.config.num_depths)
+        self.module, self.draft_temperature = module, draft_temperature
+        self.given_generators = generators
+        self.tree = chain_tree(self.num_depths)
+
+    def start(self, prompts: Sequence[Sequence[int]], hidden: torch.Tensor, roots: torch.Tensor) -> None:
+        super().start(prompts, hidden, roots)
+        self.generators = list(self.given_generators or [None] * len(prompts))
 
     @torch.no_grad()
     def propose(self, roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -459,7 +563,7 @@ class MTPBatchDrafter:
             inputs = self.module.depth_input(self.base, states, ahead)  # (B, Q_k, H)
             mask = self._mask(k, count, width, inputs.dtype)
             states = self.module.layer_step(self.base, inputs, positions, mask, self.caches[k - 1])  # (B, Q_k, H)
-            self._keep_final(k, count, width)
+            self._keep_final(k, max(0, width - k + 1), [max(0, q - k + 1) for q in count])
             if k < self.num_depths:  # depth k's state at F_b^{k+1} after this draft, the next draft's tail
                 tail_columns = [width - n + f - 1 for n, f in zip(lengths, finals[k - 1], strict=True)]
                 tails.append(states[torch.arange(batch, device=device),
@@ -472,71 +576,22 @@ class MTPBatchDrafter:
         tokens = torch.cat([roots[:, None], torch.stack(drafts, dim=1).to(roots.device)], dim=1)  # (B, K+1)
         return tokens, temperature_probs(torch.stack(logits, dim=1), self.draft_temperature)  # (B, K, V)
 
-    def _with_tails(self, states: torch.Tensor, count: Sequence[int], tail: torch.Tensor, behind: Sequence[int]
-                    ) -> torch.Tensor:
-        """(B, Q + 1, H): ``states`` (B, Q, H), row b's last ``count[b]`` real, with ``tail`` (B, H) in the column just
-        before them where ``behind[b]`` (F_b^{k−1} − F_b^k) is 1."""
-        width = states.shape[1]
-        states = F.pad(states, (0, 0, 1, 0))  # (B, Q + 1, H)
-        where = [width - n if d else -1 for n, d in zip(count, behind, strict=True)]
-        put = torch.arange(width + 1, device=states.device)[None] == torch.tensor(where, device=states.device)[:, None]
-        return torch.where(put[..., None], tail[:, None], states)
-
     def _ahead_tokens(self, k: int, width: int, drafts: Sequence[torch.Tensor], device) -> torch.Tensor:
         """(B, Q_k): t_{j+k} at each right-aligned column (position j = L_b − Q_k + c): the row's final tokens up to
         its root, then the drafts of depths < k in the last k − 1 columns (0 in padding columns)."""
         known = width - k + 1  # columns whose token is final (position ≤ L_b − k)
-        final = [[row[i] if i >= 0 else 0 for i in range(len(row) - known, len(row))] for row in self.tokens]
         drafted = drafts[max(0, -known):]  # the drafts these columns read (with few columns, not the earliest)
-        parts = [torch.tensor(final, dtype=torch.long, device=device).reshape(len(self.tokens), max(0, known))]
-        return torch.cat(parts + [d[:, None].to(device) for d in drafted], dim=1)
+        return torch.cat([self._final_tokens(known, device)] + [d[:, None].to(device) for d in drafted], dim=1)
 
     def _mask(self, k: int, count: Sequence[int], width: int, dtype: torch.dtype) -> torch.Tensor:
         """(B, 1, Q_k, T_k + Q_k) additive: a row's real columns see its visible cached keys and its real columns up
         to themselves; padding columns see themselves too (their states are never read)."""
-        device = self.visible[k - 1].device
-        columns = torch.arange(width, device=device)
-        first = width - torch.tensor(count, device=device)  # (B,) each row's first real column
-        new = (columns[None, None, :] <= columns[None, :, None]) & (
-            (columns[None, None, :] >= first[:, None, None]) | torch.eye(width, dtype=torch.bool, device=device))
-        cached = self.visible[k - 1][:, None, :].expand(-1, width, -1)  # (B, Q_k, T_k)
-        keys = torch.cat([cached, new], dim=2)  # (B, Q_k, T_k + Q_k)
-        return torch.where(keys, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
-
-    def _keep_final(self, k: int, count: Sequence[int], width: int) -> None:
-        """After depth k's forward: cut the last k − 1 columns (positions past L_b − k read drafts) off its cache,
-        mark each row's other real columns visible, and move the visible keys together when junk piles up."""
-        cache, visible = self.caches[k - 1], self.visible[k - 1]
-        kept = max(0, width - k + 1)
-        for layer in cache.layers:
-            layer.keys = layer.keys[:, :, : visible.shape[1] + kept]
-            layer.values = layer.values[:, :, : visible.shape[1] + kept]
-        columns = torch.arange(kept, device=visible.device)
-        added = columns[None] >= width - torch.tensor(count, device=visible.device)[:, None]  # (B, kept)
-        visible = torch.cat([visible, added], dim=1)
-        longest = max(f + max(0, q - k + 1) for f, q in zip(self.final[k - 1], count, strict=True))
-        if too_much_junk(visible.shape[1], longest):
-            visible = compact_cache(cache, visible)
-        self.visible[k - 1] = visible
-
-    def accept(self, hidden: torch.Tensor, tokens: Sequence[Sequence[int]]) -> None:
-        waiting = [n - f for n, f in zip(self.lengths, self.final[0], strict=True)]
-        self.pending = _append_right_aligned(self.pending, waiting, hidden.to(self.dtype), [len(t) for t in tokens])
-        for row, new in zip(self.tokens, tokens, strict=True):
-            row += new
-        self.lengths = [n + len(new) for n, new in zip(self.lengths, tokens, strict=True)]
+        new = right_aligned_causal(count, width, self.visible[k - 1].device)
+        return cached_additive_mask(self.visible[k - 1], new, dtype)
 
     def keep(self, rows: torch.Tensor) -> None:
-        kept = rows.tolist()
-        self.generators = [self.generators[i] for i in kept]
-        self.tokens = [self.tokens[i] for i in kept]
-        self.lengths = [self.lengths[i] for i in kept]
-        self.final = [[final[i] for i in kept] for final in self.final]
-        self.pending = self.pending[rows]
-        self.tails = [tail[rows] for tail in self.tails]
-        self.visible = [visible[rows] for visible in self.visible]
-        for cache in self.caches:
-            keep_rows(cache, rows)
+        super().keep(rows)
+        self.generators = [self.generators[i] for i in rows.tolist()]
 
 
 def _append_right_aligned(old: torch.Tensor, old_counts: Sequence[int], new: torch.Tensor, new_counts: Sequence[int]

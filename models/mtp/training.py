@@ -31,7 +31,7 @@ from models.common.sequences import Sequences, padding_id, right_pad
 from models.common.training import EarlyStopping, held_out_mean, train
 from models.engine.policy import Policy
 from models.mtp.config import MTPTraining
-from models.mtp.module import MTPModule, MTPModuleConfig, depth_targets, mtp_cross_entropy, mtp_logits
+from models.mtp.module import MTPModule, MTPModuleConfig, depth_targets, mtp_cross_entropy, vocab_logits
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -126,9 +126,11 @@ def _collate(rows: list[tuple[list[int], list[int], torch.Tensor]], pad: int) ->
 def train_mtp_module(policy: Policy, sequences: Sequences, hidden: Sequence[torch.Tensor], num_depths: int,
                      cfg: MTPTraining, accelerator: Accelerator | None = None,
                      on_step: Callable[[int, int, dict[str, float]], None] | None = None,
-                     held_out: tuple[Sequences, Sequence[torch.Tensor]] | None = None
-                     ) -> tuple[MTPModule, dict[str, list[float]]]:
+                     held_out: tuple[Sequences, Sequence[torch.Tensor]] | None = None,
+                     draft_vocab: torch.Tensor | None = None) -> tuple[MTPModule, dict[str, list[float]]]:
     """A fresh K-depth module trained on ``sequences`` (response tokens as targets) with the main model frozen.
+    ``draft_vocab`` (sorted token ids, :func:`models.mtp.module.frequent_tokens`): the module drafts only those
+    tokens, so it learns over them alone (:func:`models.mtp.module.mtp_cross_entropy`) and carries them.
     With ``held_out`` (sequences and their states) ``cfg.epochs`` is a budget: training stops once eq. 1's loss on
     them has not fallen for ``cfg.patience`` epochs, and the module keeps its best epoch's weights.
     Returns it (eval mode, no gradients) and the per-step history: the learning rate, the loss and each
@@ -143,12 +145,14 @@ def train_mtp_module(policy: Policy, sequences: Sequences, hidden: Sequence[torc
     set_seed(cfg.seed)
     base = policy.model.requires_grad_(False).eval()
     module = MTPModule(base, MTPModuleConfig(num_depths=num_depths, init=cfg.init)).train()
+    module.draft_vocab = draft_vocab
     weights = depth_weights(cfg.ce_weights, num_depths)
     collate = partial(_collate, pad=padding_id(policy.tokenizer))
 
     def step(module: MTPModule, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         states = module(base, batch["input_ids"], batch["hidden"].to(base.dtype))
-        loss, per_depth = mtp_cross_entropy(base, states, batch["input_ids"], batch["response_mask"], weights)
+        loss, per_depth = mtp_cross_entropy(base, states, batch["input_ids"], batch["response_mask"], weights,
+                                            vocab=draft_vocab)
         return loss, {"loss": loss.detach(), **{f"ce_depth_{k}": v for k, v in enumerate(per_depth, start=1)}}
 
     early_stopping = None
@@ -183,8 +187,15 @@ class ChainAcceptance:
 def chain_acceptance(policy: Policy, module: MTPModule, sequences: Sequences, hidden: Sequence[torch.Tensor],
                      batch_size: int = 8) -> ChainAcceptance:
     """Held-out top-1 hits per depth (teacher-forced) and the greedy chain's accepted drafts (module docstring),
-    counted per response."""
+    counted per response. With a draft vocabulary (``module.draft_vocab``) the top-1 is taken among its tokens, as
+    the drafters take it."""
     base, num_depths = policy.model, module.config.num_depths
+    vocab = module.draft_vocab
+    vocab = None if vocab is None else vocab.to(policy.device)
+
+    def top1(state: torch.Tensor) -> torch.Tensor:
+        best = vocab_logits(base, state, vocab).argmax(-1)
+        return best if vocab is None else vocab[best]
     pad = padding_id(policy.tokenizer)
     hits, targets = torch.zeros(len(sequences), num_depths), torch.zeros(len(sequences), num_depths)
     accepted, positions = torch.zeros(len(sequences)), torch.zeros(len(sequences))
@@ -197,7 +208,7 @@ def chain_acceptance(policy: Policy, module: MTPModule, sequences: Sequences, hi
         correct, valid = [], []
         for k, state in enumerate(states, start=1):
             target, ok = depth_targets(input_ids, batch["response_mask"].to(policy.device), k)
-            hit = (mtp_logits(base, state).argmax(-1) == target) & ok  # (B, T)
+            hit = (top1(state) == target) & ok  # (B, T)
             hits[this, k - 1] = hit.sum(dim=1).float().cpu()
             targets[this, k - 1] = ok.sum(dim=1).float().cpu()
             correct.append(hit)
