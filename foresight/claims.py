@@ -151,6 +151,23 @@ def _medusa_speed(m: Metrics) -> Verdict:
     return Verdict(ours, status, "" if status == HOLDS else f"τ {tau}: a cycle pays only above ~1.3 tokens here")
 
 
+def _dynamic_tree_speed(m: Metrics) -> Verdict:
+    tree = figure(m, "benchmark_medusa", "held_out.mtp_tree.speedup_vs_reference")
+    tau = figure(m, "benchmark_medusa", "held_out.mtp_tree.tau")
+    medusa = figure(m, "benchmark_medusa", "held_out.medusa_supervised.speedup_vs_reference")
+    general = figure(m, "benchmark_medusa", "general.mtp_tree.speedup_vs_reference")
+    budget = value(m, "benchmark_medusa", "mtp_tree.budget")
+    ours = (f"task prompts {tree}× (τ {tau}, {budget:.0f} nodes verified), Medusa {medusa}×; general instructions "
+            f"{general}×")
+    # the target (#35): at least 3× with the interval's lower end at 2.5× or more
+    status = HOLDS if tree.value >= 3.0 and tree.low >= 2.5 else FAILS if tree.high < 3.0 else UNDECIDED
+    # a cycle (its drafts and one verification forward) gives τ tokens in the time greedy gives `speed-up` tokens
+    cycle = tau.value / tree.value
+    reason = "" if status == HOLDS else (f"a draft–verify cycle costs {cycle:.2f} greedy steps: 3× needs τ ≥ "
+                                         f"{3 * cycle:.2f} at that cost, or a cheaper cycle")
+    return Verdict(ours, status, reason)
+
+
 def _rl_head(m: Metrics) -> Verdict:
     gain = figure(m, "train_rlmedusa", "rl_supervised_t2_top1_gain")
     rl, supervised = (figure(m, "train_rlmedusa", f"{name}_t2_top1") for name in ("rl_supervised", "supervised"))
@@ -293,6 +310,9 @@ CLAIMS: tuple[Claim, ...] = (
           _win_against("dpo_sla_tuned_vs_dpo_greedy", "DPO greedy")),
     Claim("Medusa", "Greedy-verified Medusa heads decode faster than greedy, output unchanged",
           "Medusa-1 ≈ 2.2× (Vicuna-7B, A100)", "paper: Medusa-1, greedy acceptance", _medusa_speed),
+    Claim("EAGLE-2", "An autoregressive drafter's dynamic tree decodes ≥ 3× greedy on task text (batch 1)",
+          "EAGLE-2 ≈ 3.0×, Medusa 1.4–1.8× (Spec-Bench, 7B, batch 1)", "ours: the MTP module drafting, greedy "
+          "verification", _dynamic_tree_speed),
     Claim("RLMedusa", "RL on head 2 does not lower the supervised head", "RL head ≥ supervised head (blog)",
           "ours: β 0.5, lr 1e-4, from the supervised head", _rl_head),
     Claim("RLMedusa", "RL from a fresh head stays below the supervised head (the paper's negative result)",

@@ -44,8 +44,10 @@ from models.common.training import check_update, weight_changes
 from models.engine.batched import BatchGreedy, batched_speculative_generate
 from models.engine.decoding import GREEDY, hf_decode
 from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
+from models.engine.speculative import tree_budget
 from models.labeling.answers import cut_by_length, is_correct
 from models.labeling.labelers import build_labeler
+from models.mtp.dynamic_tree import MTPBatchTreeDrafter
 from models.mtp.module import MTPBatchDrafter, MTPModule, MTPModuleConfig, draft_parts, frequent_tokens
 from models.mtp.rl import (
     rollout_drafting,
@@ -119,6 +121,7 @@ def train_mtp_task(cfg: Config) -> StageResult:
         held_out = ([sequences[i] for i in eval_rows], hidden.select(eval_rows))
         logger.info("MTP self-distilled data (%s): %d training / %d validation (early stopping) / %d held-out "
                     "sequences", m.data, len(train[0]), len(validation[0]), len(held_out[0]))
+        draft_vocab = _draft_vocab(train[0], m.draft_vocab_size, policy)
         for num_depths in depths:
             def on_step(step: int, num_steps: int, stats: dict[str, float], k: int = num_depths) -> None:
                 if step % max(1, num_steps // 4) == 0 or step == num_steps:
@@ -128,7 +131,8 @@ def train_mtp_task(cfg: Config) -> StageResult:
             # the stage's curves are the main module's per-step history (the ablation's modules: history.json)
             with live_curves(cfg, (lambda key: key) if num_depths == m.num_depths else (lambda key: None)):
                 modules[num_depths], histories[num_depths] = train_mtp_module(policy, *train, num_depths, m,
-                                                                              accelerator, on_step, validation)
+                                                                              accelerator, on_step, validation,
+                                                                              draft_vocab)
             seconds[num_depths] = time.perf_counter() - depth_started
             acceptance[num_depths] = chain_acceptance(policy, modules[num_depths], *held_out)
             evaluations[num_depths] = _chain_evaluation(acceptance[num_depths])
@@ -143,7 +147,6 @@ def train_mtp_task(cfg: Config) -> StageResult:
                         "expected_tau", "expected_acceptance_rate", "positions", "train_seconds"]
     out = cfg.path(cfg.paths.mtp_dir)
     if accelerator.is_main_process:  # every process holds the same module; one writes it
-        modules[m.num_depths].draft_vocab = _draft_vocab(train[0], m.draft_vocab_size, policy)
         _write_mtp(out, modules[m.num_depths], evaluations, histories, ablation, policy, m, len(train[0]),
                    len(held_out[0]), data_curve)
         table_artifact(key="mtp-depth-ablation", table=display_rows(ablation.to_dict("records"), ablation_columns),
@@ -202,8 +205,9 @@ def _data_curve(policy, sequences, hidden, fit_rows: torch.Tensor, validation, h
     points = []
     for count in sorted(m.data_curve):
         rows = data_curve_rows(fit_rows, count, m.seed).tolist()
-        module, _ = train_mtp_module(policy, [sequences[i] for i in rows], hidden.select(rows), m.num_depths, m,
-                                     accelerator, None, validation)
+        subset = [sequences[i] for i in rows]
+        module, _ = train_mtp_module(policy, subset, hidden.select(rows), m.num_depths, m, accelerator, None,
+                                     validation, _draft_vocab(subset, m.draft_vocab_size, policy))
         points.append((count, chain_acceptance(policy, module, *held_out)))
         accelerator.free_memory()
     points.append((len(fit_rows), main_acceptance))
@@ -409,6 +413,13 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     before = _held_out(policy, labeler, *eval_set)
     logger.info("held-out greedy responses before RL, scored by %s: %s on %d prompts", _scorer(cfg.label),
                 _judged_text(before), len(eval_ids))
+    if r.dynamic_tree is not None and r.dynamic_tree.budget == "auto":  # resolved once, for every variant
+        context = int(torch.tensor([ids.shape[1] for ids in rl_ids]).median()) + r.max_new_tokens // 2
+        budget, costs = tree_budget(policy.model, r.dynamic_tree, context)
+        logger.info("mtp_rl.dynamic_tree budget %d nodes (verification ms by width after %d tokens: %s)", budget,
+                    context, {w: round(1000 * seconds, 1) for w, seconds in costs.items()})
+        r = r.model_copy(update={"dynamic_tree": r.dynamic_tree.model_copy(update={"budget": budget})})
+        cfg = cfg.model_copy(update={"mtp_rl": r})
     weights = depth_weights(cfg.mtp.ce_weights, num_depths)
     curves_by_batch = {}
     if r.curve_batch_sizes and accelerator.is_main_process:
@@ -536,7 +547,9 @@ def _mtp_curves(cfg: Config, policy, module, train_prompts: list[list[int]], eva
     def decode(decoder: str, batch: list[list[int]], max_new_tokens: int):
         if decoder == "greedy":
             return hf_decode(policy, batch, GREEDY, max_new_tokens, eos, batch_size=len(batch)), None
-        return batched_speculative_generate(policy.model, MTPBatchDrafter(draft_base, draft_module, 0.0),
+        drafter = (MTPBatchDrafter(draft_base, draft_module, 0.0) if r.dynamic_tree is None
+                   else MTPBatchTreeDrafter(draft_base, draft_module, r.dynamic_tree, r.dynamic_tree.budget))
+        return batched_speculative_generate(policy.model, drafter,
                                             BatchGreedy(), batch, max_new_tokens, eos, drafting("decoding", batch))
 
     def sample(decoder: str, batch: list[list[int]], max_new_tokens: int):
@@ -547,7 +560,7 @@ def _mtp_curves(cfg: Config, policy, module, train_prompts: list[list[int]], eva
         if decoder == "vanilla":
             return sample_plainly(policy.model, batch, max_new_tokens, eos, r.temperature, generators[0]), None
         return sample_speculatively(policy.model, draft_base, draft_module, batch, max_new_tokens, eos, r.temperature,
-                                    r.draft_temperature, generators, drafting("rollout", batch))
+                                    r.draft_temperature, generators, drafting("rollout", batch), r.dynamic_tree)
 
     return {"decoding": batch_speed_curve(["greedy", "mtp"], eval_prompts, decode, "greedy", r.curve_batch_sizes,
                                           r.curve_batches, r.max_new_tokens, "MTP greedy decoding curve"),

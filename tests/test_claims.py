@@ -141,3 +141,20 @@ def test_offsets_that_do_not_learn_quote_what_next_token_prediction_paid():
     metrics["train_coral"] |= _interval("after_task_top1_forward_2", 0.25, 0.2, 0.3)
     held = _row(metrics, "COrAL", "ours", "Order-agnostic")
     assert held["verdict"] == "holds" and held["reason"] == ""
+
+
+def test_dynamic_tree_claim_needs_three_times_greedy_and_quotes_the_cycle_cost():
+    def bench(speedup: tuple[float, float, float]) -> dict:
+        return {"benchmark_medusa": {**_interval("held_out.mtp_tree.speedup_vs_reference", *speedup),
+                                     **_interval("held_out.mtp_tree.tau", 3.4, 3.1, 3.6),
+                                     **_interval("held_out.medusa_supervised.speedup_vs_reference", 1.9, 1.7, 2.2),
+                                     **_interval("general.mtp_tree.speedup_vs_reference", 1.0, 0.9, 1.1),
+                                     "mtp_tree.budget": 7}}
+
+    assert _row(bench((3.2, 2.6, 3.8)), "EAGLE-2", "ours")["verdict"] == "holds"
+    assert _row(bench((3.2, 2.4, 3.8)), "EAGLE-2", "ours")["verdict"] == "undecided"  # lower end under 2.5×
+    failed = _row(bench((2.0, 1.8, 2.7)), "EAGLE-2", "ours")
+    assert failed["verdict"] == "does not hold"
+    # τ 3.4 in the time of 2.0 greedy tokens: a cycle costs 1.70 steps, so 3× would need τ ≥ 5.10
+    assert "costs 1.70 greedy steps" in failed["reason"] and "τ ≥ 5.10" in failed["reason"]
+    assert failed["ours"].startswith("task prompts 2 [1.8, 2.7]× (τ 3.4 [3.1, 3.6], 7 nodes verified)")

@@ -576,11 +576,14 @@ def test_two_processes_train_like_one_on_the_same_global_batch(tiny_llama, tmp_p
         torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("draft_temperature", [0.0, 1.0])
-def test_a_drafted_rollout_does_not_depend_on_its_batch(policy, draft_temperature):
+@pytest.mark.parametrize("draft_temperature, tree", [(0.0, False), (1.0, False), (0.0, True)],
+                         ids=["top-1 chain", "sampled chain", "dynamic tree"])
+def test_a_drafted_rollout_does_not_depend_on_its_batch(policy, draft_temperature, tree):
     """Each rollout draws from its own seeded stream (its drafts and its verdicts), so MTP-drafted rollouts sampled
     one at a time, two by two or all six together are the same tokens (always drafting; an adaptive batch decides
-    for all its rows at once); vanilla rollouts too are sampled as batches."""
+    for all its rows at once) — chains, or each rollout's own dynamic tree; vanilla rollouts too are sampled as
+    batches."""
+    from models.engine.config import DynamicTree
     from models.engine.generation import end_token_ids
 
     module = perturbed_module(policy.model, 2, scale=0.0)
@@ -588,7 +591,8 @@ def test_a_drafted_rollout_does_not_depend_on_its_batch(policy, draft_temperatur
 
     def rollouts(batch_size: int | None, drafts: bool = True):
         cfg = MTPRLTraining(group_size=3, max_new_tokens=12, adaptive=False, rollout_batch_size=batch_size,
-                            draft_temperature=draft_temperature)
+                            draft_temperature=draft_temperature,
+                            dynamic_tree=DynamicTree(depth=3, top_k=3, frontier=2, budget=5) if tree else None)
         return collect_rollouts(policy.model, policy.tokenizer, module if drafts else None, prompts, QUESTIONS,
                                 [None, None], response_length, cfg, 0, eos)
 
@@ -732,3 +736,12 @@ def test_every_variant_rolls_out_and_updates_on_cuda_in_bfloat16(tiny_llama, nam
     assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in params)
     if var.trains_module:
         assert any(not torch.equal(a, b) for a, b in zip(module_before, module.parameters()))
+
+
+def test_a_dynamic_tree_with_sampled_drafts_is_refused():
+    from pydantic import ValidationError
+
+    from models.engine.config import DynamicTree
+
+    with pytest.raises(ValidationError, match="draft_temperature 0.5 samples chain drafts only"):
+        MTPRLTraining(dynamic_tree=DynamicTree(budget=4), draft_temperature=0.5)

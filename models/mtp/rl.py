@@ -49,10 +49,12 @@ from models.common.lora import adapters_disabled, is_lora, memory_saving, merged
 from models.common.sequences import padding_id, right_pad
 from models.common.training import float32_master_weights, half_dtype, step_precision
 from models.engine.batched import BatchSampling, batched_speculative_generate
+from models.engine.config import DynamicTree
 from models.engine.policy import Policy
 from models.engine.speculative import AdaptiveDrafting, SpeculativeStats, last_hidden_forward
 from models.labeling.answers import cut_by_length
 from models.mtp.config import MTPRLTraining, VariantName
+from models.mtp.dynamic_tree import MTPBatchTreeDrafter
 from models.mtp.grpo import group_advantages, grpo_loss, token_logps, zero_std_groups
 from models.mtp.module import (
     MTPBatchDrafter,
@@ -174,13 +176,15 @@ def sample_plainly(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 
 def sample_speculatively(model, draft_base, draft_module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                          eos_token_ids: set[int], temperature: float, draft_temperature: float,
-                         generators: Sequence[torch.Generator], drafting: AdaptiveDrafting | None = None
-                         ) -> tuple[list[list[int]], list[SpeculativeStats]]:
+                         generators: Sequence[torch.Generator], drafting: AdaptiveDrafting | None = None,
+                         tree: DynamicTree | None = None) -> tuple[list[list[int]], list[SpeculativeStats]]:
     """Each prompt's completion sampled at ``temperature`` by batched speculative sampling with the MTP module's
-    chained drafts (``draft_base`` / ``draft_module``: :func:`models.mtp.module.draft_parts`' copies), row i
-    drawing from ``generators[i]``: the distribution :func:`sample_plainly` samples from. ``drafting``: the adaptive
+    chained drafts (``draft_base`` / ``draft_module``: :func:`models.mtp.module.draft_parts`' copies) — or, with
+    ``tree`` (its budget a number), each row's EAGLE-2 dynamic tree of the module's top-k tokens — row i drawing
+    from ``generators[i]``: the distribution :func:`sample_plainly` samples from. ``drafting``: the adaptive
     decision state (None: always draft). Returns the tokens and each row's counters."""
-    drafter = MTPBatchDrafter(draft_base, draft_module, draft_temperature, generators)
+    drafter = (MTPBatchDrafter(draft_base, draft_module, draft_temperature, generators) if tree is None
+               else MTPBatchTreeDrafter(draft_base, draft_module, tree, tree.budget))
     return batched_speculative_generate(model, drafter, BatchSampling(temperature, generators), prompts,
                                         max_new_tokens, eos_token_ids, drafting)
 
@@ -244,7 +248,8 @@ def collect_rollouts(model, tokenizer, module: MTPModule | None, prompts: Sequen
         else:
             tokens, rows_stats = sample_speculatively(model, draft_base, draft_module, prompt_ids[rows],
                                                       cfg.max_new_tokens, eos_token_ids, cfg.temperature,
-                                                      cfg.draft_temperature, generators[rows], drafting)
+                                                      cfg.draft_temperature, generators[rows], drafting,
+                                                      cfg.dynamic_tree)
         # the tokens are lists: the batch's device work is done when the clock is read
         counts.append(RolloutCounts(time.perf_counter() - batch_started, sum(map(len, tokens)),
                                     *_batch_counters(rows_stats), rows=len(tokens)))
