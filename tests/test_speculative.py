@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import statistics
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -567,6 +569,22 @@ def test_the_first_decision_comes_early_and_then_tau_averages_the_whole_window()
         Adaptation(first_decision=0)
 
 
+@pytest.mark.parametrize("margin", [0.0, 0.1])
+def test_a_measured_cost_needs_the_margin_a_configured_one_does_not(margin):
+    """A plain step of 1 s and cycles of 1.5 s measure c = 1.5; cycles gaining 2, 1, 2, 1 tokens (τ = 1.5) pay only
+    without the margin (1.5 < 1.5 · 1.1). With c configured as 1.5 the same gains pay whatever the margin."""
+    measured = AdaptiveDrafting(Adaptation(window=4, first_decision=4, margin=margin))
+    measured.record(False, 1, 1.0)
+    for gain in (2, 1, 2, 1):
+        measured.record(True, gain, 1.5)
+    assert statistics.fmean(measured.gains) == 1.5 and measured.cost() == 1.5
+    assert measured.paying is (margin == 0.0)
+    configured = AdaptiveDrafting(Adaptation(window=4, first_decision=4, cycle_cost=1.5, margin=margin))
+    for gain in (2, 1, 2, 1):
+        configured.record(True, gain, 0.0)
+    assert configured.paying
+
+
 def _ticks(stats: SpeculativeStats, drafts: Scripted):
     """A clock that ticks 1 per model forward and 3 per draft."""
     return lambda: stats.forwards + 3 * drafts.calls
@@ -576,11 +594,12 @@ def _ticks(stats: SpeculativeStats, drafts: Scripted):
 def test_a_measured_cycle_cost_decides_from_the_clock(tiny):
     """c measured from the run's own step times, on a clock that ticks 1 per model forward and 3 per draft (a cycle
     costs 4 plain steps): the first step is plain (it times one); a perfect 3-deep chain gains 4 per cycle and keeps
-    drafting, a perfect 1-deep chain gains 2 and falls back to plain steps, probing after 8 plain tokens, then 16."""
+    drafting, a perfect 1-deep chain gains 2 and falls back to plain steps, probing after 8 plain tokens, then 16.
+    No margin: τ = c = 4 is the tie it decides (the margin: test_a_measured_cost_needs_the_margin_…)."""
     model, prompts = tiny
     ids = prompts[0]
     reference = hf_greedy(model, ids, 40, set())
-    adaptation = Adaptation(window=4, probe_every=8)
+    adaptation = Adaptation(window=4, probe_every=8, margin=0.0)
     for depth, lengths, plain in ((3, [4] * 9 + [2], 1), (1, [2] * 6, 27)):
         stats = SpeculativeStats()
         drafts = Scripted(reference, stats, model.config.vocab_size, depth, lambda done: True)

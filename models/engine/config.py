@@ -205,6 +205,13 @@ class Adaptation(Knobs):
     """c, a draft–verify cycle's cost in plain steps; null = measured during the run. Measured: the median wall time
     of the window's cycles over that of the last plain steps (the first step is plain, to time one). A fixed c makes
     the decisions depend on acceptance alone, so sampled output repeats exactly under a seed."""
+    margin: float = Field(0.1, ge=0.0, le=1.0)
+    """With c measured (``cycle_cost`` null): drafting pays while τ ≥ c · (1 + margin). c is a ratio of two medians of
+    ``window`` timings each, and timings drift: on one run's general instructions (the MTP dynamic tree, 2-core CPU)
+    c came out between 1.08 and 2.56 from prompt to prompt, and plain steps alone took 42–68 ms within minutes; at
+    τ ≈ c the decision is noise, and the tree drafted whole prompts at τ 1.25–1.78 for 0.85× greedy. A margin keeps
+    near-ties plain, where drafting would gain little even when c is right. A fixed ``cycle_cost`` is exact: no
+    margin."""
 
     @model_validator(mode="after")
     def _rule_is_well_formed(self) -> Adaptation:

@@ -703,7 +703,7 @@ class AdaptiveDrafting:
 
     τ = the mean gain of the last ``window`` cycles; c = the configured cycle cost, or the median wall time of the
     window's cycles over the median of the last ``window`` plain steps. Drafting continues while fewer than
-    ``first_decision`` cycles are measured or τ ≥ c; else plain steps, with a probing cycle after ``gap`` plain
+    ``first_decision`` cycles are measured or τ ≥ c (a measured c: τ ≥ c · (1 + ``margin``)); else plain steps, with a probing cycle after ``gap`` plain
     tokens (``probe_every``, doubled by each probe that does not pay, up to ``max_probe_every``; reset by one that
     pays).
 
@@ -758,7 +758,8 @@ class AdaptiveDrafting:
         self.cycle_seconds.append(seconds)
         self.plain_tokens = 0
         decided = len(self.gains) >= min(self.adaptation.first_decision, self.adaptation.window)
-        self.paying = not decided or statistics.fmean(self.gains) >= self.cost()
+        margin = self.adaptation.margin if self.measures else 0.0  # a measured c is noisy, a configured one exact
+        self.paying = not decided or statistics.fmean(self.gains) >= self.cost() * (1 + margin)
         if self.paying:
             self.gap = self.adaptation.probe_every
         elif probe:
