@@ -44,7 +44,7 @@ from models.common.training import check_update, weight_changes
 from models.engine.batched import BatchGreedy, batched_speculative_generate
 from models.engine.decoding import GREEDY, hf_decode
 from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
-from models.engine.speculative import tree_budget
+from models.engine.speculative import budget_context, tree_budget
 from models.labeling.answers import cut_by_length, is_correct
 from models.labeling.labelers import build_labeler
 from models.mtp.dynamic_tree import MTPBatchTreeDrafter
@@ -414,7 +414,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     logger.info("held-out greedy responses before RL, scored by %s: %s on %d prompts", _scorer(cfg.label),
                 _judged_text(before), len(eval_ids))
     if r.dynamic_tree is not None and r.dynamic_tree.budget == "auto":  # resolved once, for every variant
-        context = int(torch.tensor([ids.shape[1] for ids in rl_ids]).median()) + r.max_new_tokens // 2
+        context = budget_context([ids.shape[1] for ids in rl_ids], r.max_new_tokens)
         budget, costs = tree_budget(policy.model, r.dynamic_tree, context)
         logger.info("mtp_rl.dynamic_tree budget %d nodes (verification ms by width after %d tokens: %s)", budget,
                     context, {w: round(1000 * seconds, 1) for w, seconds in costs.items()})

@@ -68,6 +68,7 @@ from models.engine.speculative import (
     AdaptiveDrafting,
     VERIFICATION_REPEATS,
     TreeVerifier,
+    budget_context,
     build_tree,
     speculative_generate,
     tree_budget,
@@ -207,13 +208,12 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
 
 def _dynamic_tree_budget(cfg: Config, policy, prompt_ids: list[torch.Tensor]) -> tuple[int | None, dict[int, float]]:
     """``mtp_tree``'s verification budget (``medusa_benchmark.dynamic_tree.budget``) and the costs it was chosen from:
-    :func:`models.engine.speculative.tree_budget` after a context as long as the middle of a typical response: the
-    median prompt of ``prompt_ids`` (the first prompt set) plus half of ``max_new_tokens``. None and no costs without
-    ``mtp_tree``."""
+    :func:`models.engine.speculative.tree_budget` after :func:`models.engine.speculative.budget_context` of
+    ``prompt_ids`` (the first prompt set). None and no costs without ``mtp_tree``."""
     s = cfg.medusa_benchmark
     if "mtp_tree" not in s.decoders:
         return None, {}
-    context = int(pd.Series([ids.shape[1] for ids in prompt_ids]).median()) + s.max_new_tokens // 2
+    context = budget_context([ids.shape[1] for ids in prompt_ids], s.max_new_tokens)
     budget, costs = tree_budget(policy.model, s.dynamic_tree, context)
     if not costs:
         return budget, costs

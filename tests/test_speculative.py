@@ -811,3 +811,10 @@ def test_verification_costs_of_a_bfloat16_policy(tiny_llama, device):
 
     costs = verification_costs(bf16_tiny(tiny_llama, device), [1, 16], context_length=9, repeats=1)
     assert list(costs) == [1, 16] and all(seconds > 0 for seconds in costs.values())
+
+
+def test_the_budget_context_is_the_median_prompt_plus_half_a_response():
+    from models.engine.speculative import budget_context
+
+    assert budget_context([3, 5, 10, 20], 64) == 7 + 32  # median 7.5, truncated
+    assert budget_context([9], 5) == 9 + 2

@@ -912,6 +912,12 @@ VERIFICATION_REPEATS = 5
 """Timed rounds of every width (after one warm-up round): the median is each width's cost."""
 
 
+def budget_context(prompt_lengths: Sequence[int], max_new_tokens: int) -> int:
+    """The context after which ``budget: auto`` times its forwards: as long as the middle of a typical response, the
+    median prompt length plus half of ``max_new_tokens``."""
+    return int(statistics.median(prompt_lengths)) + max_new_tokens // 2
+
+
 def tree_budget(model, tree: DynamicTree, context_length: int) -> tuple[int, dict[int, float]]:
     """``tree``'s verification budget and the costs it was chosen from: as configured (no costs), or, with ``auto``,
     :func:`auto_budget` over ``model``'s forward cost at each of :data:`VERIFICATION_WIDTHS` after
