@@ -6,8 +6,13 @@ import logging
 import os
 import warnings
 
-# Set before anything imports huggingface_hub / prefect / mlflow: no network, no telemetry.
+# Set before anything imports huggingface_hub / prefect / mlflow / torch: no network, no telemetry; one intra-op thread
+# (OMP_NUM_THREADS, inherited by every process a test starts: DVC's stage processes, `foresight run`, Prefect workers).
+# Tiny models gain nothing from intra-op threads, and on the loaded 2-core machine (the other xdist worker busy) two
+# threads contend badly: forwards measured 10-40x slower; the tiny DVC pipeline's stages took 386 s with torch's
+# default of 2 threads per stage process against 225 s with 1 (its SLA benchmark 72.5 s against 5.8 s).
 os.environ.update({
+    "OMP_NUM_THREADS": "1",
     "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DO_NOT_TRACK": "true",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
     "GX_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -26,9 +31,7 @@ from tests.tiny import (  # noqa: E402
     build_tiny_llama,
 )
 
-# Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine two threads contend
-# badly (forwards measured 10-40x slower); subprocesses the tests start keep torch's default.
-torch.set_num_threads(1)
+torch.set_num_threads(1)  # OMP_NUM_THREADS above; and in case torch was imported before this file (a plugin)
 
 
 class _LoggedCacheDeprecation(logging.Filter):
