@@ -417,8 +417,8 @@ STAGES: tuple[Stage, ...] = (
         details='at batch 1, per prompt set — 40 held-out task prompts, 24 held-out general instructions, any '
                  '`medusa_benchmark.prompt_files`: HF greedy, HF prompt lookup, Medusa (Medusa-RL by configuration) '
                  'and the MTP module drafting a chain (`mtp_chain`) and an EAGLE-2 dynamic tree (`mtp_tree`, its '
-                 "verification budget the widest forward within `budget_tolerance` (10 %) of a one-token forward's cost, measured on the "
-                 'policy at the start) with tree verification and adaptive drafting (plain steps while drafting does '
+                 "verification budget the one of the most tokens per second, calibrated at the start from the policy's "
+                 'verification cost by width and the drafter\'s acceptance by budget on training prompts) with tree verification and adaptive drafting (plain steps while drafting does '
                  'not pay, one decision state per decoder): speedup over greedy on 8 prompts, interleaved, with '
                  'intervals; τ on all prompts, and the share identical to HF greedy decoding the whole set in one '
                  "left-padded batch (batch-1 greedy's own share on the timed prompts shows what batching alone changes "

@@ -44,10 +44,9 @@ from models.common.training import check_update, weight_changes
 from models.engine.batched import BatchGreedy, batched_speculative_generate
 from models.engine.decoding import GREEDY, hf_decode
 from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
-from models.engine.speculative import budget_context, tree_budget
 from models.labeling.answers import cut_by_length, is_correct
 from models.labeling.labelers import build_labeler
-from models.mtp.dynamic_tree import MTPBatchTreeDrafter
+from models.mtp.dynamic_tree import CALIBRATION_COLUMNS, MTPBatchTreeDrafter, tree_budget
 from models.mtp.module import MTPBatchDrafter, MTPModule, MTPModuleConfig, draft_parts, frequent_tokens
 from models.mtp.rl import (
     rollout_drafting,
@@ -413,11 +412,18 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     before = _held_out(policy, labeler, *eval_set)
     logger.info("held-out greedy responses before RL, scored by %s: %s on %d prompts", _scorer(cfg.label),
                 _judged_text(before), len(eval_ids))
+    tree_metrics = {}
     if r.dynamic_tree is not None and r.dynamic_tree.budget == "auto":  # resolved once, for every variant
-        context = budget_context([ids.shape[1] for ids in rl_ids], r.max_new_tokens)
-        budget, costs = tree_budget(policy.model, r.dynamic_tree, context)
-        logger.info("mtp_rl.dynamic_tree budget %d nodes (verification ms by width after %d tokens: %s)", budget,
-                    context, {w: round(1000 * seconds, 1) for w, seconds in costs.items()})
+        # calibrated by greedy decoding of the training prompts: sampled rollouts accept less, so it may be wider
+        # than their best
+        parts = draft_parts(policy.model, MTPModule.load(module_dir, policy.model).eval(),
+                            getattr(torch, r.draft_dtype))
+        budget, calibration = tree_budget(policy.model, *parts, r.dynamic_tree, rl_ids, r.max_new_tokens, eos)
+        logger.info("mtp_rl.dynamic_tree budget %d nodes, calibrated on %d training prompts:\n%s", budget,
+                    min(len(rl_ids), r.dynamic_tree.calibration_prompts),
+                    markdown_table(calibration.rows(), CALIBRATION_COLUMNS))
+        tree_metrics = {"dynamic_tree.budget": budget,
+                        "dynamic_tree.budget_expected_speedup": calibration.expected_speedup(budget)}
         r = r.model_copy(update={"dynamic_tree": r.dynamic_tree.model_copy(update={"budget": budget})})
         cfg = cfg.model_copy(update={"mtp_rl": r})
     weights = depth_weights(cfg.mtp.ce_weights, num_depths)
@@ -515,7 +521,7 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
     metrics |= {f"{curve_name}_curve.{row['decoder']}.batch{row['batch']}.{column}": row[column]
                 for curve_name, curve_rows in curves_by_batch.items() for row in curve_rows
                 for key in CURVE_METRICS for column in (key, f"{key}_low", f"{key}_high") if column in row}
-    metrics |= {"rl_prompts_kept": kept, "rl_prompts_dropped": dropped, **changed,
+    metrics |= {"rl_prompts_kept": kept, "rl_prompts_dropped": dropped, **changed, **tree_metrics,
                 "wall_seconds": time.perf_counter() - started}
     curves = {f"{name}.per_step.{key}": [record[key] for record in history] for name, history in histories.items()
               for key in RL_CURVES}

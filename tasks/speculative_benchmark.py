@@ -17,7 +17,8 @@ The decoders (``medusa_benchmark.decoders``):
   (:class:`models.mtp.module.MTPDrafter`).
 * ``mtp_tree`` — the same module drafting EAGLE-2's dynamic tree (Li et al. 2024, §4:
   :class:`models.mtp.dynamic_tree.MTPTreeDrafter`), its verification budget chosen from the policy's measured
-  forward cost against tree width (:func:`models.engine.speculative.auto_budget`).
+  forward cost against tree width and the module's acceptance at each budget on training prompts
+  (:func:`models.mtp.dynamic_tree.calibrate_budget`).
 
 Each runs at batch 1 on each prompt set (task, general, files), the batched engine's drafters also batched and on a
 batch speed curve: speedup over greedy in the same run, τ and the share of outputs identical to greedy, each with a
@@ -51,7 +52,7 @@ from foresight.benchmark import (
     markdown_table,
     speed_row,
 )
-from foresight.plots import bar_plot, interval_bar, line_plot
+from foresight.plots import bar_plot, interval_bar, line_panels_figure, save
 from foresight.prompts import file_prompts, general_instructions
 from foresight.storage import atomic_path, write_json, write_table
 from models.engine.batched import (
@@ -68,13 +69,17 @@ from models.engine.speculative import (
     AdaptiveDrafting,
     VERIFICATION_REPEATS,
     TreeVerifier,
-    budget_context,
     build_tree,
     speculative_generate,
-    tree_budget,
 )
 from models.medusa.heads import MedusaDrafter, MedusaHeads
-from models.mtp.dynamic_tree import MTPBatchTreeDrafter, MTPTreeDrafter
+from models.mtp.dynamic_tree import (
+    CALIBRATION_COLUMNS,
+    BudgetCalibration,
+    MTPBatchTreeDrafter,
+    MTPTreeDrafter,
+    tree_budget,
+)
 from models.mtp.module import MTPBatchDrafter, MTPDrafter, MTPModule, MTPModuleConfig, draft_parts
 from tasks.common import (
     StageResult,
@@ -151,7 +156,7 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
     prompts (speed, every decoder interleaved prompt by prompt; τ; identity), and — each drafter the batched engine
     runs (Medusa's, ``mtp_chain``, ``mtp_tree``), under greedy verification — batched on all of them
     (``<decoder>_batched``: τ and identity over the whole set, in batches of ``batch_size``, untimed); and the
-    policy's logit margin at every divergence. ``mtp_tree``'s budget, when ``auto``, is resolved first, on the
+    policy's logit margin at every divergence. ``mtp_tree``'s budget, when ``auto``, is calibrated first, on the
     policy's measured verification cost.
 
     Identity is judged against HF greedy decoding the whole set in left-padded batches of ``batch_size``. In half
@@ -168,9 +173,10 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
     encoded = {name: [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions,
                                                                      cfg.prompts.system_prompt)]
                for name, questions in sets.items()}
-    budget, costs = _dynamic_tree_budget(cfg, policy, next(iter(encoded.values())))
+    mtp_parts = _mtp_draft_parts(cfg, policy)
+    budget, calibration = _dynamic_tree_budget(cfg, policy, mtp_parts)
     tree = candidate_tree(cfg)
-    decoders, batch_drafters = _medusa_decoders(cfg, policy, tree, budget)
+    decoders, batch_drafters = _medusa_decoders(cfg, policy, tree, mtp_parts, budget)
     batched = _batched_drafters(cfg, policy, batch_drafters)
     checks = _DivergenceChecks(cfg, policy)
     eos = end_token_ids(policy)
@@ -201,27 +207,41 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
             logger.info("\n%s", markdown_table(set_curve, CURVE_COLUMNS))
             curve += set_curve
     result = _medusa_report(cfg, records, rows, divergences, curve, tree, str(policy.model.dtype),
-                            time.perf_counter() - started, budget, costs)
+                            time.perf_counter() - started, budget, calibration)
     result.metrics |= dropped
     return result
 
 
-def _dynamic_tree_budget(cfg: Config, policy, prompt_ids: list[torch.Tensor]) -> tuple[int | None, dict[int, float]]:
-    """``mtp_tree``'s verification budget (``medusa_benchmark.dynamic_tree.budget``) and the costs it was chosen from:
-    :func:`models.engine.speculative.tree_budget` after :func:`models.engine.speculative.budget_context` of
-    ``prompt_ids`` (the first prompt set). None and no costs without ``mtp_tree``."""
+def _mtp_draft_parts(cfg: Config, policy) -> tuple | None:
+    """The ``train_mtp`` stage's module as its drafters run it (:func:`models.mtp.module.draft_parts` in
+    ``medusa_benchmark.draft_dtype``), or None when no MTP decoder is benchmarked."""
+    if not {"mtp_chain", "mtp_tree"} & set(cfg.medusa_benchmark.decoders):
+        return None
+    module = MTPModule.load(cfg.path(cfg.paths.mtp_dir) / "module", policy.model).eval().requires_grad_(False)
+    return draft_parts(policy.model, module, getattr(torch, cfg.medusa_benchmark.draft_dtype))
+
+
+def _dynamic_tree_budget(cfg: Config, policy, mtp_parts: tuple | None) -> tuple[int | None, BudgetCalibration | None]:
+    """``mtp_tree``'s verification budget (``medusa_benchmark.dynamic_tree.budget``) and, with ``auto``, the
+    calibration that chose it (:func:`models.mtp.dynamic_tree.tree_budget`) on training prompts, never benchmarked
+    ones: the task's training split and, where the benchmark has a general set, the general set's training
+    instructions, half each. None and None without ``mtp_tree``."""
     s = cfg.medusa_benchmark
     if "mtp_tree" not in s.decoders:
-        return None, {}
-    context = budget_context([ids.shape[1] for ids in prompt_ids], s.max_new_tokens)
-    budget, costs = tree_budget(policy.model, s.dynamic_tree, context)
-    if not costs:
-        return budget, costs
-    stage_logger().info("verification forward after %d tokens, ms by width: %s; dynamic tree budget %d nodes (the "
-                        "widest within %.0f %% of one token's cost, the root excluded)", context,
-                        {w: round(1000 * seconds, 1) for w, seconds in costs.items()}, budget,
-                        100 * s.dynamic_tree.budget_tolerance)
-    return budget, costs
+        return None, None
+    count = s.dynamic_tree.calibration_prompts
+    general = count // 2 if s.general_prompts else 0
+    questions = read_prompts(cfg, "train")["question"].head(count - general).tolist()
+    if general:
+        questions += general_instructions("train", general)["question"].tolist()
+    prompts = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt)]
+    budget, calibration = tree_budget(policy.model, *mtp_parts, s.dynamic_tree, prompts, s.max_new_tokens,
+                                      end_token_ids(policy))
+    if calibration is not None:
+        stage_logger().info("dynamic tree budget %d nodes, calibrated on %d training prompts (%d cycles):\n%s", budget,
+                            len(prompts), calibration.cycles,
+                            markdown_table(calibration.rows(), CALIBRATION_COLUMNS))
+    return budget, calibration
 
 
 def _speed_curve(cfg: Config, policy, drafters: dict[str, Callable[[], BatchDrafter]], prompts: list[list[int]],
@@ -246,13 +266,13 @@ def _speed_curve(cfg: Config, policy, drafters: dict[str, Callable[[], BatchDraf
     return [{"prompt_set": set_name, **row} for row in rows]
 
 
-def _medusa_decoders(cfg: Config, policy, tree, budget: int | None
+def _medusa_decoders(cfg: Config, policy, tree, mtp_parts: tuple | None, budget: int | None
                      ) -> tuple[dict[str, Callable], dict[str, Callable[[], BatchDrafter]]]:
     """Name → ``decode(ids, max_new_tokens) → (tokens, stats or None)``: HF greedy (batch 1, the speed reference),
     prompt lookup, one Medusa drafter per trained set of heads on ``tree``, and the ``train_mtp`` stage's MTP module
-    as a drafter — ``mtp_chain`` (its K chained drafts) and ``mtp_tree`` (EAGLE-2's dynamic tree of ``budget`` nodes
-    shaped as ``dynamic_tree``), both from the module's draft vocabulary where it has one — every drafter with the
-    configured verification, adaptive or not (``medusa_benchmark.adaptive``, one decision state per decoder); and
+    (``mtp_parts``: :func:`_mtp_draft_parts`) as a drafter — ``mtp_chain`` (its K chained drafts) and ``mtp_tree``
+    (EAGLE-2's dynamic tree of ``budget`` nodes shaped as ``dynamic_tree``), both from the module's draft vocabulary
+    where it has one — every drafter with the configured verification, adaptive or not (``medusa_benchmark.adaptive``, one decision state per decoder); and
     name → a new batched drafter (:class:`models.engine.batched.BatchDrafter`) for each of them the batched engine
     runs: the Medusa drafters, ``mtp_chain`` and ``mtp_tree`` (each row its own dynamic tree)."""
     s = cfg.medusa_benchmark
@@ -276,9 +296,8 @@ def _medusa_decoders(cfg: Config, policy, tree, budget: int | None
     drafters = {name: (lambda drafter=drafter: drafter) for name, drafter in heads.items()}
     batched = {name: (lambda drafter=drafter: HeadsDrafter(drafter.tree, drafter.draft_logits))
                for name, drafter in heads.items()}
-    if {"mtp_chain", "mtp_tree"} & set(s.decoders):
-        module = MTPModule.load(cfg.path(cfg.paths.mtp_dir) / "module", policy.model).eval().requires_grad_(False)
-        draft_base, draft_module = draft_parts(policy.model, module, draft_dtype)
+    if mtp_parts is not None:
+        draft_base, draft_module = mtp_parts
         if "mtp_chain" in s.decoders:
             drafters["mtp_chain"] = lambda: MTPDrafter(draft_base, draft_module)
             batched["mtp_chain"] = lambda: MTPBatchDrafter(draft_base, draft_module)
@@ -432,14 +451,14 @@ CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "
 
 
 def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergences: list[dict], curve: list[dict],
-                   tree, dtype: str, seconds: float, budget: int | None, costs: dict[int, float]) -> StageResult:
+                   tree, dtype: str, seconds: float, budget: int | None,
+                   calibration: BudgetCalibration | None) -> StageResult:
     """``benchmarks/medusa``: every output, the speed table, the divergences from greedy, the speed curve over batch
     sizes, the speedup, τ and curve plots (with their intervals), the report and Medusa's tree; with ``mtp_tree``
-    its ``budget``, and where it was measured the verification cost against width (``costs``: width → seconds)."""
+    its ``budget``, and where it was calibrated the verification cost, τ and expected speedup against width."""
     out_dir = cfg.path(cfg.paths.benchmarks_dir) / "medusa"
     divergence_table = pd.DataFrame(divergences, columns=DIVERGENCE_FIELDS)
-    cost_rows = [{"width": width, "nodes": width - 1, "ms": 1000 * cost, "cost_vs_one_token": cost / costs[1]}
-                 for width, cost in costs.items()]
+    cost_rows = calibration.rows() if calibration is not None else []
     with atomic_path(out_dir) as tmp:
         tmp.mkdir(parents=True)
         write_table(pd.DataFrame(records).drop(columns=["tokens"]), tmp / "outputs.parquet")
@@ -460,12 +479,17 @@ def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergenc
                      tmp / "speed_curve.png", reference_line=1.0)
         if cost_rows:
             write_table(pd.DataFrame(cost_rows), tmp / "verification_cost.csv")
-            tolerance = cfg.medusa_benchmark.dynamic_tree.budget_tolerance
-            line_plot({"verification forward": ([r["width"] for r in cost_rows],
-                                                [r["cost_vs_one_token"] for r in cost_rows])},
-                      f"Verification forward cost against width ({dtype.removeprefix('torch.')}); budget {budget}",
-                      "tokens per forward (root included)", "× one-token forward", tmp / "verification_cost.png",
-                      reference=(1 + tolerance, f"budget limit: 1 + {tolerance:g}"))
+            trees = [r for r in cost_rows if r["width"] > 1]
+            save(line_panels_figure(
+                {"× one-token forward": {"verification forward": ([r["width"] for r in cost_rows],
+                                                                  [r["cost_vs_one_token"] for r in cost_rows])},
+                 "tokens per cycle (τ)": {"τ on training prompts": ([r["width"] for r in trees],
+                                                                    [r["tau"] for r in trees])},
+                 "× greedy (expected)": {"τ · V(1) / (F + V(width))": ([r["width"] for r in trees],
+                                                                       [r["expected_speedup"] for r in trees])}},
+                f"Dynamic tree budget ({dtype.removeprefix('torch.')}): chosen {budget} nodes",
+                "tokens per verification forward (root included)",
+                references={"× greedy (expected)": (1.0, "greedy")}), tmp / "verification_cost.png")
         (tmp / "report.md").write_text(_report(rows, divergence_table, curve, tree, dtype, cfg, budget, cost_rows))
         write_json({"choices": [list(c) for c in tree.choices]}, tmp / "tree.json")
     metrics = {f"{r['prompt_set']}.{r['decoder']}.{column}": r[column] for r in rows
@@ -478,6 +502,9 @@ def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergenc
         metrics["divergences_float32_greedy_share"] = float((divergence_table["float32_choice"] == "greedy").mean())
     if budget is not None:
         metrics["mtp_tree.budget"] = budget
+    if calibration is not None:
+        metrics["mtp_tree.budget_expected_speedup"] = calibration.expected_speedup(budget)
+        metrics["mtp_tree.budget_fixed_ms"] = 1000 * calibration.fixed_seconds
     metrics["wall_seconds"] = seconds
     table_artifact(key="medusa-benchmark", table=display_rows(rows, SPEED_COLUMNS),
                    description="Speculative decoders against HF greedy: speed at batch 1, τ and identity at batch 1 "
@@ -500,8 +527,8 @@ def _report(rows: list[dict], divergences: pd.DataFrame, curve: list[dict], tree
                          "drafts")
     if "mtp_tree" in s.decoders:
         t = s.dynamic_tree
-        how = (f"measured, the widest forward within {100 * t.budget_tolerance:.0f} % of a one-token forward's cost "
-               "(below)" if t.budget == "auto" else "as configured")
+        how = ("calibrated on training prompts: the most tokens per second (below)" if t.budget == "auto"
+               else "as configured")
         described.append(f"`mtp_tree`: the same module drafting EAGLE-2's dynamic tree (depth {t.depth}, top-{t.top_k} "
                          f"children of the {t.frontier} likeliest nodes per depth, re-ranked to a budget of {budget} "
                          f"nodes besides the root: {how}); batched, each row drafts its own tree")
@@ -541,13 +568,17 @@ def _report(rows: list[dict], divergences: pd.DataFrame, curve: list[dict], tree
         ]
     if cost_rows:
         lines += [
-            "\n## Verification cost against tree width (the dynamic tree's budget)\n",
-            (f"One forward of the policy scoring `width` tokens (root included) after a context of the median "
-             f"prompt of the first set plus {s.max_new_tokens // 2} tokens, median of {VERIFICATION_REPEATS} "
-             "interleaved rounds; `cost_vs_one_token` = its time over the one-token forward's. The budget is the "
-             f"widest width within 1 + {s.dynamic_tree.budget_tolerance:g} of it, less the root: **{budget}** "
-             "(`verification_cost.csv`, `verification_cost.png`).\n"),
-            markdown_table(cost_rows),
+            "\n## The dynamic tree's budget\n",
+            (f"`ms` = one forward of the policy scoring `width` tokens (root included) after a context of the median "
+             f"calibration prompt plus {s.max_new_tokens // 2} tokens, median of {VERIFICATION_REPEATS} interleaved "
+             "rounds (V(width)); `cost_vs_one_token` = V(width) / V(1). `tau` = tokens per cycle (accepted drafts + "
+             "the bonus) a tree of `nodes` nodes gains, from one greedy-verified decoding of "
+             f"{s.dynamic_tree.calibration_prompts} training prompts with the widest tree (a tree of n nodes accepts "
+             "the nodes of the path ranked below n); `expected_speedup` = τ · V(1) / (F + V(width)), F the rest of a "
+             "cycle (drafting, bookkeeping: the median cycle's time less the widest forward's). The budget is the "
+             f"`nodes` of the highest expected speedup: **{budget}** (`verification_cost.csv`, "
+             "`verification_cost.png`).\n"),
+            markdown_table(cost_rows, CALIBRATION_COLUMNS),
         ]
     lines.append("\n## Outputs that differ from greedy\n")
     if divergences.empty:

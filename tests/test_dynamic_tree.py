@@ -7,6 +7,7 @@ token (greedy verification of dynamic trees is lossless, in float32).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -348,3 +349,88 @@ def test_adaptive_batched_dynamic_trees_catch_up_after_plain_steps(tiny):
                                                   adaptation=Adaptation(window=2, probe_every=4, cycle_cost=6.0))
     assert outputs == references
     assert min(row.plain_forwards for row in stats) > 5 and min(len(row.accepted_lengths) for row in stats) >= 3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the budget, calibrated (budget: auto)
+
+def test_a_smaller_budget_accepts_the_drafts_ranked_below_it(tiny):
+    """What calibration reads off one decoding with the widest tree: a tree of n nodes, drafted in the same state,
+    accepts exactly the accepted drafts ranked below n in the re-ranking. Checked on each prompt's first cycle
+    (after it the runs' states part) against decoding with every budget. The drafter reads a sharpened copy of the
+    LM head, so a confident child outranks its parent's siblings and the re-ranking is not the tree's node order
+    (depth first), which a rank taken from that order would miss."""
+    from models.mtp.dynamic_tree import _RecordingTreeDrafter, pool_size
+
+    model, _ = tiny
+    base = copy.deepcopy(model)
+    head = base.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach() * 4.0)  # (V, H); tied: the drafts' embeddings too
+    module = perturbed_module(model, 3, scale=0.0)
+    shape = DynamicTree(depth=4, top_k=3, frontier=2)
+    pool = pool_size(shape)
+    assert pool == 3 + 3 * 2 * 3
+    reordered = deep = 0
+    for seed in range(8):
+        ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(seed))
+        recording = _RecordingTreeDrafter(base, module, shape, pool, clock=lambda: 0.0)
+        speculative_generate(model, recording, TreeVerifier(), ids, 8, set())
+        first = recording.accepted_ranks[0]
+        assert first == sorted(first)  # a node ranks after its parent
+        deep += len(first) >= 2
+        for budget in range(1, pool + 1):
+            _, stats = speculative_generate(model, MTPTreeDrafter(base, module, shape, budget), TreeVerifier(), ids,
+                                            8, set())
+            assert stats.accepted_lengths[0] - 1 == sum(rank < budget for rank in first), (seed, budget, first)
+        reordered += recording.value_ranks != sorted(recording.value_ranks)
+    assert deep and reordered, "no first cycle accepted two drafts, or the re-ranking was the node order"
+
+
+def test_best_budget_weighs_tokens_per_cycle_against_the_cycle_cost():
+    """Hand-worked: V(1) 10, V(4) 11, V(8) 14, V(16) 22; τ(3) 2.0, τ(7) 2.6, τ(15) 3.0. With F = 5 the tokens per
+    second are 2.0 / 16 = 0.125, 2.6 / 19 = 0.137, 3.0 / 27 = 0.111: 7 nodes. With F = 60 (dear drafting)
+    2.0 / 71 = 0.0282, 2.6 / 74 = 0.0351, 3.0 / 82 = 0.0366: the wider tree pays."""
+    from models.mtp.dynamic_tree import BudgetCalibration, best_budget
+
+    costs, tau = {1: 10.0, 4: 11.0, 8: 14.0, 16: 22.0}, {3: 2.0, 7: 2.6, 15: 3.0}
+    assert best_budget(costs, 5.0, tau) == 7
+    assert best_budget(costs, 60.0, tau) == 15
+    assert best_budget({1: 1.0, 2: 2.0, 3: 3.0}, 0.0, {1: 2.0, 2: 3.0}) == 1  # a tie: the smaller tree
+    calibration = BudgetCalibration(costs, 5.0, tau, cycles=10, budget=7)
+    assert calibration.expected_speedup(7) == pytest.approx(2.6 * 10 / 19)
+    rows = calibration.rows()
+    assert [r["width"] for r in rows] == [1, 4, 8, 16] and "tau" not in rows[0]
+    assert rows[3] == pytest.approx({"width": 16, "nodes": 15, "ms": 22000.0, "cost_vs_one_token": 2.2, "tau": 3.0,
+                                     "expected_speedup": 3.0 * 10 / 27})
+    with pytest.raises(ValueError, match="widths \\[32\\]"):
+        best_budget(costs, 5.0, {31: 4.0})
+
+
+def test_calibration_measures_tau_of_the_widest_tree_and_picks_the_best_budget(tiny):
+    """:func:`calibrate_budget` on a clock that ticks once per reading: every forward and every cycle costs one tick,
+    so F = 0 and the tokens per second follow τ. τ of the widest tree equals that of decoding the same prompts with
+    it (the last cycle of each prompt excluded: the loop does not hand it to the drafter); τ grows with the budget;
+    the budget is :func:`best_budget`'s. Budgets of training prompts beyond ``calibration_prompts`` are not read."""
+    from models.mtp.dynamic_tree import best_budget, calibrate_budget, tree_budget
+
+    model, prompts = tiny
+    module = perturbed_module(model, 3, scale=0.0)
+    shape = DynamicTree(depth=3, top_k=3, frontier=2, calibration_prompts=2)
+    ticks = iter(range(10**6))
+    calibration = calibrate_budget(model, model, module, shape, prompts, 20, set(), context_length=12,
+                                   clock=lambda: float(next(ticks)))
+    assert sorted(calibration.costs) == [1, 4, 8, 16] and set(calibration.costs.values()) == {1.0}  # pool 15
+    assert calibration.fixed_seconds == 0.0
+    taus = [calibration.tokens_per_cycle[n] for n in (3, 7, 15)]
+    assert taus == sorted(taus) and taus[-1] > taus[0] > 1.0
+    gained = []
+    for ids in prompts:
+        _, stats = speculative_generate(model, MTPTreeDrafter(model, module, shape, 15), TreeVerifier(), ids, 20, set())
+        gained += stats.accepted_lengths[:-1]
+    assert calibration.cycles == len(gained)
+    assert calibration.tokens_per_cycle[15] == pytest.approx(sum(gained) / len(gained))
+    assert calibration.budget == best_budget(calibration.costs, 0.0, calibration.tokens_per_cycle)
+    # tree_budget: a configured budget is taken as it is; auto calibrates on the first calibration_prompts
+    assert tree_budget(model, model, module, shape.model_copy(update={"budget": 5}), prompts, 20, set()) == (5, None)
+    budget, used = tree_budget(model, model, module, shape, prompts, 20, set())
+    assert budget == used.budget and used.cycles < calibration.cycles

@@ -589,9 +589,10 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     """distill and train_medusa on task + general prompts, then benchmark_medusa on a float32 policy: each prompt set
     reported separately, every drafter side by side, τ from the decoded outputs, greedy-verified (adaptive, a fixed
     cycle cost: deterministic) Medusa and MTP drafting — chain and dynamic tree, batch 1 and batched — identical to
-    HF greedy everywhere; the dynamic tree's budget from the verification cost measured at the start."""
+    HF greedy everywhere; the dynamic tree's budget calibrated at the start."""
     from foresight.prompts import general_instructions
     from models.medusa.rlmedusa import trajectory_candidates
+    from models.mtp.dynamic_tree import pool_size
     from tasks.common import load_stage_policy
     from tasks.distilled import drafter_split, sft_responses
     from tasks.distill import distill_task
@@ -708,12 +709,16 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     assert (out / "speed_curve.png").is_file() and "## Speed against batch size" in report
     assert "held_out.medusa_supervised.batch2.speedup_vs_reference_low" in result.metrics
     assert "general.mtp_chain.batch2.speedup_vs_reference" in result.metrics
-    # budget: auto, measured on the policy at the start: the curve, its plot, and the budget it gave
+    # budget: auto, calibrated at the start: costs by width up to the whole pool, τ and the expected speedup of each
+    # budget, its plot, and the budget of the highest expected speedup
     costs = pd.read_csv(out / "verification_cost.csv")
-    assert costs["width"].tolist() == [1, 4, 8, 16, 24, 32, 48, 64] and costs["cost_vs_one_token"].iloc[0] == 1.0
-    within = costs.loc[costs["cost_vs_one_token"] <= 1 + cfg.medusa_benchmark.dynamic_tree.budget_tolerance, "width"]
-    assert result.metrics["mtp_tree.budget"] == max(1, within.max() - 1)
-    assert (out / "verification_cost.png").is_file() and "## Verification cost against tree width" in report
+    pool = pool_size(cfg.medusa_benchmark.dynamic_tree)
+    assert costs["width"].tolist() == [w for w in (1, 4, 8, 16, 24, 32, 48) if w <= pool] + [pool + 1]
+    assert costs["cost_vs_one_token"].iloc[0] == 1.0 and costs["tau"].iloc[1:].is_monotonic_increasing
+    best = costs.loc[costs["expected_speedup"].idxmax()]
+    assert result.metrics["mtp_tree.budget"] == best["nodes"]
+    assert result.metrics["mtp_tree.budget_expected_speedup"] == pytest.approx(best["expected_speedup"])
+    assert (out / "verification_cost.png").is_file() and "## The dynamic tree's budget" in report
     assert {"held_out.mtp_tree.speedup_vs_reference", "general.mtp_tree.speedup_vs_reference"} <= set(result.metrics)
 
 
@@ -795,7 +800,7 @@ def test_the_benchmarks_adaptation_and_typical_acceptance_come_from_params(polic
     rules, verifiers = [], []
     monkeypatch.setattr(task, "AdaptiveDrafting", lambda adaptation: rules.append(adaptation))
     monkeypatch.setattr(task, "TreeVerifier", lambda acceptance: verifiers.append(acceptance))
-    decoders, drafters = task._medusa_decoders(cfg, policy, chain_tree(2), 3)
+    decoders, drafters = task._medusa_decoders(cfg, policy, chain_tree(2), task._mtp_draft_parts(cfg, policy), 3)
     # the default decoders: every drafter side by side, batch 1 and batched
     assert list(decoders) == ["greedy", "prompt_lookup", "medusa_supervised", "mtp_chain", "mtp_tree"]
     assert list(drafters) == ["medusa_supervised", "mtp_chain", "mtp_tree"] and len(rules) == 3

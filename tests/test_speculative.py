@@ -769,23 +769,6 @@ def test_adaptation_is_refused_without_plain_steps_and_checks_its_settings(tiny)
             Adaptation(**bad)
 
 
-def test_auto_budget_is_the_widest_width_within_the_tolerance_less_the_root():
-    from models.engine.speculative import auto_budget
-
-    # the bf16 policy on the 2-core CPU (ms): 4 tokens cost what 1 does, 8 tokens 1.3×, 16 tokens 1.6×
-    assert auto_budget({1: 47.0, 4: 46.0, 8: 61.0, 16: 75.0}, 0.25) == 3
-    assert auto_budget({1: 47.0, 4: 46.0, 8: 61.0, 16: 75.0}, 0.30) == 7
-    # float32 (MKL's blocking): 4 tokens dearer than 8; the widest within 1.25 × 77 = 96.25 is 8, not the first over
-    assert auto_budget({1: 77.0, 4: 120.0, 8: 91.0, 16: 107.0}, 0.25) == 7
-    assert auto_budget({1: 10.0, 32: 10.2, 64: 10.5}, 0.0) == 1  # tolerance 0: nothing dearer than one token
-    assert auto_budget({1: 10.0, 32: 10.2, 64: 10.5}, 0.05) == 63  # a GPU-like curve: the widest
-    assert auto_budget({1: 10.0, 4: 20.0}, 0.25) == 1  # even the narrowest tree costs too much: one node
-    with pytest.raises(ValueError, match="width 1"):
-        auto_budget({4: 1.0, 8: 2.0}, 0.25)
-    with pytest.raises(ValueError, match="tolerance"):
-        auto_budget({1: 1.0}, -0.1)
-
-
 def test_verification_costs_time_each_width_interleaved_and_take_the_median(tiny):
     """On the tiny Llama with a scripted clock: one warm-up round (dropped), then rounds of every width in turn; each
     width's cost is the median of its rounds' times."""

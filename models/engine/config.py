@@ -245,14 +245,15 @@ class DynamicTree(Knobs):
     4 / frontier 3 / 12 nodes gave 2.24× (τ 3.89), 8 / 6 / 24 nodes 2.06× (τ 4.38), 8 / 8 / 32 nodes at depth 6 1.86×
     (τ 4.46): wider trees accept a little more and cost more to draft than they gain."""
     budget: int | Literal["auto"] = "auto"
-    """Nodes verified per cycle, the root excluded (re-ranked by path probability). ``auto``: the widest tree whose
-    verification forward costs at most ``budget_tolerance`` more than a one-token forward, measured on the policy at
-    the start of the run (a CPU forward of a small model is memory-bound: scoring many nodes costs about as much as
-    scoring one, up to a width where it stops being so)."""
-    budget_tolerance: float = Field(0.1, ge=0.0, le=4.0)
-    """``budget: auto``: the extra cost over a one-token forward that the chosen width may have. Measured (SmolLM2-135M,
-    bf16, 2-core CPU, 120-token context, median of 7): 1 to 16 tokens 79 ms, 24 → 92, 32 → 96, 48 → 109, 64 → 121;
-    0.1 chooses 15 nodes, 0.25 31."""
+    """Nodes verified per cycle, the root excluded (re-ranked by path probability). ``auto``: the budget of the most
+    tokens per second, measured at the start of the run (:func:`models.mtp.dynamic_tree.calibrate_budget`): the
+    policy's verification cost at each width and the drafter's tokens per cycle at each budget, from one decoding of
+    ``calibration_prompts`` training prompts. A memory-bound forward (a small model on a CPU or a GPU: scoring many
+    tokens costs about what one does) favours wide trees, a compute-bound one narrow ones. Measured (SmolLM2-135M,
+    bf16): one 2-core CPU took 79 ms for 1 to 16 tokens and 121 for 64; another 20.8 ms for 1, 29.1 for 16."""
+    calibration_prompts: int = Field(4, ge=1, le=256)
+    """``budget: auto``: training prompts decoded (greedy, with the widest candidate tree) to measure the drafter's
+    tokens per cycle at every budget; half task prompts and half general instructions where the stage has both."""
 
     @field_validator("budget")
     @classmethod

@@ -58,8 +58,9 @@ model itself (speculative sampling), so the output stays exactly what it was.
 
 Why it pays on a CPU. A forward of a 135M model at batch 1 is memory-bound (every weight is read once
 per forward), so scoring ~20 tree tokens costs little more than scoring one. :func:`verification_costs` measures
-where that stops on the machine at hand, and :func:`auto_budget` turns it into the width of a dynamic tree (EAGLE-2's
-budget, :class:`models.engine.config.DynamicTree`).
+where that stops on the machine at hand, and :func:`models.mtp.dynamic_tree.calibrate_budget` weighs it against the
+drafter's acceptance to choose the width of a dynamic tree (EAGLE-2's budget,
+:class:`models.engine.config.DynamicTree`).
 
 Counters (:class:`SpeculativeStats`): generated tokens / model forwards, the prefill and plain steps included
 (greedy is 1.0); τ per draft–verify cycle and the acceptance rate α count cycles only.
@@ -81,7 +82,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from models.engine.config import Adaptation, DynamicTree, TypicalAcceptance
+from models.engine.config import Adaptation, TypicalAcceptance
 from models.engine.kv_cache import cache_kwargs
 
 
@@ -862,7 +863,7 @@ def verification_costs(model, widths: Sequence[int], context_length: int, repeat
     :func:`tree_forward` over a chain of w tokens after a prefill of ``context_length`` random tokens (seeded), the
     cache cut back to the prefix after every forward. The widths take turns, one warm-up round (first calls pay
     one-off allocations) then ``repeats`` timed rounds, so a drift of the machine's speed touches every width alike.
-    What :func:`auto_budget` reads (EAGLE-2's verification budget, :class:`models.engine.config.DynamicTree`): a
+    What :func:`models.mtp.dynamic_tree.calibrate_budget` reads (EAGLE-2's verification budget): a
     small model's forward is memory-bound on a CPU or a GPU, so scoring many tokens costs about what one does, up to
     a width where compute takes over."""
     if not widths or min(widths) < 1:
@@ -890,24 +891,9 @@ def verification_costs(model, widths: Sequence[int], context_length: int, repeat
     return {w: statistics.median(seconds[w]) for w in widths}
 
 
-def auto_budget(costs: dict[int, float], tolerance: float) -> int:
-    """``DynamicTree.budget: auto`` from :func:`verification_costs` (``costs``: width → seconds, width 1 included):
-    the nodes besides the root of the widest measured forward whose cost is at most (1 + ``tolerance``) × the
-    one-token forward's — that width − 1 — and at least 1 (a tree verifies one draft at the least; where even two
-    tokens cost too much, the adaptive rule decides whether drafting pays at all). The widest, not the first
-    over: measured costs need not grow monotonically (MKL's GEMM blocking made a float32 forward of 4 tokens dearer
-    than one of 8 on the 2-core CPU)."""
-    if 1 not in costs:
-        raise ValueError(f"auto_budget compares with the one-token forward: width 1 is not among {sorted(costs)}")
-    if tolerance < 0:
-        raise ValueError(f"the tolerance is an extra cost, ≥ 0, got {tolerance}")
-    limit = (1 + tolerance) * costs[1]
-    widest = max(width for width, seconds in costs.items() if seconds <= limit)
-    return max(1, widest - 1)
-
-
 VERIFICATION_WIDTHS = (1, 4, 8, 16, 24, 32, 48, 64)
-"""Tokens per verification forward (the root included) whose cost ``DynamicTree.budget: auto`` measures."""
+"""Tokens per verification forward (the root included) whose cost ``DynamicTree.budget: auto`` measures (those up to
+the drafter's whole pool, and the pool's)."""
 VERIFICATION_REPEATS = 5
 """Timed rounds of every width (after one warm-up round): the median is each width's cost."""
 
@@ -916,16 +902,6 @@ def budget_context(prompt_lengths: Sequence[int], max_new_tokens: int) -> int:
     """The context after which ``budget: auto`` times its forwards: as long as the middle of a typical response, the
     median prompt length plus half of ``max_new_tokens``."""
     return int(statistics.median(prompt_lengths)) + max_new_tokens // 2
-
-
-def tree_budget(model, tree: DynamicTree, context_length: int) -> tuple[int, dict[int, float]]:
-    """``tree``'s verification budget and the costs it was chosen from: as configured (no costs), or, with ``auto``,
-    :func:`auto_budget` over ``model``'s forward cost at each of :data:`VERIFICATION_WIDTHS` after
-    ``context_length`` tokens (:func:`verification_costs`, batch 1)."""
-    if tree.budget != "auto":
-        return tree.budget, {}
-    costs = verification_costs(model, VERIFICATION_WIDTHS, context_length, VERIFICATION_REPEATS)
-    return auto_budget(costs, tree.budget_tolerance), costs
 
 
 def _decoder(model) -> torch.nn.Module:

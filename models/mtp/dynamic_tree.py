@@ -31,17 +31,35 @@ to the most frequent tokens of the training responses (``MTPModule.draft_vocab``
 :func:`models.mtp.module.draft_parts`), so the LM head it reads shrinks from the
 policy's whole vocabulary (49,152 rows for SmolLM2: 2.3 ms per depth on the 2-core CPU) to a few thousand rows
 (0.3 ms for 4,096). A token outside it is never drafted; verification is unchanged, so the output is not.
+
+The budget (:func:`calibrate_budget`, ``DynamicTree.budget: auto``): EAGLE-2 fixes it per device; here it is the
+budget of the most tokens per second on the machine at hand, from the policy's measured verification cost by width
+and the drafter's tokens per cycle by budget, both measured at the start of a run on training prompts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from models.engine.config import DynamicTree
-from models.engine.speculative import Draft, RowTrees, Tree, build_tree
+from models.engine.speculative import (
+    VERIFICATION_REPEATS,
+    VERIFICATION_WIDTHS,
+    Draft,
+    RowTrees,
+    Tree,
+    TreeVerifier,
+    budget_context,
+    build_tree,
+    speculative_generate,
+    verification_costs,
+)
 from models.mtp.module import (
     BatchPolicyTrail,
     MTPModule,
@@ -64,6 +82,7 @@ class MTPTreeDrafter(PolicyTrail):
             raise ValueError(f"a dynamic tree verifies at least one node besides the root, got budget {budget}")
         super().__init__(base, tree.depth)
         self.base, self.module, self.shape, self.budget = base, module, tree, budget
+        self.value_ranks: list[int] = []  # the last tree's nodes' places in the re-ranking (calibrate_budget reads)
 
     def propose(self, room: int) -> Draft:
         tree, tokens = self.draft()
@@ -109,6 +128,8 @@ class MTPTreeDrafter(PolicyTrail):
         order = sorted(range(len(paths)), key=lambda i: (-values[i], len(paths[i])))[: self.budget]
         token_of = {paths[i]: tokens[i] for i in order}
         tree = build_tree(list(token_of))
+        position = {path: rank for rank, path in enumerate(token_of)}
+        self.value_ranks = [position[path] for path in tree.choices]  # node i + 1's place in the re-ranking
         return tree, [token_of[path] for path in tree.choices]
 
     def _depth_forward(self, d: int, path_tokens: torch.Tensor, path_states: torch.Tensor) -> torch.Tensor:
@@ -289,3 +310,120 @@ class MTPBatchTreeDrafter(BatchPolicyTrail):
                          torch.cat([real[:, None].expand(-1, paths, -1), own.expand(len(count), -1, -1)], dim=2)],
                         dim=1)  # (B, Q, Q)
         return cached_additive_mask(self.visible[d - 1], new, dtype)
+
+
+def pool_size(shape: DynamicTree) -> int:
+    """The most nodes a cycle drafts before re-ranking: ``top_k`` children of the root, then ``frontier`` × ``top_k``
+    at each further depth (the largest budget that can be filled)."""
+    return shape.top_k + (shape.depth - 1) * shape.frontier * shape.top_k
+
+
+@dataclass
+class BudgetCalibration:
+    """``DynamicTree.budget: auto`` as measured (:func:`calibrate_budget`). A cycle with a budget of n nodes costs
+    F + V(n + 1): the verification forward of n + 1 tokens, V (``costs``: width → seconds), and the rest of the
+    cycle, F (``fixed_seconds``: drafting — which runs the same depths and frontier whatever the budget — and the
+    engine's bookkeeping). It gains τ(n) tokens (``tokens_per_cycle``: the bonus token and the accepted drafts);
+    ``budget`` is the n of the highest τ(n) / (F + V(n + 1)), tokens per second."""
+
+    costs: dict[int, float]
+    fixed_seconds: float
+    tokens_per_cycle: dict[int, float]
+    cycles: int
+    budget: int
+
+    def expected_speedup(self, nodes: int) -> float:
+        """τ(n) · V(1) / (F + V(n + 1)): the cycle's tokens per second over a one-token forward's (greedy's step)."""
+        return self.tokens_per_cycle[nodes] * self.costs[1] / (self.fixed_seconds + self.costs[nodes + 1])
+
+    def rows(self) -> list[dict]:
+        """One row per measured width: its cost and, for a tree of that width, τ and the expected speedup."""
+        return [{"width": width, "nodes": width - 1, "ms": 1000 * seconds, "cost_vs_one_token": seconds / self.costs[1],
+                 **({"tau": self.tokens_per_cycle[width - 1], "expected_speedup": self.expected_speedup(width - 1)}
+                    if width > 1 else {})} for width, seconds in self.costs.items()]
+
+
+CALIBRATION_COLUMNS = ["width", "nodes", "ms", "cost_vs_one_token", "tau", "expected_speedup"]
+"""The columns of :meth:`BudgetCalibration.rows` (the one-token row has no τ)."""
+
+
+def best_budget(costs: dict[int, float], fixed_seconds: float, tokens_per_cycle: dict[int, float]) -> int:
+    """The budget n of the highest τ(n) / (F + V(n + 1)) (:class:`BudgetCalibration`), the smaller n on a tie."""
+    if not tokens_per_cycle:
+        raise ValueError("no candidate budget: tokens_per_cycle is empty")
+    missing = sorted(n + 1 for n in tokens_per_cycle if n + 1 not in costs)
+    if missing:
+        raise ValueError(f"no measured verification cost for the widths {missing}")
+    return max(sorted(tokens_per_cycle), key=lambda n: tokens_per_cycle[n] / (fixed_seconds + costs[n + 1]))
+
+
+class _RecordingTreeDrafter(MTPTreeDrafter):
+    """:class:`MTPTreeDrafter` that records each draft–verify cycle: the places in the re-ranking of the drafts it
+    accepted, and its wall time (from one draft to the next: drafting, verification and bookkeeping)."""
+
+    def __init__(self, base, module: MTPModule, tree: DynamicTree, budget: int, clock: Callable[[], float]):
+        super().__init__(base, module, tree, budget)
+        self.clock, self.started = clock, None
+        self.accepted_ranks: list[list[int]] = []
+        self.cycle_seconds: list[float] = []
+
+    def propose(self, room: int) -> Draft:
+        now = self.clock()
+        if self.started is not None:
+            self.cycle_seconds.append(now - self.started)
+        self.started = now
+        return super().propose(room)
+
+    def accept(self, draft: Draft, out, verdict) -> None:
+        super().accept(draft, out, verdict)
+        self.accepted_ranks.append([self.value_ranks[node - 1] for node in verdict.path[1 : len(verdict.tokens)]])
+
+
+def calibrate_budget(model, base, module: MTPModule, shape: DynamicTree, prompts: Sequence[torch.Tensor],
+                     max_new_tokens: int, eos: set[int], context_length: int,
+                     clock: Callable[[], float] = time.perf_counter) -> BudgetCalibration:
+    """``shape.budget: auto``: the budget of the most tokens per second, from the policy's measured verification cost
+    V(w) at each width (:func:`models.engine.speculative.verification_costs` after ``context_length`` tokens, the
+    widths of :data:`~models.engine.speculative.VERIFICATION_WIDTHS` up to the whole pool, :func:`pool_size`) and
+    the drafter's acceptance τ(n) at every candidate budget n = w − 1, measured together in one greedy-verified
+    decoding of ``prompts`` (each (1, L)) with the widest candidate.
+
+    One decoding gives every τ(n) exactly, cycle by cycle: re-ranking keeps the n likeliest nodes, a prefix-closed set
+    (a node is never likelier than its parent), so a tree of n nodes would have accepted, of this cycle's accepted
+    path, the nodes ranked below n, and greedy verification of the smaller tree walks the same path as far
+    (``tests/test_dynamic_tree.py`` checks it against decoding with each budget). F is the median cycle's wall time
+    less V of the widest candidate. EAGLE-2 (§4.2) fixes its budget per device; measuring τ(n) and V(w) here picks it
+    for this policy, module and machine: a memory-bound forward (one token costs about what 16 do) favours wide
+    trees, a compute-bound one narrow ones."""
+    pool = pool_size(shape)
+    widths = sorted({w for w in VERIFICATION_WIDTHS if w <= pool + 1} | {1, pool + 1})
+    costs = verification_costs(model, widths, context_length, VERIFICATION_REPEATS, clock=clock)
+    widest = widths[-1] - 1
+    ranks: list[list[int]] = []
+    cycle_seconds: list[float] = []
+    for ids in prompts:
+        drafter = _RecordingTreeDrafter(base, module, shape, widest, clock)
+        speculative_generate(model, drafter, TreeVerifier(), ids, max_new_tokens, eos)
+        ranks += drafter.accepted_ranks
+        cycle_seconds += drafter.cycle_seconds
+    if not cycle_seconds:
+        raise ValueError(f"calibrating the dynamic tree's budget needs two draft cycles or more; {len(prompts)} "
+                         f"prompts of up to {max_new_tokens} new tokens gave {len(ranks)}")
+    fixed = max(0.0, statistics.median(cycle_seconds) - costs[widest + 1])
+    tau = {w - 1: 1 + sum(rank < w - 1 for cycle in ranks for rank in cycle) / len(ranks) for w in widths if w > 1}
+    return BudgetCalibration(costs, fixed, tau, len(ranks), best_budget(costs, fixed, tau))
+
+
+def tree_budget(model, base, module: MTPModule, shape: DynamicTree, prompts: Sequence[torch.Tensor],
+                max_new_tokens: int, eos: set[int]) -> tuple[int, BudgetCalibration | None]:
+    """``shape``'s verification budget: as configured (no calibration), or with ``auto`` :func:`calibrate_budget` on
+    ``prompts`` (training prompts, each (1, L); their first ``shape.calibration_prompts``), its forwards timed after
+    :func:`models.engine.speculative.budget_context` of them."""
+    if shape.budget != "auto":
+        return shape.budget, None
+    prompts = list(prompts)[: shape.calibration_prompts]
+    if not prompts:
+        raise ValueError("dynamic_tree.budget: auto needs training prompts to calibrate on; none were given")
+    context = budget_context([ids.shape[1] for ids in prompts], max_new_tokens)
+    calibration = calibrate_budget(model, base, module, shape, prompts, max_new_tokens, eos, context)
+    return calibration.budget, calibration
