@@ -383,10 +383,16 @@ class MTPDrafter(PolicyTrail):
         self.tree = chain_tree(self.num_depths)
 
     def propose(self, room: int) -> Draft:
-        drafts, logits = self.draft(lambda step_logits: draw(temperature_probs(step_logits, self.draft_temperature),
-                                                             self.generator))
+        drafts, logits = self.draft(self._choose)
         tokens = torch.tensor([self.tokens[-1], *drafts], device=self.hidden.device)  # (K+1,) the root first
         return Draft(self.tree, tokens, temperature_probs(logits, self.draft_temperature))
+
+    def _choose(self, step_logits: torch.Tensor) -> int:
+        """A draft from its logits (V,): the top-1 token at ``draft_temperature`` 0, drawn from no generator (a draw
+        from its one-hot law gives the same token), else a draw at that temperature with ``generator``."""
+        if self.draft_temperature == 0:
+            return int(step_logits.argmax())
+        return draw(temperature_probs(step_logits, self.draft_temperature), self.generator)
 
     @torch.no_grad()
     def draft(self, choose) -> tuple[list[int], torch.Tensor]:
@@ -522,7 +528,9 @@ class MTPBatchDrafter(BatchPolicyTrail):
     shared layer ONCE for the whole batch, its LM head once, and draws every row's draft in one
     :func:`~models.engine.speculative.draw_rows` (each prompt's own generator, as at batch 1), with no host sync —
     K forwards per draft, not B × K. ``generators``: each prompt's, drawing its drafts at ``draft_temperature``
-    (None: the default generator; top-1 drafts draw from a one-hot law, as :class:`MTPDrafter` does).
+    (None: the default generator). Top-1 drafts (``draft_temperature`` 0) are the argmax, drawn from no generator, as
+    :class:`MTPDrafter`'s: a draw from their one-hot law gives the same token, after V exponential draws per row
+    (measured at batch 16 over the 49,152-token vocabulary: 17 % of a chain's decoding time).
 
     The layout is :class:`BatchPolicyTrail`'s. A draft runs, at depth k, the positions [F_b^k, L_b) of every row,
     *right-aligned* in Q_k = max_b (L_b − F_b^k) columns: the last column is every row's position L_b − 1 (its
@@ -569,7 +577,8 @@ class MTPBatchDrafter(BatchPolicyTrail):
                 tails.append(states[torch.arange(batch, device=device),
                                     torch.tensor(tail_columns, device=device).clamp(min=0)])
             step_logits = mtp_logits(self.base, states[:, -1])  # (B, V) every row's last position
-            drafts.append(draw_rows(temperature_probs(step_logits, self.draft_temperature), self.generators))
+            drafts.append(step_logits.argmax(-1) if self.draft_temperature == 0
+                          else draw_rows(temperature_probs(step_logits, self.draft_temperature), self.generators))
             logits.append(step_logits)
         self.final, self.tails = finals, tails
         self.pending = self.pending[:, :0]
