@@ -801,3 +801,16 @@ def test_the_budget_context_is_the_median_prompt_plus_half_a_response():
 
     assert budget_context([3, 5, 10, 20], 64) == 7 + 32  # median 7.5, truncated
     assert budget_context([9], 5) == 9 + 2
+
+
+def test_top_tokens_is_the_argmax_first_on_ties():
+    """:func:`top_tokens` (``max``, fast on bf16 CPU logits) picks what ``argmax`` picks, the first index on a tie, in
+    every dtype the policy may decode in; logits with few distinct values make ties common."""
+    from models.engine.speculative import top_tokens
+
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        logits = torch.randint(0, 4, (16, 3, 512), generator=generator).to(dtype)  # (B, N+1, V)
+        assert torch.equal(top_tokens(logits), logits.argmax(dim=-1)), dtype
+        assert int(top_tokens(logits[0, 0])) == int(logits[0, 0].argmax())
+        assert (logits == logits.amax(dim=-1, keepdim=True)).sum(dim=-1).gt(1).any()  # ties were there to break

@@ -66,6 +66,7 @@ from models.engine.speculative import (
     last_hidden_forward,
     root_tree,
     temperature_probs,
+    top_tokens,
     verify_rows,
     verify_tree_rows,
 )
@@ -109,10 +110,10 @@ class BatchGreedy:
     """Greedy verification: a node is kept when its token is its parent's argmax (lossless)."""
 
     def choose(self, logits: torch.Tensor, prompts: Sequence[int]) -> torch.Tensor:
-        return logits.argmax(dim=-1)
+        return top_tokens(logits)
 
     def __call__(self, tokens, probs, logits, tree, prompts):
-        predictions = logits.argmax(dim=-1)  # (B, N+1)
+        predictions = top_tokens(logits)  # (B, N+1)
         nodes, counts = accepted_paths(tree, greedy_match(tokens, predictions, tree))  # (B, D+1), (B,)
         last = nodes.gather(1, (counts - 1)[:, None])  # (B, 1) the last kept node predicts the bonus
         return nodes, counts, predictions.gather(1, last)[:, 0]

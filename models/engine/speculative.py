@@ -356,10 +356,18 @@ def greedy_match(tokens: torch.Tensor, predictions: torch.Tensor, tree: Tree | R
     return match
 
 
+def top_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension — the first index on a tie, as ``argmax`` documents — computed by ``max``:
+    on the CPU ``argmax`` of bf16 logits runs ~5× slower (measured, 16 × 49,152 logits: 1.34 ms against 0.23 ms; a
+    2-3 % of a batch-16 plain step), where HF's greedy casts its last logits to float32 first; a float32 copy of a
+    tree's logits would cost memory on a GPU (batch × nodes × vocabulary)."""
+    return logits.max(dim=-1).indices
+
+
 def verify_greedy(tokens: torch.Tensor, logits: torch.Tensor, tree: Tree) -> list[int]:
     """Lossless: a node is accepted when its token is its parent's argmax. Returns the accepted nodes."""
     tokens = tokens.to(logits.device)  # drafts may come from another device than the verifying model
-    return _accepted_path(tree, greedy_match(tokens, logits.argmax(dim=-1), tree))
+    return _accepted_path(tree, greedy_match(tokens, top_tokens(logits), tree))
 
 
 
@@ -974,7 +982,7 @@ class TreeVerifier:
         self.acceptance = acceptance
 
     def choose(self, logits: torch.Tensor) -> int:
-        return int(logits.argmax())
+        return int(top_tokens(logits))
 
     def __call__(self, draft: Draft, out: tuple[torch.Tensor, torch.Tensor]) -> Verdict:
         logits, _ = out

@@ -63,6 +63,7 @@ from models.engine.speculative import (
     root_tree,
     speculative_generate,
     temperature_probs,
+    top_tokens,
 )
 from models.mtp.config import MTPInit
 
@@ -391,7 +392,7 @@ class MTPDrafter(PolicyTrail):
         """A draft from its logits (V,): the top-1 token at ``draft_temperature`` 0, drawn from no generator (a draw
         from its one-hot law gives the same token), else a draw at that temperature with ``generator``."""
         if self.draft_temperature == 0:
-            return int(step_logits.argmax())
+            return int(top_tokens(step_logits))
         return draw(temperature_probs(step_logits, self.draft_temperature), self.generator)
 
     @torch.no_grad()
@@ -577,7 +578,7 @@ class MTPBatchDrafter(BatchPolicyTrail):
                 tails.append(states[torch.arange(batch, device=device),
                                     torch.tensor(tail_columns, device=device).clamp(min=0)])
             step_logits = mtp_logits(self.base, states[:, -1])  # (B, V) every row's last position
-            drafts.append(step_logits.argmax(-1) if self.draft_temperature == 0
+            drafts.append(top_tokens(step_logits) if self.draft_temperature == 0
                           else draw_rows(temperature_probs(step_logits, self.draft_temperature), self.generators))
             logits.append(step_logits)
         self.final, self.tails = finals, tails
