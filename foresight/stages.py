@@ -418,8 +418,9 @@ STAGES: tuple[Stage, ...] = (
                  '`medusa_benchmark.prompt_files`: HF greedy, HF prompt lookup, Medusa (Medusa-RL by configuration) '
                  'and the MTP module drafting a chain (`mtp_chain`) and an EAGLE-2 dynamic tree (`mtp_tree`, its '
                  "verification budget the one of the most tokens per second, calibrated at the start from the policy's "
-                 'verification cost by width and the drafter\'s acceptance by budget on training prompts) with tree verification and adaptive drafting (plain steps while drafting does '
-                 'not pay, one decision state per decoder): speedup over greedy on 8 prompts, interleaved, with '
+                 "verification cost by width and the drafter's acceptance by budget on training prompts) with tree "
+                 'verification and adaptive drafting (plain steps while drafting does not pay, one decision state per '
+                 'decoder): speedup over greedy on 8 prompts, interleaved, with '
                  'intervals; τ on all prompts, and the share identical to HF greedy decoding the whole set in one '
                  "left-padded batch (batch-1 greedy's own share on the timed prompts shows what batching alone changes "
                  "in bf16); every divergence with the policy's logit margin there (bf16 near-ties); a speed curve at "

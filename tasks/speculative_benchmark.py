@@ -272,9 +272,9 @@ def _medusa_decoders(cfg: Config, policy, tree, mtp_parts: tuple | None, budget:
     prompt lookup, one Medusa drafter per trained set of heads on ``tree``, and the ``train_mtp`` stage's MTP module
     (``mtp_parts``: :func:`_mtp_draft_parts`) as a drafter — ``mtp_chain`` (its K chained drafts) and ``mtp_tree``
     (EAGLE-2's dynamic tree of ``budget`` nodes shaped as ``dynamic_tree``), both from the module's draft vocabulary
-    where it has one — every drafter with the configured verification, adaptive or not (``medusa_benchmark.adaptive``, one decision state per decoder); and
-    name → a new batched drafter (:class:`models.engine.batched.BatchDrafter`) for each of them the batched engine
-    runs: the Medusa drafters, ``mtp_chain`` and ``mtp_tree`` (each row its own dynamic tree)."""
+    where it has one — every drafter with the configured verification, adaptive or not (``medusa_benchmark.adaptive``,
+    one decision state per decoder); and name → a new batched drafter (:class:`models.engine.batched.BatchDrafter`)
+    for each of them the batched engine runs: the Medusa drafters, ``mtp_chain`` and ``mtp_tree`` (each row its own dynamic tree)."""
     s = cfg.medusa_benchmark
     eos = end_token_ids(policy)
     # the section is-a TypicalAcceptance: its typical_* knobs are the rule

@@ -580,7 +580,7 @@ def keep_accepted(cache: DynamicCache, past_length: int, accepted_nodes: Sequenc
 def temperature_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """softmax(logits / T) in fp32, over the last dimension; T = 0: the one-hot of the argmax (a deterministic draw)."""
     if temperature == 0:
-        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return F.one_hot(top_tokens(logits), logits.shape[-1]).float()
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
@@ -712,9 +712,9 @@ class AdaptiveDrafting:
 
     τ = the mean gain of the last ``window`` cycles; c = the configured cycle cost, or the median wall time of the
     window's cycles over the median of the last ``window`` plain steps. Drafting continues while fewer than
-    ``first_decision`` cycles are measured or τ ≥ c (a measured c: τ ≥ c · (1 + ``margin``)); else plain steps, with a probing cycle after ``gap`` plain
-    tokens (``probe_every``, doubled by each probe that does not pay, up to ``max_probe_every``; reset by one that
-    pays).
+    ``first_decision`` cycles are measured or τ ≥ c (a measured c: τ ≥ c · (1 + ``margin``)); else plain steps, with
+    a probing cycle after ``gap`` plain tokens (``probe_every``, doubled by each probe that does not pay, up to
+    ``max_probe_every``; reset by one that pays).
 
     One object passed to several :func:`speculative_stream` calls carries all this from prompt to prompt (a
     server keeps it per model and drafter): each rollout or prompt then starts from what the last ones measured,
