@@ -585,6 +585,18 @@ def test_a_measured_cost_needs_the_margin_a_configured_one_does_not(margin):
     assert configured.paying
 
 
+def test_a_measured_cost_is_never_below_one_plain_step():
+    """One slow plain step (2 s) timed, cycles of 1 s: the ratio 0.5 is a timing artefact (a cycle runs the plain
+    step's forward and more), so c = 1 and cycles that accept nothing (τ = 1 < 1 · 1.1) stop drafting, where c = 0.5
+    would have kept them going. Cycles gaining 2 still pay (2 ≥ 1.1)."""
+    for gain, paying in ((1, False), (2, True)):
+        drafting = AdaptiveDrafting(Adaptation(window=4, first_decision=4))
+        drafting.record(False, 1, 2.0)
+        for _ in range(4):
+            drafting.record(True, gain, 1.0)
+        assert drafting.cost() == 1.0 and drafting.paying is paying
+
+
 def _ticks(stats: SpeculativeStats, drafts: Scripted):
     """A clock that ticks 1 per model forward and 3 per draft."""
     return lambda: stats.forwards + 3 * drafts.calls
