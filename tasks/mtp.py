@@ -46,7 +46,7 @@ from models.engine.decoding import GREEDY, hf_decode
 from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
 from models.labeling.answers import cut_by_length, is_correct
 from models.labeling.labelers import build_labeler
-from models.mtp.dynamic_tree import CALIBRATION_COLUMNS, MTPBatchTreeDrafter, tree_budget
+from models.mtp.dynamic_tree import CALIBRATION_COLUMNS, DEPTH_COLUMNS, MTPBatchTreeDrafter, resolved_tree
 from models.mtp.module import MTPBatchDrafter, MTPModule, MTPModuleConfig, draft_parts, frequent_tokens
 from models.mtp.rl import (
     rollout_drafting,
@@ -418,13 +418,14 @@ def train_mtp_rl_task(cfg: Config) -> StageResult:
         # than their best
         parts = draft_parts(policy.model, MTPModule.load(module_dir, policy.model).eval(),
                             getattr(torch, r.draft_dtype))
-        budget, calibration = tree_budget(policy.model, *parts, r.dynamic_tree, rl_ids, r.max_new_tokens, eos)
-        logger.info("mtp_rl.dynamic_tree budget %d nodes, calibrated on %d training prompts:\n%s", budget,
-                    min(len(rl_ids), r.dynamic_tree.calibration_prompts),
+        dynamic, calibration = resolved_tree(policy.model, *parts, r.dynamic_tree, rl_ids, r.max_new_tokens, eos)
+        logger.info("mtp_rl.dynamic_tree: %d nodes, depth %d, calibrated on %d training prompts:\n%s\n%s",
+                    dynamic.budget, dynamic.depth, min(len(rl_ids), r.dynamic_tree.calibration_prompts),
+                    markdown_table(calibration.depth_rows(), DEPTH_COLUMNS),
                     markdown_table(calibration.rows(), CALIBRATION_COLUMNS))
-        tree_metrics = {"dynamic_tree.budget": budget,
-                        "dynamic_tree.budget_expected_speedup": calibration.expected_speedup(budget)}
-        r = r.model_copy(update={"dynamic_tree": r.dynamic_tree.model_copy(update={"budget": budget})})
+        tree_metrics = {"dynamic_tree.budget": dynamic.budget, "dynamic_tree.depth": dynamic.depth,
+                        "dynamic_tree.budget_expected_speedup": calibration.expected_speedup(dynamic.budget)}
+        r = r.model_copy(update={"dynamic_tree": dynamic})
         cfg = cfg.model_copy(update={"mtp_rl": r})
     weights = depth_weights(cfg.mtp.ce_weights, num_depths)
     curves_by_batch = {}

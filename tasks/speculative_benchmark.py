@@ -16,9 +16,9 @@ The decoders (``medusa_benchmark.decoders``):
   sharing one set of parameters: docs/mtp.md) drafting a chain of its K top-1 drafts
   (:class:`models.mtp.module.MTPDrafter`).
 * ``mtp_tree`` — the same module drafting EAGLE-2's dynamic tree (Li et al. 2024, §4:
-  :class:`models.mtp.dynamic_tree.MTPTreeDrafter`), its verification budget chosen from the policy's measured
-  forward cost against tree width and the module's acceptance at each budget on training prompts
-  (:func:`models.mtp.dynamic_tree.calibrate_budget`).
+  :class:`models.mtp.dynamic_tree.MTPTreeDrafter`), its verification budget and depth chosen from the policy's
+  measured forward cost against tree width, the drafter's measured time per depth and the module's acceptance at
+  each budget and depth on training prompts (:func:`models.mtp.dynamic_tree.calibrate_budget`).
 
 Each runs at batch 1 on each prompt set (task, general, files), the batched engine's drafters also batched and on a
 batch speed curve: speedup over greedy in the same run, τ and the share of outputs identical to greedy, each with a
@@ -62,6 +62,7 @@ from models.engine.batched import (
     batched_speculative_generate,
     unsupported_layers,
 )
+from models.engine.config import DynamicTree
 from models.engine.decoding import GREEDY, hf_decode
 from models.engine.generation import chat_prompts, encode_prompt, end_token_ids
 from models.engine.policy import load_policy
@@ -75,10 +76,11 @@ from models.engine.speculative import (
 from models.medusa.heads import MedusaDrafter, MedusaHeads
 from models.mtp.dynamic_tree import (
     CALIBRATION_COLUMNS,
+    DEPTH_COLUMNS,
     BudgetCalibration,
     MTPBatchTreeDrafter,
     MTPTreeDrafter,
-    tree_budget,
+    resolved_tree,
 )
 from models.mtp.module import MTPBatchDrafter, MTPDrafter, MTPModule, MTPModuleConfig, draft_parts
 from tasks.common import (
@@ -156,8 +158,8 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
     prompts (speed, every decoder interleaved prompt by prompt; τ; identity), and — each drafter the batched engine
     runs (Medusa's, ``mtp_chain``, ``mtp_tree``), under greedy verification — batched on all of them
     (``<decoder>_batched``: τ and identity over the whole set, in batches of ``batch_size``, untimed); and the
-    policy's logit margin at every divergence. ``mtp_tree``'s budget, when ``auto``, is calibrated first, on the
-    policy's measured verification cost.
+    policy's logit margin at every divergence. ``mtp_tree``'s budget and depth, when ``auto``, are calibrated
+    first, on the policy's measured verification cost and the drafter's measured drafting time.
 
     Identity is judged against HF greedy decoding the whole set in left-padded batches of ``batch_size``. In half
     precision that reference rounds differently from greedy at batch 1 too; the greedy row's own identity share
@@ -174,9 +176,9 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
                                                                      cfg.prompts.system_prompt)]
                for name, questions in sets.items()}
     mtp_parts = _mtp_draft_parts(cfg, policy)
-    budget, calibration = _dynamic_tree_budget(cfg, policy, mtp_parts)
+    dynamic, calibration = _dynamic_tree(cfg, policy, mtp_parts)
     tree = candidate_tree(cfg)
-    decoders, batch_drafters = _medusa_decoders(cfg, policy, tree, mtp_parts, budget)
+    decoders, batch_drafters = _medusa_decoders(cfg, policy, tree, mtp_parts, dynamic)
     batched = _batched_drafters(cfg, policy, batch_drafters)
     checks = _DivergenceChecks(cfg, policy)
     eos = end_token_ids(policy)
@@ -207,7 +209,7 @@ def benchmark_medusa_task(cfg: Config) -> StageResult:
             logger.info("\n%s", markdown_table(set_curve, CURVE_COLUMNS))
             curve += set_curve
     result = _medusa_report(cfg, records, rows, divergences, curve, tree, str(policy.model.dtype),
-                            time.perf_counter() - started, budget, calibration)
+                            time.perf_counter() - started, dynamic, calibration)
     result.metrics |= dropped
     return result
 
@@ -221,9 +223,10 @@ def _mtp_draft_parts(cfg: Config, policy) -> tuple | None:
     return draft_parts(policy.model, module, getattr(torch, cfg.medusa_benchmark.draft_dtype))
 
 
-def _dynamic_tree_budget(cfg: Config, policy, mtp_parts: tuple | None) -> tuple[int | None, BudgetCalibration | None]:
-    """``mtp_tree``'s verification budget (``medusa_benchmark.dynamic_tree.budget``) and, with ``auto``, the
-    calibration that chose it (:func:`models.mtp.dynamic_tree.tree_budget`) on training prompts, never benchmarked
+def _dynamic_tree(cfg: Config, policy, mtp_parts: tuple | None) -> tuple[DynamicTree | None,
+                                                                          BudgetCalibration | None]:
+    """``mtp_tree``'s tree (``medusa_benchmark.dynamic_tree``) with its budget and depth resolved and, with ``auto``,
+    the calibration that chose them (:func:`models.mtp.dynamic_tree.resolved_tree`) on training prompts, never benchmarked
     ones: the task's training split and, where the benchmark has a general set, the general set's training
     instructions, half each. None and None without ``mtp_tree``."""
     s = cfg.medusa_benchmark
@@ -235,13 +238,14 @@ def _dynamic_tree_budget(cfg: Config, policy, mtp_parts: tuple | None) -> tuple[
     if general:
         questions += general_instructions("train", general)["question"].tolist()
     prompts = [encode_prompt(policy, p) for p in chat_prompts(policy.tokenizer, questions, cfg.prompts.system_prompt)]
-    budget, calibration = tree_budget(policy.model, *mtp_parts, s.dynamic_tree, prompts, s.max_new_tokens,
-                                      end_token_ids(policy))
+    dynamic, calibration = resolved_tree(policy.model, *mtp_parts, s.dynamic_tree, prompts, s.max_new_tokens,
+                                         end_token_ids(policy))
     if calibration is not None:
-        stage_logger().info("dynamic tree budget %d nodes, calibrated on %d training prompts (%d cycles):\n%s", budget,
-                            len(prompts), calibration.cycles,
+        stage_logger().info("dynamic tree: %d nodes, depth %d, calibrated on %d training prompts (%d cycles):\n%s\n%s",
+                            dynamic.budget, dynamic.depth, len(prompts), calibration.cycles,
+                            markdown_table(calibration.depth_rows(), DEPTH_COLUMNS),
                             markdown_table(calibration.rows(), CALIBRATION_COLUMNS))
-    return budget, calibration
+    return dynamic, calibration
 
 
 def _speed_curve(cfg: Config, policy, drafters: dict[str, Callable[[], BatchDrafter]], prompts: list[list[int]],
@@ -266,12 +270,12 @@ def _speed_curve(cfg: Config, policy, drafters: dict[str, Callable[[], BatchDraf
     return [{"prompt_set": set_name, **row} for row in rows]
 
 
-def _medusa_decoders(cfg: Config, policy, tree, mtp_parts: tuple | None, budget: int | None
+def _medusa_decoders(cfg: Config, policy, tree, mtp_parts: tuple | None, dynamic: DynamicTree | None
                      ) -> tuple[dict[str, Callable], dict[str, Callable[[], BatchDrafter]]]:
     """Name → ``decode(ids, max_new_tokens) → (tokens, stats or None)``: HF greedy (batch 1, the speed reference),
     prompt lookup, one Medusa drafter per trained set of heads on ``tree``, and the ``train_mtp`` stage's MTP module
     (``mtp_parts``: :func:`_mtp_draft_parts`) as a drafter — ``mtp_chain`` (its K chained drafts) and ``mtp_tree``
-    (EAGLE-2's dynamic tree of ``budget`` nodes shaped as ``dynamic_tree``), both from the module's draft vocabulary
+    (EAGLE-2's dynamic tree ``dynamic``, its budget and depth resolved), both from the module's draft vocabulary
     where it has one — every drafter with the configured verification, adaptive or not (``medusa_benchmark.adaptive``,
     one decision state per decoder); and name → a new batched drafter (:class:`models.engine.batched.BatchDrafter`)
     for each of them the batched engine runs: the Medusa drafters, ``mtp_chain`` and ``mtp_tree`` (each row its own dynamic tree)."""
@@ -302,8 +306,8 @@ def _medusa_decoders(cfg: Config, policy, tree, mtp_parts: tuple | None, budget:
             drafters["mtp_chain"] = lambda: MTPDrafter(draft_base, draft_module)
             batched["mtp_chain"] = lambda: MTPBatchDrafter(draft_base, draft_module)
         if "mtp_tree" in s.decoders:
-            drafters["mtp_tree"] = lambda: MTPTreeDrafter(draft_base, draft_module, s.dynamic_tree, budget)
-            batched["mtp_tree"] = lambda: MTPBatchTreeDrafter(draft_base, draft_module, s.dynamic_tree, budget)
+            drafters["mtp_tree"] = lambda: MTPTreeDrafter(draft_base, draft_module, dynamic, dynamic.budget)
+            batched["mtp_tree"] = lambda: MTPBatchTreeDrafter(draft_base, draft_module, dynamic, dynamic.budget)
 
     def hf(kwargs):
         return lambda ids, max_new_tokens: (
@@ -451,14 +455,16 @@ CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "
 
 
 def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergences: list[dict], curve: list[dict],
-                   tree, dtype: str, seconds: float, budget: int | None,
+                   tree, dtype: str, seconds: float, dynamic: DynamicTree | None,
                    calibration: BudgetCalibration | None) -> StageResult:
     """``benchmarks/medusa``: every output, the speed table, the divergences from greedy, the speed curve over batch
     sizes, the speedup, τ and curve plots (with their intervals), the report and Medusa's tree; with ``mtp_tree``
-    its ``budget``, and where it was calibrated the verification cost, τ and expected speedup against width."""
+    its tree (``dynamic``), and where it was calibrated the verification cost, τ and expected speedup against width
+    and the drafting time and best tree by depth."""
     out_dir = cfg.path(cfg.paths.benchmarks_dir) / "medusa"
     divergence_table = pd.DataFrame(divergences, columns=DIVERGENCE_FIELDS)
     cost_rows = calibration.rows() if calibration is not None else []
+    depth_rows = calibration.depth_rows() if calibration is not None else []
     with atomic_path(out_dir) as tmp:
         tmp.mkdir(parents=True)
         write_table(pd.DataFrame(records).drop(columns=["tokens"]), tmp / "outputs.parquet")
@@ -479,6 +485,7 @@ def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergenc
                      tmp / "speed_curve.png", reference_line=1.0)
         if cost_rows:
             write_table(pd.DataFrame(cost_rows), tmp / "verification_cost.csv")
+            write_table(pd.DataFrame(depth_rows), tmp / "draft_depth.csv")
             trees = [r for r in cost_rows if r["width"] > 1]
             save(line_panels_figure(
                 {"× one-token forward": {"verification forward": ([r["width"] for r in cost_rows],
@@ -487,10 +494,12 @@ def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergenc
                                                                     [r["tau"] for r in trees])},
                  "× greedy (expected)": {"τ · V(1) / (F + V(width))": ([r["width"] for r in trees],
                                                                        [r["expected_speedup"] for r in trees])}},
-                f"Dynamic tree budget ({dtype.removeprefix('torch.')}): chosen {budget} nodes",
+                f"Dynamic tree budget ({dtype.removeprefix('torch.')}): chosen {dynamic.budget} nodes, depth "
+                f"{dynamic.depth}",
                 "tokens per verification forward (root included)",
                 references={"× greedy (expected)": (1.0, "greedy")}), tmp / "verification_cost.png")
-        (tmp / "report.md").write_text(_report(rows, divergence_table, curve, tree, dtype, cfg, budget, cost_rows))
+        (tmp / "report.md").write_text(_report(rows, divergence_table, curve, tree, dtype, cfg, dynamic, cost_rows,
+                                               depth_rows))
         write_json({"choices": [list(c) for c in tree.choices]}, tmp / "tree.json")
     metrics = {f"{r['prompt_set']}.{r['decoder']}.{column}": r[column] for r in rows
                for key in METRIC_COLUMNS for column in (key, f"{key}_low", f"{key}_high")
@@ -500,10 +509,11 @@ def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergenc
     metrics["divergences"] = len(divergence_table)
     if divergence_table["float32_choice"].notna().any():
         metrics["divergences_float32_greedy_share"] = float((divergence_table["float32_choice"] == "greedy").mean())
-    if budget is not None:
-        metrics["mtp_tree.budget"] = budget
+    if dynamic is not None:
+        metrics["mtp_tree.budget"] = dynamic.budget
+        metrics["mtp_tree.depth"] = dynamic.depth
     if calibration is not None:
-        metrics["mtp_tree.budget_expected_speedup"] = calibration.expected_speedup(budget)
+        metrics["mtp_tree.budget_expected_speedup"] = calibration.expected_speedup(dynamic.budget)
         metrics["mtp_tree.budget_fixed_ms"] = 1000 * calibration.fixed_seconds
     metrics["wall_seconds"] = seconds
     table_artifact(key="medusa-benchmark", table=display_rows(rows, SPEED_COLUMNS),
@@ -515,7 +525,7 @@ def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergenc
 
 
 def _report(rows: list[dict], divergences: pd.DataFrame, curve: list[dict], tree, dtype: str, cfg: Config,
-            budget: int | None, cost_rows: list[dict]) -> str:
+            dynamic: DynamicTree | None, cost_rows: list[dict], depth_rows: list[dict]) -> str:
     s = cfg.medusa_benchmark
     rl_eval_path = cfg.path(cfg.paths.medusa_dir) / "rl" / "evaluation.json"
     described = []  # the decoders besides greedy and Medusa's
@@ -529,9 +539,10 @@ def _report(rows: list[dict], divergences: pd.DataFrame, curve: list[dict], tree
         t = s.dynamic_tree
         how = ("calibrated on training prompts: the most tokens per second (below)" if t.budget == "auto"
                else "as configured")
-        described.append(f"`mtp_tree`: the same module drafting EAGLE-2's dynamic tree (depth {t.depth}, top-{t.top_k} "
-                         f"children of the {t.frontier} likeliest nodes per depth, re-ranked to a budget of {budget} "
-                         f"nodes besides the root: {how}); batched, each row drafts its own tree")
+        described.append(f"`mtp_tree`: the same module drafting EAGLE-2's dynamic tree (depth {dynamic.depth} of at "
+                         f"most {t.depth}, top-{t.top_k} children of the {t.frontier} likeliest nodes per depth, "
+                         f"re-ranked to a budget of {dynamic.budget} nodes besides the root: {how}); batched, each row "
+                         "drafts its own tree")
     lines = [
         "# Speculative decoding benchmark (HF greedy, prompt lookup, Medusa, RLMedusa, MTP)",
         (f"\nPolicy in {dtype.removeprefix('torch.')}, max {s.max_new_tokens} new tokens, {s.acceptance} "
@@ -568,16 +579,20 @@ def _report(rows: list[dict], divergences: pd.DataFrame, curve: list[dict], tree
         ]
     if cost_rows:
         lines += [
-            "\n## The dynamic tree's budget\n",
+            "\n## The dynamic tree's budget and depth\n",
             (f"`ms` = one forward of the policy scoring `width` tokens (root included) after a context of the median "
              f"calibration prompt plus {s.max_new_tokens // 2} tokens, median of {VERIFICATION_REPEATS} interleaved "
              "rounds (V(width)); `cost_vs_one_token` = V(width) / V(1). `tau` = tokens per cycle (accepted drafts + "
-             "the bonus) a tree of `nodes` nodes gains, from one greedy-verified decoding of "
-             f"{s.dynamic_tree.calibration_prompts} training prompts with the widest tree (a tree of n nodes accepts "
-             "the nodes of the path ranked below n); `expected_speedup` = τ · V(1) / (F + V(width)), F the rest of a "
-             "cycle (drafting, bookkeeping: the median cycle's time less the widest forward's). The budget is the "
-             f"`nodes` of the highest expected speedup: **{budget}** (`verification_cost.csv`, "
+             "the bonus) a tree of `nodes` nodes drafted `depth` deep gains, from one greedy-verified decoding of "
+             f"{s.dynamic_tree.calibration_prompts} training prompts with the widest tree (such a tree accepts the "
+             "nodes of the path ranked below n among those no deeper than d); `draft_ms` = D(depth), the median "
+             "cycle's drafting through that depth; `expected_speedup` = τ · V(1) / (F + D(depth) + V(width)), F the "
+             "rest of a cycle (bookkeeping: the median cycle's time less its drafting and the widest forward). The "
+             f"tree is the (`nodes`, `depth`) of the highest expected speedup: **{dynamic.budget} nodes, depth "
+             f"{dynamic.depth}** (`draft_depth.csv`; by width at that depth: `verification_cost.csv`, "
              "`verification_cost.png`).\n"),
+            markdown_table(depth_rows, DEPTH_COLUMNS),
+            f"\nAt depth {dynamic.depth}, by width:\n",
             markdown_table(cost_rows, CALIBRATION_COLUMNS),
         ]
     lines.append("\n## Outputs that differ from greedy\n")

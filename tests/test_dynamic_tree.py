@@ -354,13 +354,14 @@ def test_adaptive_batched_dynamic_trees_catch_up_after_plain_steps(tiny):
 # ---------------------------------------------------------------------------------------------------------
 # the budget, calibrated (budget: auto)
 
-def test_a_smaller_budget_accepts_the_drafts_ranked_below_it(tiny):
-    """What calibration reads off one decoding with the widest tree: a tree of n nodes, drafted in the same state,
-    accepts exactly the accepted drafts ranked below n in the re-ranking. Checked on each prompt's first cycle
-    (after it the runs' states part) against decoding with every budget. The drafter reads a sharpened copy of the
-    LM head, so a confident child outranks its parent's siblings and the re-ranking is not the tree's node order
-    (depth first), which a rank taken from that order would miss."""
-    from models.mtp.dynamic_tree import _RecordingTreeDrafter, pool_size
+def test_a_smaller_or_shallower_tree_accepts_the_drafts_ranked_below_its_budget(tiny):
+    """What calibration reads off one decoding with the widest tree (:func:`kept_drafts`): a tree of n nodes drafted d
+    deep, in the same state, accepts exactly the accepted drafts no deeper than d ranked below n among the nodes no
+    deeper than d. Checked on each prompt's first cycle (after it the runs' states part) against decoding with every
+    budget at every depth. The drafter reads a sharpened copy of the LM head, so a confident child outranks its
+    parent's siblings and the re-ranking is not the tree's node order (depth first), which a rank taken from that
+    order would miss; and a first cycle that accepts two drafts or more, which a depth-1 tree cuts to one."""
+    from models.mtp.dynamic_tree import _RecordingTreeDrafter, kept_drafts, pool_size
 
     model, _ = tiny
     base = copy.deepcopy(model)
@@ -375,43 +376,60 @@ def test_a_smaller_budget_accepts_the_drafts_ranked_below_it(tiny):
         ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(seed))
         recording = _RecordingTreeDrafter(base, module, shape, pool, clock=lambda: 0.0)
         speculative_generate(model, recording, TreeVerifier(), ids, 8, set())
-        first = recording.accepted_ranks[0]
-        assert first == sorted(first)  # a node ranks after its parent
+        first, ranked = recording.accepted_drafts[0], recording.ranked[0]
+        assert [rank for rank, _ in first] == sorted(rank for rank, _ in first)  # a node ranks after its parent
+        assert [depth for _, depth in first] == list(range(1, len(first) + 1)) and len(ranked) == pool
         deep += len(first) >= 2
-        for budget in range(1, pool + 1):
-            _, stats = speculative_generate(model, MTPTreeDrafter(base, module, shape, budget), TreeVerifier(), ids,
-                                            8, set())
-            assert stats.accepted_lengths[0] - 1 == sum(rank < budget for rank in first), (seed, budget, first)
+        for depth in range(1, shape.depth + 1):
+            shallower = shape.model_copy(update={"depth": depth})
+            for budget in range(1, pool_size(shallower) + 1):
+                _, stats = speculative_generate(model, MTPTreeDrafter(base, module, shallower, budget),
+                                                TreeVerifier(), ids, 8, set())
+                kept = kept_drafts(first, ranked, budget, depth)
+                assert stats.accepted_lengths[0] - 1 == kept, (seed, depth, budget, first)
         reordered += recording.value_ranks != sorted(recording.value_ranks)
     assert deep and reordered, "no first cycle accepted two drafts, or the re-ranking was the node order"
 
 
-def test_best_budget_weighs_tokens_per_cycle_against_the_cycle_cost():
-    """Hand-worked: V(1) 10, V(4) 11, V(8) 14, V(16) 22; τ(3) 2.0, τ(7) 2.6, τ(15) 3.0. With F = 5 the tokens per
-    second are 2.0 / 16 = 0.125, 2.6 / 19 = 0.137, 3.0 / 27 = 0.111: 7 nodes. With F = 60 (dear drafting)
-    2.0 / 71 = 0.0282, 2.6 / 74 = 0.0351, 3.0 / 82 = 0.0366: the wider tree pays."""
-    from models.mtp.dynamic_tree import BudgetCalibration, best_budget
+def test_best_tree_weighs_tokens_per_cycle_against_the_cycle_cost():
+    """Hand-worked: V(1) 10, V(4) 11, V(8) 14, V(16) 22; drafting D(2) 2, D(3) 4; τ(3, 3) 2.0, τ(7, 3) 2.6,
+    τ(15, 3) 3.0 and at depth 2 τ(3, 2) 1.9, τ(7, 2) 2.2, τ(15, 2) 2.3. With F = 3 the tokens per second at depth 3
+    are 2.0 / 18 = 0.111, 2.6 / 21 = 0.124, 3.0 / 29 = 0.103, at depth 2 1.9 / 16 = 0.119, 2.2 / 19 = 0.116,
+    2.3 / 27 = 0.085: 7 nodes, depth 3. If depth 3 drafts dearer (D(3) 8): 2.6 / 25 = 0.104 < 0.119: 3 nodes, depth 2.
+    With F = 60 (a dear cycle) 3.0 / 86 = 0.0349 is the best: the wider, deeper tree pays."""
+    from models.mtp.dynamic_tree import BudgetCalibration, best_tree
 
-    costs, tau = {1: 10.0, 4: 11.0, 8: 14.0, 16: 22.0}, {3: 2.0, 7: 2.6, 15: 3.0}
-    assert best_budget(costs, 5.0, tau) == 7
-    assert best_budget(costs, 60.0, tau) == 15
-    assert best_budget({1: 1.0, 2: 2.0, 3: 3.0}, 0.0, {1: 2.0, 2: 3.0}) == 1  # a tie: the smaller tree
-    calibration = BudgetCalibration(costs, 5.0, tau, cycles=10, budget=7)
-    assert calibration.expected_speedup(7) == pytest.approx(2.6 * 10 / 19)
+    costs = {1: 10.0, 4: 11.0, 8: 14.0, 16: 22.0}
+    tau = {(3, 3): 2.0, (7, 3): 2.6, (15, 3): 3.0, (3, 2): 1.9, (7, 2): 2.2, (15, 2): 2.3}
+    assert best_tree(costs, 3.0, {2: 2.0, 3: 4.0}, tau) == (7, 3)
+    assert best_tree(costs, 3.0, {2: 2.0, 3: 8.0}, tau) == (3, 2)
+    assert best_tree(costs, 60.0, {2: 2.0, 3: 4.0}, tau) == (15, 3)
+    assert best_tree({1: 1.0, 2: 2.0, 3: 3.0}, 0.0, {1: 0.0, 2: 0.0},
+                     {(1, 1): 2.0, (2, 1): 3.0, (1, 2): 2.0}) == (1, 1)  # ties: the smaller tree, then the shallower
+    calibration = BudgetCalibration(costs, 3.0, {2: 2.0, 3: 4.0}, tau, cycles=10, budget=7, depth=3)
+    assert calibration.expected_speedup(7) == pytest.approx(2.6 * 10 / 21)
+    assert calibration.expected_speedup(3, 2) == pytest.approx(1.9 * 10 / 16)
     rows = calibration.rows()
     assert [r["width"] for r in rows] == [1, 4, 8, 16] and "tau" not in rows[0]
     assert rows[3] == pytest.approx({"width": 16, "nodes": 15, "ms": 22000.0, "cost_vs_one_token": 2.2, "tau": 3.0,
-                                     "expected_speedup": 3.0 * 10 / 27})
+                                     "expected_speedup": 3.0 * 10 / 29})
+    expected = [{"depth": 2, "draft_ms": 2000.0, "nodes": 3, "tau": 1.9, "expected_speedup": 1.9 * 10 / 16},
+                {"depth": 3, "draft_ms": 4000.0, "nodes": 7, "tau": 2.6, "expected_speedup": 2.6 * 10 / 21}]
+    assert [row == pytest.approx(want) for row, want in zip(calibration.depth_rows(), expected, strict=True)] == [True] * 2
     with pytest.raises(ValueError, match="widths \\[32\\]"):
-        best_budget(costs, 5.0, {31: 4.0})
+        best_tree(costs, 5.0, {3: 1.0}, {(31, 3): 4.0})
+    with pytest.raises(ValueError, match="depths \\[4\\]"):
+        best_tree(costs, 5.0, {3: 1.0}, {(7, 4): 4.0})
 
 
-def test_calibration_measures_tau_of_the_widest_tree_and_picks_the_best_budget(tiny):
-    """:func:`calibrate_budget` on a clock that ticks once per reading: every forward and every cycle costs one tick,
-    so F = 0 and the tokens per second follow τ. τ of the widest tree equals that of decoding the same prompts with
-    it (the last cycle of each prompt excluded: the loop does not hand it to the drafter); τ grows with the budget;
-    the budget is :func:`best_budget`'s. Budgets of training prompts beyond ``calibration_prompts`` are not read."""
-    from models.mtp.dynamic_tree import best_budget, calibrate_budget, tree_budget
+def test_calibration_measures_tau_and_drafting_of_the_widest_tree_and_picks_the_best(tiny):
+    """:func:`calibrate_budget` on a clock that ticks once per reading: every forward costs one tick, a draft of 3
+    depths reads it as it starts, as each depth and the re-ranking start and at its end (drafting through depth d:
+    d + 1 ticks to the next start, plus the re-ranking's 1), and a cycle 6, so F = 6 − 5 − V = 0. τ of the widest tree
+    equals that of decoding the same prompts with it (the last cycle of each prompt excluded: the loop does not hand
+    it to the drafter), and that of a shallower tree decoding with it on the first cycle; τ grows with the budget;
+    the tree is :func:`best_tree`'s. Training prompts beyond ``calibration_prompts`` are not read."""
+    from models.mtp.dynamic_tree import best_tree, calibrate_budget, resolved_tree
 
     model, prompts = tiny
     module = perturbed_module(model, 3, scale=0.0)
@@ -420,17 +438,20 @@ def test_calibration_measures_tau_of_the_widest_tree_and_picks_the_best_budget(t
     calibration = calibrate_budget(model, model, module, shape, prompts, 20, set(), context_length=12,
                                    clock=lambda: float(next(ticks)))
     assert sorted(calibration.costs) == [1, 4, 8, 16] and set(calibration.costs.values()) == {1.0}  # pool 15
-    assert calibration.fixed_seconds == 0.0
-    taus = [calibration.tokens_per_cycle[n] for n in (3, 7, 15)]
+    assert calibration.fixed_seconds == 0.0 and calibration.draft_seconds == {1: 3.0, 2: 4.0, 3: 5.0}
+    taus = [calibration.tokens_per_cycle[n, 3] for n in (3, 7, 15)]
     assert taus == sorted(taus) and taus[-1] > taus[0] > 1.0
     gained = []
     for ids in prompts:
         _, stats = speculative_generate(model, MTPTreeDrafter(model, module, shape, 15), TreeVerifier(), ids, 20, set())
         gained += stats.accepted_lengths[:-1]
     assert calibration.cycles == len(gained)
-    assert calibration.tokens_per_cycle[15] == pytest.approx(sum(gained) / len(gained))
-    assert calibration.budget == best_budget(calibration.costs, 0.0, calibration.tokens_per_cycle)
-    # tree_budget: a configured budget is taken as it is; auto calibrates on the first calibration_prompts
-    assert tree_budget(model, model, module, shape.model_copy(update={"budget": 5}), prompts, 20, set()) == (5, None)
-    budget, used = tree_budget(model, model, module, shape, prompts, 20, set())
-    assert budget == used.budget and used.cycles < calibration.cycles
+    assert calibration.tokens_per_cycle[15, 3] == pytest.approx(sum(gained) / len(gained))
+    assert (calibration.budget, calibration.depth) == best_tree(calibration.costs, 0.0, calibration.draft_seconds,
+                                                                calibration.tokens_per_cycle)
+    # resolved_tree: a configured budget is taken as it is, depth too; auto calibrates on the first calibration_prompts
+    configured = shape.model_copy(update={"budget": 5})
+    assert resolved_tree(model, model, module, configured, prompts, 20, set()) == (configured, None)
+    resolved, used = resolved_tree(model, model, module, shape, prompts, 20, set())
+    assert (resolved.budget, resolved.depth) == (used.budget, used.depth) and used.cycles < calibration.cycles
+    assert resolved.model_copy(update={"budget": "auto", "depth": 3}) == shape

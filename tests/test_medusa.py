@@ -718,7 +718,12 @@ def test_medusa_stages_distil_the_general_set_and_benchmark_each_prompt_set(spik
     best = costs.loc[costs["expected_speedup"].idxmax()]
     assert result.metrics["mtp_tree.budget"] == best["nodes"]
     assert result.metrics["mtp_tree.budget_expected_speedup"] == pytest.approx(best["expected_speedup"])
-    assert (out / "verification_cost.png").is_file() and "## The dynamic tree's budget" in report
+    assert (out / "verification_cost.png").is_file() and "## The dynamic tree's budget and depth" in report
+    # and its depth: the depth of the highest expected speedup, each depth at its best budget
+    depths = pd.read_csv(out / "draft_depth.csv")
+    assert depths["depth"].tolist() == list(range(1, cfg.medusa_benchmark.dynamic_tree.depth + 1))
+    assert result.metrics["mtp_tree.depth"] == depths.loc[depths["expected_speedup"].idxmax(), "depth"]
+    assert depths["expected_speedup"].max() == pytest.approx(best["expected_speedup"])
     assert {"held_out.mtp_tree.speedup_vs_reference", "general.mtp_tree.speedup_vs_reference"} <= set(result.metrics)
 
 
@@ -800,7 +805,8 @@ def test_the_benchmarks_adaptation_and_typical_acceptance_come_from_params(polic
     rules, verifiers = [], []
     monkeypatch.setattr(task, "AdaptiveDrafting", lambda adaptation: rules.append(adaptation))
     monkeypatch.setattr(task, "TreeVerifier", lambda acceptance: verifiers.append(acceptance))
-    decoders, drafters = task._medusa_decoders(cfg, policy, chain_tree(2), task._mtp_draft_parts(cfg, policy), 3)
+    dynamic = cfg.medusa_benchmark.dynamic_tree.model_copy(update={"budget": 3})
+    decoders, drafters = task._medusa_decoders(cfg, policy, chain_tree(2), task._mtp_draft_parts(cfg, policy), dynamic)
     # the default decoders: every drafter side by side, batch 1 and batched
     assert list(decoders) == ["greedy", "prompt_lookup", "medusa_supervised", "mtp_chain", "mtp_tree"]
     assert list(drafters) == ["medusa_supervised", "mtp_chain", "mtp_tree"] and len(rules) == 3

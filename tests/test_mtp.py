@@ -682,8 +682,9 @@ def test_rl_stage_draws_its_prompts_from_those_with_a_reward_spread(tiny_llama, 
 
 
 def test_rl_stage_calibrates_an_auto_dynamic_tree_budget_once(tiny_llama, tmp_path, scored):
-    """``mtp_rl.dynamic_tree.budget: auto``: the budget is calibrated once, at the stage's start, on the training
-    prompts (:func:`models.mtp.dynamic_tree.tree_budget`), and every drafting variant's rollouts draft trees of it."""
+    """``mtp_rl.dynamic_tree.budget: auto``: the budget and depth are calibrated once, at the stage's start, on the
+    training prompts (:func:`models.mtp.dynamic_tree.resolved_tree`), and every drafting variant's rollouts draft
+    trees of them."""
     import models.mtp.rl
     import tasks.mtp
     from models.mtp import dynamic_tree
@@ -692,23 +693,23 @@ def test_rl_stage_calibrates_an_auto_dynamic_tree_budget_once(tiny_llama, tmp_pa
 
     def calibrated(*args):
         calibrations.append(args)
-        return dynamic_tree.tree_budget(*args)
+        return dynamic_tree.resolved_tree(*args)
 
     def drafter(base, module, shape, budget):
-        budgets.append((shape.budget, budget))
+        budgets.append((shape.budget, shape.depth, budget))
         return dynamic_tree.MTPBatchTreeDrafter(base, module, shape, budget)
 
     cfg = rl_stage(tmp_path, tiny_llama, {"What is 2 + 3?": "5", "What is 4 * 2?": "8"}, {"What is 9 - 7?": "2"},
                    mtp_rl={"variants": ["mtp_rl", "frozen_mtp"], "steps": 1, "curve_batch_sizes": [],
                            "dynamic_tree": {"depth": 3, "top_k": 2, "frontier": 2, "calibration_prompts": 1}})
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tasks.mtp, "tree_budget", calibrated)
+        mp.setattr(tasks.mtp, "resolved_tree", calibrated)
         mp.setattr(models.mtp.rl, "MTPBatchTreeDrafter", drafter)  # the rollouts' drafter
         m = run_rl_stage(cfg).metrics
     assert len(calibrations) == 1  # once, for every variant
-    budget = m["dynamic_tree.budget"]
-    assert budget in {3, 7, 10} and m["dynamic_tree.budget_expected_speedup"] > 0  # pool 10: widths 4, 8, 11
-    assert budgets and set(budgets) == {(budget, budget)}  # every rollout batch of both variants: the calibrated one
+    budget, depth = m["dynamic_tree.budget"], m["dynamic_tree.depth"]
+    assert budget in {3, 7, 10} and depth in {1, 2, 3} and m["dynamic_tree.budget_expected_speedup"] > 0  # widths 4, 8, 11
+    assert budgets and set(budgets) == {(budget, depth, budget)}  # every rollout batch of both variants: the calibrated
 
 
 def test_rl_config_fields_validate():

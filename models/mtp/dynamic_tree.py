@@ -32,9 +32,12 @@ to the most frequent tokens of the training responses (``MTPModule.draft_vocab``
 policy's whole vocabulary (49,152 rows for SmolLM2: 2.3 ms per depth on the 2-core CPU) to a few thousand rows
 (0.3 ms for 4,096). A token outside it is never drafted; verification is unchanged, so the output is not.
 
-The budget (:func:`calibrate_budget`, ``DynamicTree.budget: auto``): EAGLE-2 fixes it per device; here it is the
-budget of the most tokens per second on the machine at hand, from the policy's measured verification cost by width
-and the drafter's tokens per cycle by budget, both measured at the start of a run on training prompts.
+The budget and depth (:func:`calibrate_budget`, ``DynamicTree.budget: auto``): EAGLE-2 fixes them per device; here
+they are the budget and depth of the most tokens per second on the machine at hand, from the policy's measured
+verification cost by width, the drafter's measured drafting time by depth and its tokens per cycle by budget and
+depth, all measured at the start of a run on training prompts. On the 2-core CPU a cycle's drafting (~1.8 ms per
+depth: the shared layer, the draft LM head, the top-k) is a fifth of its cost, so a last depth that is seldom
+accepted does not pay for itself.
 """
 
 from __future__ import annotations
@@ -82,7 +85,10 @@ class MTPTreeDrafter(PolicyTrail):
             raise ValueError(f"a dynamic tree verifies at least one node besides the root, got budget {budget}")
         super().__init__(base, tree.depth)
         self.base, self.module, self.shape, self.budget = base, module, tree, budget
-        self.value_ranks: list[int] = []  # the last tree's nodes' places in the re-ranking (calibrate_budget reads)
+        # the last tree's nodes' places in the re-ranking, and every drafted node's depth in that order (read by
+        # calibrate_budget)
+        self.value_ranks: list[int] = []
+        self.ranked_depths: list[int] = []
 
     def propose(self, room: int) -> Draft:
         tree, tokens = self.draft()
@@ -123,13 +129,18 @@ class MTPTreeDrafter(PolicyTrail):
             frontier_values = flat[chosen]
             path_tokens = torch.cat([path_tokens[parents], child_tokens[parents, ranks][:, None]], dim=1)  # (F', d)
             path_states = states[parents]  # (F', d, H)
-        # re-rank (§4.2): the budget nodes of highest value; a child is never worth more than its parent, and among
-        # equals the shallower node comes first, so the choice is prefix-closed
-        order = sorted(range(len(paths)), key=lambda i: (-values[i], len(paths[i])))[: self.budget]
-        token_of = {paths[i]: tokens[i] for i in order}
+        return self._rerank(paths, tokens, values)
+
+    def _rerank(self, paths: list[tuple[int, ...]], tokens: list[int], values: list[float]) -> tuple[Tree, list[int]]:
+        """Re-ranking (§4.2): the tree of the ``budget`` drafted nodes of highest value and their tokens in its node
+        order. A child is never worth more than its parent, and among equals the shallower node comes first, so the
+        choice is prefix-closed."""
+        ranked = sorted(range(len(paths)), key=lambda i: (-values[i], len(paths[i])))
+        token_of = {paths[i]: tokens[i] for i in ranked[: self.budget]}
         tree = build_tree(list(token_of))
         position = {path: rank for rank, path in enumerate(token_of)}
         self.value_ranks = [position[path] for path in tree.choices]  # node i + 1's place in the re-ranking
+        self.ranked_depths = [len(paths[i]) for i in ranked]
         return tree, [token_of[path] for path in tree.choices]
 
     def _depth_forward(self, d: int, path_tokens: torch.Tensor, path_states: torch.Tensor) -> torch.Tensor:
@@ -320,110 +331,184 @@ def pool_size(shape: DynamicTree) -> int:
 
 @dataclass
 class BudgetCalibration:
-    """``DynamicTree.budget: auto`` as measured (:func:`calibrate_budget`). A cycle with a budget of n nodes costs
-    F + V(n + 1): the verification forward of n + 1 tokens, V (``costs``: width → seconds), and the rest of the
-    cycle, F (``fixed_seconds``: drafting — which runs the same depths and frontier whatever the budget — and the
-    engine's bookkeeping). It gains τ(n) tokens (``tokens_per_cycle``: the bonus token and the accepted drafts);
-    ``budget`` is the n of the highest τ(n) / (F + V(n + 1)), tokens per second."""
+    """``DynamicTree.budget: auto`` as measured (:func:`calibrate_budget`). A cycle drafting d depths and verifying n
+    nodes costs F + D(d) + V(n + 1): the verification forward of n + 1 tokens, V (``costs``: width → seconds), the
+    drafting of d depths, D(d) (``draft_seconds``: depth → seconds), and the rest of the cycle, F (``fixed_seconds``:
+    the engine's bookkeeping). It gains τ(n, d) tokens (``tokens_per_cycle``: (nodes, depth) → the bonus token and the
+    accepted drafts); ``budget`` and ``depth`` are the n and d of the highest τ(n, d) / (F + D(d) + V(n + 1)), tokens
+    per second."""
 
     costs: dict[int, float]
     fixed_seconds: float
-    tokens_per_cycle: dict[int, float]
+    draft_seconds: dict[int, float]
+    tokens_per_cycle: dict[tuple[int, int], float]
     cycles: int
     budget: int
+    depth: int
 
-    def expected_speedup(self, nodes: int) -> float:
-        """τ(n) · V(1) / (F + V(n + 1)): the cycle's tokens per second over a one-token forward's (greedy's step)."""
-        return self.tokens_per_cycle[nodes] * self.costs[1] / (self.fixed_seconds + self.costs[nodes + 1])
+    def expected_speedup(self, nodes: int, depth: int | None = None) -> float:
+        """τ(n, d) · V(1) / (F + D(d) + V(n + 1)): the cycle's tokens per second over a one-token forward's (greedy's
+        step); d the chosen depth unless given."""
+        depth = self.depth if depth is None else depth
+        cycle = self.fixed_seconds + self.draft_seconds[depth] + self.costs[nodes + 1]
+        return self.tokens_per_cycle[nodes, depth] * self.costs[1] / cycle
 
     def rows(self) -> list[dict]:
-        """One row per measured width: its cost and, for a tree of that width, τ and the expected speedup."""
+        """One row per measured width: its cost and, for a tree of that width drafted to the chosen depth, τ and the
+        expected speedup."""
         return [{"width": width, "nodes": width - 1, "ms": 1000 * seconds, "cost_vs_one_token": seconds / self.costs[1],
-                 **({"tau": self.tokens_per_cycle[width - 1], "expected_speedup": self.expected_speedup(width - 1)}
-                    if width > 1 else {})} for width, seconds in self.costs.items()]
+                 **({"tau": self.tokens_per_cycle[width - 1, self.depth],
+                     "expected_speedup": self.expected_speedup(width - 1)} if width > 1 else {})}
+                for width, seconds in self.costs.items()]
+
+    def depth_rows(self) -> list[dict]:
+        """One row per depth d: its drafting time D(d), the best budget at that depth, its τ and expected speedup."""
+        rows = []
+        for depth, seconds in sorted(self.draft_seconds.items()):
+            budgets = sorted(n for n, d in self.tokens_per_cycle if d == depth)
+            nodes = max(budgets, key=lambda n: self.expected_speedup(n, depth))
+            rows.append({"depth": depth, "draft_ms": 1000 * seconds, "nodes": nodes,
+                         "tau": self.tokens_per_cycle[nodes, depth], "expected_speedup": self.expected_speedup(nodes, depth)})
+        return rows
 
 
 CALIBRATION_COLUMNS = ["width", "nodes", "ms", "cost_vs_one_token", "tau", "expected_speedup"]
 """The columns of :meth:`BudgetCalibration.rows` (the one-token row has no τ)."""
+DEPTH_COLUMNS = ["depth", "draft_ms", "nodes", "tau", "expected_speedup"]
+"""The columns of :meth:`BudgetCalibration.depth_rows`."""
 
 
-def best_budget(costs: dict[int, float], fixed_seconds: float, tokens_per_cycle: dict[int, float]) -> int:
-    """The budget n of the highest τ(n) / (F + V(n + 1)) (:class:`BudgetCalibration`), the smaller n on a tie."""
+def best_tree(costs: dict[int, float], fixed_seconds: float, draft_seconds: dict[int, float],
+              tokens_per_cycle: dict[tuple[int, int], float]) -> tuple[int, int]:
+    """The budget n and depth d of the highest τ(n, d) / (F + D(d) + V(n + 1)) (:class:`BudgetCalibration`); on a
+    tie the smaller n, then the shallower d."""
     if not tokens_per_cycle:
-        raise ValueError("no candidate budget: tokens_per_cycle is empty")
-    missing = sorted(n + 1 for n in tokens_per_cycle if n + 1 not in costs)
+        raise ValueError("no candidate tree: tokens_per_cycle is empty")
+    missing = sorted({n + 1 for n, _ in tokens_per_cycle} - set(costs))
     if missing:
         raise ValueError(f"no measured verification cost for the widths {missing}")
-    return max(sorted(tokens_per_cycle), key=lambda n: tokens_per_cycle[n] / (fixed_seconds + costs[n + 1]))
+    undrafted = sorted({d for _, d in tokens_per_cycle} - set(draft_seconds))
+    if undrafted:
+        raise ValueError(f"no measured drafting time for the depths {undrafted}")
+    return max(sorted(tokens_per_cycle),
+               key=lambda key: tokens_per_cycle[key] / (fixed_seconds + draft_seconds[key[1]] + costs[key[0] + 1]))
 
 
 class _RecordingTreeDrafter(MTPTreeDrafter):
-    """:class:`MTPTreeDrafter` that records each draft–verify cycle: the places in the re-ranking of the drafts it
-    accepted, and its wall time (from one draft to the next: drafting, verification and bookkeeping)."""
+    """:class:`MTPTreeDrafter` that records each draft–verify cycle: the drafts it accepted (each one's place in the
+    re-ranking and depth) and every drafted node's depth in re-ranking order; how long drafting would take through
+    each depth d (to the start of depth d + 1, or of the re-ranking, plus the re-ranking, which every depth ends
+    with); and the cycle's wall time (from one draft to the next: drafting, verification and bookkeeping)."""
 
     def __init__(self, base, module: MTPModule, tree: DynamicTree, budget: int, clock: Callable[[], float]):
         super().__init__(base, module, tree, budget)
         self.clock, self.started = clock, None
-        self.accepted_ranks: list[list[int]] = []
+        self.accepted_drafts: list[list[tuple[int, int]]] = []
+        self.ranked: list[list[int]] = []
+        self.draft_seconds: list[list[float]] = []
         self.cycle_seconds: list[float] = []
+        self._starts: list[float] = []  # this draft's: each depth's start, then the re-ranking's
 
     def propose(self, room: int) -> Draft:
         now = self.clock()
         if self.started is not None:
             self.cycle_seconds.append(now - self.started)
-        self.started = now
-        return super().propose(room)
+        self.started, self._starts = now, []
+        draft = super().propose(room)
+        rerank = self.clock() - self._starts[-1]  # the last start is the re-ranking's
+        self.draft_seconds.append([start - now + rerank for start in self._starts[1:]])
+        return draft
+
+    def _depth_forward(self, d: int, path_tokens: torch.Tensor, path_states: torch.Tensor) -> torch.Tensor:
+        self._starts.append(self.clock())
+        return super()._depth_forward(d, path_tokens, path_states)
+
+    def _rerank(self, paths, tokens, values):
+        self._starts.append(self.clock())
+        return super()._rerank(paths, tokens, values)
 
     def accept(self, draft: Draft, out, verdict) -> None:
         super().accept(draft, out, verdict)
-        self.accepted_ranks.append([self.value_ranks[node - 1] for node in verdict.path[1 : len(verdict.tokens)]])
+        nodes = verdict.path[1 : len(verdict.tokens)]
+        self.accepted_drafts.append([(self.value_ranks[node - 1], int(draft.tree.depths[node])) for node in nodes])
+        self.ranked.append(self.ranked_depths)
+
+
+def kept_drafts(accepted: Sequence[tuple[int, int]], ranked_depths: Sequence[int], nodes: int, depth: int) -> int:
+    """Of one cycle's drafts accepted from the widest tree (``accepted``: each one's place in the re-ranking and
+    depth, from the root down), those a tree of ``nodes`` nodes drafted to ``depth`` would have kept: each draft's
+    place among the nodes no deeper than ``depth`` (``ranked_depths``: every drafted node's depth, in re-ranking
+    order) must be below ``nodes``. That tree is exactly the re-ranking's first ``nodes`` of those nodes — drafting
+    stops after ``depth``, and nothing shallower depends on what is drafted deeper — a prefix-closed set (a node is
+    never worth more than its parent; equal values rank the shallower first), so greedy verification walks the wide
+    tree's accepted path as far as it stays inside it."""
+    kept = 0
+    for rank, node_depth in accepted:
+        if node_depth > depth or sum(d <= depth for d in ranked_depths[:rank]) >= nodes:
+            break
+        kept += 1
+    return kept
 
 
 def calibrate_budget(model, base, module: MTPModule, shape: DynamicTree, prompts: Sequence[torch.Tensor],
                      max_new_tokens: int, eos: set[int], context_length: int,
                      clock: Callable[[], float] = time.perf_counter) -> BudgetCalibration:
-    """``shape.budget: auto``: the budget of the most tokens per second, from the policy's measured verification cost
-    V(w) at each width (:func:`models.engine.speculative.verification_costs` after ``context_length`` tokens, the
-    widths of :data:`~models.engine.speculative.VERIFICATION_WIDTHS` up to the whole pool, :func:`pool_size`) and
-    the drafter's acceptance τ(n) at every candidate budget n = w − 1, measured together in one greedy-verified
-    decoding of ``prompts`` (each (1, L)) with the widest candidate.
+    """``shape.budget: auto``: the budget and depth of the most tokens per second, from the policy's measured
+    verification cost V(w) at each width (:func:`models.engine.speculative.verification_costs` after
+    ``context_length`` tokens, the widths of :data:`~models.engine.speculative.VERIFICATION_WIDTHS` up to the whole
+    pool, :func:`pool_size`), and, measured together in one greedy-verified decoding of ``prompts`` (each (1, L))
+    with the widest candidate tree (``shape.depth`` deep), the drafter's acceptance τ(n, d) at every candidate budget
+    n = w − 1 and depth d ≤ ``shape.depth`` and the drafting time D(d) through each depth.
 
-    One decoding gives every τ(n) exactly, cycle by cycle: re-ranking keeps the n likeliest nodes, a prefix-closed set
-    (a node is never likelier than its parent), so a tree of n nodes would have accepted, of this cycle's accepted
-    path, the nodes ranked below n, and greedy verification of the smaller tree walks the same path as far
-    (``tests/test_dynamic_tree.py`` checks it against decoding with each budget). F is the median cycle's wall time
-    less V of the widest candidate. EAGLE-2 (§4.2) fixes its budget per device; measuring τ(n) and V(w) here picks it
-    for this policy, module and machine: a memory-bound forward (one token costs about what 16 do) favours wide
-    trees, a compute-bound one narrow ones."""
+    One decoding gives every τ(n, d) exactly, cycle by cycle (:func:`kept_drafts`; ``tests/test_dynamic_tree.py``
+    checks it against decoding with each budget and depth). F is the median over cycles of the cycle's wall time less
+    its drafting, less V of the widest candidate. EAGLE-2 (§4.2) fixes its budget and depth per device; measuring
+    them here picks them for this policy, module and machine: a memory-bound forward (one token costs about what 16
+    do) favours wide trees, a compute-bound one narrow ones, and a deep draft pays only where its last depths are
+    accepted often enough to cover their drafting."""
     pool = pool_size(shape)
     widths = sorted({w for w in VERIFICATION_WIDTHS if w <= pool + 1} | {1, pool + 1})
     costs = verification_costs(model, widths, context_length, VERIFICATION_REPEATS, clock=clock)
     widest = widths[-1] - 1
-    ranks: list[list[int]] = []
+    accepted: list[list[tuple[int, int]]] = []
+    ranked: list[list[int]] = []
+    draft_seconds: list[list[float]] = []
     cycle_seconds: list[float] = []
     for ids in prompts:
         drafter = _RecordingTreeDrafter(base, module, shape, widest, clock)
         speculative_generate(model, drafter, TreeVerifier(), ids, max_new_tokens, eos)
-        ranks += drafter.accepted_ranks
+        accepted += drafter.accepted_drafts
+        ranked += drafter.ranked
         cycle_seconds += drafter.cycle_seconds
+        draft_seconds += drafter.draft_seconds[: len(drafter.cycle_seconds)]  # the cycles with a measured time
     if not cycle_seconds:
         raise ValueError(f"calibrating the dynamic tree's budget needs two draft cycles or more; {len(prompts)} "
-                         f"prompts of up to {max_new_tokens} new tokens gave {len(ranks)}")
-    fixed = max(0.0, statistics.median(cycle_seconds) - costs[widest + 1])
-    tau = {w - 1: 1 + sum(rank < w - 1 for cycle in ranks for rank in cycle) / len(ranks) for w in widths if w > 1}
-    return BudgetCalibration(costs, fixed, tau, len(ranks), best_budget(costs, fixed, tau))
+                         f"prompts of up to {max_new_tokens} new tokens gave {len(accepted)}")
+    full = [seconds for seconds in draft_seconds if len(seconds) == shape.depth]  # prefixes of at least depth tokens
+    if not full:
+        raise ValueError(f"calibrating the dynamic tree's depth needs prompts of at least {shape.depth} tokens")
+    drafting = {d: statistics.median(seconds[d - 1] for seconds in full) for d in range(1, shape.depth + 1)}
+    fixed = max(0.0, statistics.median(cycle - seconds[-1] for cycle, seconds in zip(cycle_seconds, draft_seconds,
+                                                                                      strict=True))
+                - costs[widest + 1])
+    tau = {(w - 1, d): 1 + sum(kept_drafts(cycle, depths, w - 1, d) for cycle, depths in zip(accepted, ranked,
+                                                                                           strict=True)) / len(accepted)
+           for w in widths if w > 1 for d in range(1, shape.depth + 1)}
+    budget, depth = best_tree(costs, fixed, drafting, tau)
+    return BudgetCalibration(costs, fixed, drafting, tau, len(accepted), budget, depth)
 
 
-def tree_budget(model, base, module: MTPModule, shape: DynamicTree, prompts: Sequence[torch.Tensor],
-                max_new_tokens: int, eos: set[int]) -> tuple[int, BudgetCalibration | None]:
-    """``shape``'s verification budget: as configured (no calibration), or with ``auto`` :func:`calibrate_budget` on
-    ``prompts`` (training prompts, each (1, L); their first ``shape.calibration_prompts``), its forwards timed after
-    :func:`models.engine.speculative.budget_context` of them."""
+def resolved_tree(model, base, module: MTPModule, shape: DynamicTree, prompts: Sequence[torch.Tensor],
+                  max_new_tokens: int, eos: set[int]) -> tuple[DynamicTree, BudgetCalibration | None]:
+    """``shape`` as the drafters run it: its budget and depth as configured (no calibration), or with ``budget:
+    auto`` those :func:`calibrate_budget` picks on ``prompts`` (training prompts, each (1, L); their first
+    ``shape.calibration_prompts``), its forwards timed after :func:`models.engine.speculative.budget_context` of
+    them, and the calibration."""
     if shape.budget != "auto":
-        return shape.budget, None
+        return shape, None
     prompts = list(prompts)[: shape.calibration_prompts]
     if not prompts:
         raise ValueError("dynamic_tree.budget: auto needs training prompts to calibrate on; none were given")
     context = budget_context([ids.shape[1] for ids in prompts], max_new_tokens)
     calibration = calibrate_budget(model, base, module, shape, prompts, max_new_tokens, eos, context)
-    return calibration.budget, calibration
+    return shape.model_copy(update={"budget": calibration.budget, "depth": calibration.depth}), calibration
