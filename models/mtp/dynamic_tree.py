@@ -158,11 +158,10 @@ class MTPTreeDrafter(PolicyTrail):
         start, end = len(final), length - d + 1  # catch-up positions start … L − d
         catch_up = torch.arange(start, end, device=device)
         ahead = torch.tensor(self.tokens[start + d - 1 : end + d - 1], dtype=torch.long, device=device)  # t_{j+d}
-        inputs = [self.module.depth_input(self.base, previous[start:end], ahead)]  # (C, H)
         frontier, width = path_tokens.shape  # F paths of d − 1 positions
-        if width:
-            inputs.append(self.module.depth_input(self.base, path_states, path_tokens).flatten(0, 1))  # (F·(d−1), H)
-        queries = torch.cat(inputs)[None]  # (1, C + F·(d−1), H)
+        # one projection of the catch-up (final tokens) and the paths (their drafts)
+        queries = self.module.depth_input(self.base, torch.cat([previous[start:end], path_states.flatten(0, 1)]),
+                                          torch.cat([ahead, path_tokens.flatten()]))[None]  # (1, C + F·(d−1), H)
         path_positions = torch.arange(end, length, device=device)  # L − d + 1 … L − 1
         positions = torch.cat([catch_up, path_positions.repeat(frontier)])
         mask = self._tree_mask(start, len(catch_up), frontier, width, queries.dtype, device)
@@ -240,9 +239,10 @@ class MTPBatchTreeDrafter(BatchPolicyTrail):
             width = max(count)
             catch_up = catch_up[:, catch_up.shape[1] - width:]  # (B, C, H)
             frontier, span = path_tokens.shape[1:]  # F paths of d − 1 positions
-            inputs = torch.cat([self.module.depth_input(self.base, catch_up, self._final_tokens(width, device)),
-                                self.module.depth_input(self.base, path_states, path_tokens).flatten(1, 2)],
-                               dim=1)  # (B, C + F·(d − 1), H): t_{j+d} final in the catch-up, drafts on the paths
+            inputs = self.module.depth_input(
+                self.base, torch.cat([catch_up, path_states.flatten(1, 2)], dim=1),
+                torch.cat([self._final_tokens(width, device), path_tokens.flatten(1)], dim=1),
+            )  # (B, C + F·(d − 1), H): t_{j+d} final in the catch-up, drafts on the paths
             positions = torch.cat([length - d - width + 1 + torch.arange(width, device=device),
                                    (length - d + 1 + torch.arange(span, device=device)).repeat(1, frontier)],
                                   dim=1).clamp(min=0)  # (B, C + F·(d − 1))
