@@ -597,6 +597,29 @@ def test_a_measured_cost_is_never_below_one_plain_step():
         assert drafting.cost() == 1.0 and drafting.paying is paying
 
 
+def test_a_paying_drafter_re_times_a_plain_step_every_plain_every_cycles():
+    """A measured c whose only plain sample was slow (3 s against cycles of 2 s: c = 1) lets cycles gaining 1.5 pay
+    (1.5 ≥ 1.1); after ``plain_every`` (4) cycles the next step is plain and timed (1 s): c = 2 / median(3, 1) = 1
+    still, so drafting goes on, and after four more cycles a third plain step of 1 s makes c = 2: the same gains stop.
+    A configured c never re-times."""
+    drafting = AdaptiveDrafting(Adaptation(window=8, first_decision=4, plain_every=4))
+    assert drafting.drafts() is False  # the first step is plain, to time one
+    drafting.record(False, 1, 3.0)
+    steps = []
+    for _ in range(10):
+        drafts = drafting.drafts()
+        steps.append(drafts)
+        drafting.record(drafts, 1.5 if drafts else 1, 2.0 if drafts else 1.0)
+    assert steps == [True] * 4 + [False] + [True] * 4 + [False]  # plain, timed, after every four cycles
+    assert list(drafting.plain_seconds) == [3.0, 1.0, 1.0] and drafting.cost() == 2.0
+    drafting.record(True, 1.5, 2.0)
+    assert not drafting.paying
+    configured = AdaptiveDrafting(Adaptation(window=8, first_decision=4, plain_every=4, cycle_cost=1.0))
+    for _ in range(12):
+        assert configured.drafts()
+        configured.record(True, 1.5, 0.0)
+
+
 def _ticks(stats: SpeculativeStats, drafts: Scripted):
     """A clock that ticks 1 per model forward and 3 per draft."""
     return lambda: stats.forwards + 3 * drafts.calls

@@ -212,6 +212,13 @@ class Adaptation(Knobs):
     τ ≈ c the decision is noise, and the tree drafted whole prompts at τ 1.25–1.78 for 0.85× greedy. A margin keeps
     near-ties plain, where drafting would gain little even when c is right. A fixed ``cycle_cost`` is exact: no
     margin."""
+    plain_every: int = Field(16, ge=1)
+    """With c measured: while drafting pays, one plain step after every this many draft cycles, timed, so that the
+    plain half of c stays current. Plain steps are otherwise timed only while drafting does not pay (and the first
+    step), so one slow sample could decide c for a whole run: in one benchmark run (MTP dynamic tree, 2-core CPU) the
+    tree drafted every step of the general instructions at τ 1.36 for 0.84× HF greedy, where the re-run of the same
+    stage a minute later went 94 % plain at 1.01×. Each such step costs a paying drafter about
+    (1/c − 1/τ) / ``plain_every`` of its speed (τ 3.2, c 1.6: ~2 % at 16)."""
 
     @model_validator(mode="after")
     def _rule_is_well_formed(self) -> Adaptation:

@@ -712,9 +712,9 @@ class AdaptiveDrafting:
 
     τ = the mean gain of the last ``window`` cycles; c = the configured cycle cost, or the median wall time of the
     window's cycles over the median of the last ``window`` plain steps. Drafting continues while fewer than
-    ``first_decision`` cycles are measured or τ ≥ c (a measured c: τ ≥ c · (1 + ``margin``)); else plain steps, with
-    a probing cycle after ``gap`` plain tokens (``probe_every``, doubled by each probe that does not pay, up to
-    ``max_probe_every``; reset by one that pays).
+    ``first_decision`` cycles are measured or τ ≥ c (a measured c: τ ≥ c · (1 + ``margin``), and a timed plain step
+    after every ``plain_every`` cycles); else plain steps, with a probing cycle after ``gap`` plain tokens
+    (``probe_every``, doubled by each probe that does not pay, up to ``max_probe_every``; reset by one that pays).
 
     One object passed to several :func:`speculative_stream` calls carries all this from prompt to prompt (a
     server keeps it per model and drafter): each rollout or prompt then starts from what the last ones measured,
@@ -730,6 +730,7 @@ class AdaptiveDrafting:
         self.paying = True  # the last decision: drafting pays
         self.plain_tokens = 0  # plain tokens since the last cycle
         self.gap = adaptation.probe_every  # plain tokens before the next probe
+        self.cycles_since_plain = 0  # draft cycles since the last plain step (a measured c re-times one now and then)
 
     @property
     def measures(self) -> bool:
@@ -737,8 +738,9 @@ class AdaptiveDrafting:
         return self.adaptation.cycle_cost is None
 
     def drafts(self) -> bool:
-        """Whether the next step drafts: while it pays, or to probe; not before a plain step is timed (c measured)."""
-        if self.measures and not self.plain_seconds:
+        """Whether the next step drafts: while it pays, or to probe; with c measured, not before a plain step is
+        timed, nor after ``plain_every`` cycles without one."""
+        if self.measures and (not self.plain_seconds or self.cycles_since_plain >= self.adaptation.plain_every):
             return False
         return self.paying or self.plain_tokens >= self.gap
 
@@ -765,7 +767,9 @@ class AdaptiveDrafting:
         if not drafted:
             self.plain_seconds.append(seconds)
             self.plain_tokens += tokens
+            self.cycles_since_plain = 0
             return
+        self.cycles_since_plain += 1
         probe = not self.paying
         self.gains.append(tokens)
         self.cycle_seconds.append(seconds)
