@@ -157,8 +157,9 @@ def _dynamic_tree_speed(m: Metrics) -> Verdict:
     medusa = figure(m, "benchmark_medusa", "held_out.medusa_supervised.speedup_vs_reference")
     general = figure(m, "benchmark_medusa", "general.mtp_tree.speedup_vs_reference")
     budget = value(m, "benchmark_medusa", "mtp_tree.budget")
-    ours = (f"task prompts {tree}× (τ {tau}, {budget:.0f} nodes verified), Medusa {medusa}×; general instructions "
-            f"{general}×")
+    depth = value(m, "benchmark_medusa", "mtp_tree.depth")
+    ours = (f"task prompts {tree}× (τ {tau}, {budget:.0f} nodes verified, {depth:.0f} deep), Medusa {medusa}×; "
+            f"general instructions {general}×")
     # the target (#35): at least 3× with the interval's lower end at 2.5× or more
     status = HOLDS if tree.value >= 3.0 and tree.low >= 2.5 else FAILS if tree.high < 3.0 else UNDECIDED
     # a cycle (its drafts and one verification forward) gives τ tokens in the time greedy gives `speed-up` tokens

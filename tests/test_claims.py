@@ -149,7 +149,7 @@ def test_dynamic_tree_claim_needs_three_times_greedy_and_quotes_the_cycle_cost()
                                      **_interval("held_out.mtp_tree.tau", 3.4, 3.1, 3.6),
                                      **_interval("held_out.medusa_supervised.speedup_vs_reference", 1.9, 1.7, 2.2),
                                      **_interval("general.mtp_tree.speedup_vs_reference", 1.0, 0.9, 1.1),
-                                     "mtp_tree.budget": 7}}
+                                     "mtp_tree.budget": 7, "mtp_tree.depth": 4}}
 
     assert _row(bench((3.2, 2.6, 3.8)), "EAGLE-2", "ours")["verdict"] == "holds"
     assert _row(bench((3.2, 2.4, 3.8)), "EAGLE-2", "ours")["verdict"] == "undecided"  # lower end under 2.5×
@@ -157,4 +157,4 @@ def test_dynamic_tree_claim_needs_three_times_greedy_and_quotes_the_cycle_cost()
     assert failed["verdict"] == "does not hold"
     # τ 3.4 in the time of 2.0 greedy tokens: a cycle costs 1.70 steps, so 3× would need τ ≥ 5.10
     assert "costs 1.70 greedy steps" in failed["reason"] and "τ ≥ 5.10" in failed["reason"]
-    assert failed["ours"].startswith("task prompts 2 [1.8, 2.7]× (τ 3.4 [3.1, 3.6], 7 nodes verified)")
+    assert failed["ours"].startswith("task prompts 2 [1.8, 2.7]× (τ 3.4 [3.1, 3.6], 7 nodes verified, 4 deep)")
