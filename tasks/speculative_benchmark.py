@@ -226,9 +226,9 @@ def _mtp_draft_parts(cfg: Config, policy) -> tuple | None:
 def _dynamic_tree(cfg: Config, policy, mtp_parts: tuple | None) -> tuple[DynamicTree | None,
                                                                           BudgetCalibration | None]:
     """``mtp_tree``'s tree (``medusa_benchmark.dynamic_tree``) with its budget and depth resolved and, with ``auto``,
-    the calibration that chose them (:func:`models.mtp.dynamic_tree.resolved_tree`) on training prompts, never benchmarked
-    ones: the task's training split and, where the benchmark has a general set, the general set's training
-    instructions, half each. None and None without ``mtp_tree``."""
+    the calibration that chose them (:func:`models.mtp.dynamic_tree.resolved_tree`) on training prompts, never
+    benchmarked ones: the task's training split and, where the benchmark has a general set, the general set's
+    training instructions, half each. None and None without ``mtp_tree``."""
     s = cfg.medusa_benchmark
     if "mtp_tree" not in s.decoders:
         return None, None

@@ -415,7 +415,8 @@ def test_best_tree_weighs_tokens_per_cycle_against_the_cycle_cost():
                                      "expected_speedup": 3.0 * 10 / 29})
     expected = [{"depth": 2, "draft_ms": 2000.0, "nodes": 3, "tau": 1.9, "expected_speedup": 1.9 * 10 / 16},
                 {"depth": 3, "draft_ms": 4000.0, "nodes": 7, "tau": 2.6, "expected_speedup": 2.6 * 10 / 21}]
-    assert [row == pytest.approx(want) for row, want in zip(calibration.depth_rows(), expected, strict=True)] == [True] * 2
+    rows = calibration.depth_rows()
+    assert [row == pytest.approx(want) for row, want in zip(rows, expected, strict=True)] == [True] * 2
     with pytest.raises(ValueError, match="widths \\[32\\]"):
         best_tree(costs, 5.0, {3: 1.0}, {(31, 3): 4.0})
     with pytest.raises(ValueError, match="depths \\[4\\]"):

@@ -242,10 +242,10 @@ class DynamicTree(Knobs):
 
     depth: int = Field(5, ge=1, le=32)
     """Depths drafted per cycle (the deepest a path may reach); with ``budget: auto`` the deepest the calibration
-    considers: it picks the depth too, weighing each depth's drafting time against what it adds to τ. Measured with the pipeline's MTP module (trained at K =
-    3, its shared layer applied deeper) on 8 held-out task prompts, bf16, 2-core CPU, interleaved against HF greedy:
-    depth 4 / 5 / 6 (top_k 6, frontier 4) gave 2.12× / 2.14× / 1.95× greedy at τ 3.89 / 4.27 / 4.27 — past depth 5
-    a cycle pays more drafting than it gains."""
+    considers: it picks the depth too, weighing each depth's drafting time against what it adds to τ. Measured with
+    the pipeline's MTP module (trained at K = 3, its shared layer applied deeper) on 8 held-out task prompts, bf16,
+    2-core CPU, interleaved against HF greedy: depth 4 / 5 / 6 (top_k 6, frontier 4) gave 2.12× / 2.14× / 1.95×
+    greedy at τ 3.89 / 4.27 / 4.27 — past depth 5 a cycle pays more drafting than it gains."""
     top_k: int = Field(4, ge=1, le=64)
     """Children drafted per expanded node (its drafter's top-k tokens)."""
     frontier: int = Field(3, ge=1, le=64)
@@ -256,9 +256,10 @@ class DynamicTree(Knobs):
     """Nodes verified per cycle, the root excluded (re-ranked by path probability). ``auto``: the budget and depth of
     the most tokens per second, measured at the start of the run (:func:`models.mtp.dynamic_tree.calibrate_budget`):
     the policy's verification cost at each width, and the drafter's drafting time at each depth and tokens per cycle
-    at each budget and depth, from one decoding of ``calibration_prompts`` training prompts. A memory-bound forward (a small model on a CPU or a GPU: scoring many
-    tokens costs about what one does) favours wide trees, a compute-bound one narrow ones. Measured (SmolLM2-135M,
-    bf16): one 2-core CPU took 79 ms for 1 to 16 tokens and 121 for 64; another 20.8 ms for 1, 29.1 for 16."""
+    at each budget and depth, from one decoding of ``calibration_prompts`` training prompts. A memory-bound forward
+    (a small model on a CPU or a GPU: scoring many tokens costs about what one does) favours wide trees, a
+    compute-bound one narrow ones. Measured (SmolLM2-135M, bf16): one 2-core CPU took 79 ms for 1 to 16 tokens and
+    121 for 64; another 20.8 ms for 1, 29.1 for 16."""
     calibration_prompts: int = Field(4, ge=1, le=256)
     """``budget: auto``: training prompts decoded (greedy, with the widest candidate tree) to measure the drafter's
     tokens per cycle at every budget; half task prompts and half general instructions where the stage has both."""

@@ -368,7 +368,8 @@ class BudgetCalibration:
             budgets = sorted(n for n, d in self.tokens_per_cycle if d == depth)
             nodes = max(budgets, key=lambda n: self.expected_speedup(n, depth))
             rows.append({"depth": depth, "draft_ms": 1000 * seconds, "nodes": nodes,
-                         "tau": self.tokens_per_cycle[nodes, depth], "expected_speedup": self.expected_speedup(nodes, depth)})
+                         "tau": self.tokens_per_cycle[nodes, depth],
+                         "expected_speedup": self.expected_speedup(nodes, depth)})
         return rows
 
 
