@@ -215,9 +215,10 @@ class Adaptation(Knobs):
     plain_every: int = Field(16, ge=1)
     """With c measured: while drafting pays, one plain step after every this many draft cycles, timed, so that the
     plain half of c stays current. Plain steps are otherwise timed only while drafting does not pay (and the first
-    step), so one slow sample could decide c for a whole run: in one benchmark run (MTP dynamic tree, 2-core CPU) the
-    tree drafted every step of the general instructions at τ 1.36 for 0.84× HF greedy, where the re-run of the same
-    stage a minute later went 94 % plain at 1.01×. Each such step costs a paying drafter about
+    step), so one slow sample could decide c for a whole run. In one benchmark run (MTP dynamic tree, 2-core CPU,
+    `6417c4b`'s code) the tree drafted every step of the general instructions at τ 1.36 for 0.84× HF greedy, which the
+    rule allows only with c measured below 1.24 where a cycle costs ~1.8 plain steps; a re-run a minute later (with c
+    ≥ 1 and a depth-4 tree) went 94 % plain at 1.01×. Each such step costs a paying drafter about
     (1/c − 1/τ) / ``plain_every`` of its speed (τ 3.2, c 1.6: ~2 % at 16)."""
 
     @model_validator(mode="after")
