@@ -46,7 +46,7 @@ from flows.stages import PIPELINE_RUN_ENV, PipelineConsole, metrics_path, prefec
 from foresight.claims import claims_markdown, claims_table, write_claims
 from foresight.config import Config, ConfigError, load_config
 from foresight.report import write_report
-from foresight.stages import STAGES, sync_dvc_yaml
+from foresight.stages import STAGES, retry_when, sync_dvc_yaml
 from foresight.tracking import (PARENT_RUN_ENV, flatten, headline_metrics, interval_table, log_interval_table,
                                 pipeline_run)
 
@@ -103,7 +103,18 @@ def set_param_args(overrides: dict[str, Any]) -> list[str]:
     return [f"{key}={Override._get_value_element_as_str(quoted(value))}" for key, value in overrides.items()]
 
 
-@task(name="dvc-repro", cache_policy=NO_CACHE)
+GIT_INDEX_LOCKED = "the index is locked"
+"""What DVC reports when another git operation holds the repository's index: two ``dvc exp run --temp`` started at
+once (two deployments triggered together) race for it while each copies the workspace into its temporary one."""
+
+
+def is_git_index_locked(error: BaseException) -> bool:
+    """Whether ``error`` is a DVC run that failed on git's index lock (:data:`GIT_INDEX_LOCKED`), worth a retry."""
+    return isinstance(error, RuntimeError) and GIT_INDEX_LOCKED in str(error)
+
+
+@task(name="dvc-repro", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[3, 10], retry_jitter_factor=1.0,
+      retry_condition_fn=retry_when(is_git_index_locked))
 def reproduce_task(root: Path, parent_run_id: str, targets: list[str], force: bool, isolated: bool = False,
                    set_params: list[str] | None = None) -> list[str]:
     """``dvc repro`` the stale stages (in a temporary workspace when ``isolated``); returns the stages that ran.
@@ -113,7 +124,10 @@ def reproduce_task(root: Path, parent_run_id: str, targets: list[str], force: bo
     agree afterwards, and records the experiment (``dvc exp show``).
 
     Not tagged ``gpu``: it waits for the stage tasks that are, and under a ``gpu`` concurrency limit of 1 it
-    would hold the only slot they wait for (a deadlock). The stage tasks themselves take the slots.
+    would hold the only slot they wait for (a deadlock). The stage tasks themselves take the slots. Retried (twice,
+    after 3 and 10 s, jittered) only when DVC failed on git's index lock (:func:`is_git_index_locked`): seen in one
+    fresh-clone test run, where tests/test_gpu_orchestration.py triggers two deployments at once, before any stage
+    ran.
     """
     # PIPELINE_RUN_ENV: each stage's flow run becomes a subflow of this task run (flows.stages.run_stage_flow);
     # TQDM_MININTERVAL: a stage's progress bars redraw every second where the console draws them (a terminal), else

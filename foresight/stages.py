@@ -19,7 +19,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,19 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU_TAG = "gpu"
 """The Prefect tag of every task that runs a network (:attr:`Stage.gpu`): a concurrency limit on it guards the GPUs
 (``prefect concurrency-limit create gpu 1``)."""
+
+
+def retry_when(is_transient: Callable[[BaseException], bool]) -> Callable[..., bool]:
+    """A Prefect task's ``retry_condition_fn``: a failed run goes on to the task's retries only when its exception
+    is transient by ``is_transient`` (a stage's CUDA error, DVC's git index lock)."""
+    def condition(task, task_run, state) -> bool:
+        try:
+            state.result()
+        except Exception as error:  # noqa: BLE001 - the failure's own exception decides
+            return is_transient(error)
+        return False
+
+    return condition
 
 PATH_EXPRESSION = re.compile(r"^\$\{paths\.(\w+)\}(?:/(.+))?$")
 """``${paths.NAME}`` or ``${paths.NAME}/sub/path``: a location under a ``paths`` entry of params.yaml, as DVC

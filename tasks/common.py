@@ -48,7 +48,7 @@ from prefect.context import get_run_context
 from prefect.exceptions import MissingContextError
 
 from foresight.prompt_limits import drop_long_prompts, policy_context_length, resolve_max_prompt_tokens
-from foresight.stages import GPU_TAG
+from foresight.stages import GPU_TAG, retry_when
 from foresight.storage import read_table
 from foresight.tracking import LiveCurves
 from models.common.curves import curve_sink
@@ -71,19 +71,11 @@ def is_transient_cuda_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(message in str(error) for message in TRANSIENT_CUDA_ERRORS)
 
 
-def _retry_on_transient_cuda_error(task, task_run, state) -> bool:
-    try:
-        state.result()
-    except Exception as error:  # noqa: BLE001 - the failure's own exception decides
-        return is_transient_cuda_error(error)
-    return False
-
-
 def gpu_task(name: str, log_prints: bool | None = None):
     """A stage task that runs a neural network: tagged ``gpu``, uncached, retried once after a transient CUDA
     error (:func:`is_transient_cuda_error`). ``log_prints``: the flow's setting unless given."""
     return task(name=name, tags=[GPU_TAG], cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10,
-                retry_condition_fn=_retry_on_transient_cuda_error, log_prints=log_prints)
+                retry_condition_fn=retry_when(is_transient_cuda_error), log_prints=log_prints)
 
 
 def in_prefect_run() -> bool:

@@ -47,6 +47,36 @@ def test_gpu_tasks_retry_once_after_a_transient_cuda_error_only(prefect_server, 
     assert is_transient_cuda_error(error) == retried
 
 
+@pytest.mark.parametrize(("error", "retried"), [
+    (RuntimeError("dvc exp run --temp failed (exit 255):\nERROR: unexpected error - 39aa546: the index is locked; "
+                  "this might be due to a concurrent or crashed process"), True),
+    (RuntimeError("dvc exp run --temp failed (exit 1):\nERROR: failed to reproduce 'train_mtp'"), False),
+])
+def test_dvc_repro_retries_after_git_index_lock_only(prefect_server, monkeypatch, tmp_path, error, retried):
+    """Two ``dvc exp run --temp`` at once can fail on git's index lock before any stage runs (seen once in
+    tests/test_gpu_orchestration.py's concurrent deployments): ``dvc-repro`` runs DVC again then, and only then."""
+    import flows.pipeline
+
+    calls: list[list[str]] = []
+
+    def run_streaming(command, *args, **kwargs):
+        calls.append(command)
+        if len(calls) == 1:
+            raise error
+        return ""
+
+    monkeypatch.setattr(flows.pipeline, "run_streaming", run_streaming)
+    repro = reproduce_task.with_options(retry_delay_seconds=0, retry_jitter_factor=None)
+
+    @flow
+    def run() -> bool:
+        return repro(tmp_path, "parent", [], False, True, return_state=True).is_completed()
+
+    assert run() == retried
+    dvc = [command[command.index("--wait-for-lock") + 1:][:3] for command in calls]  # after `python -m dvc …`
+    assert dvc == [["exp", "run", "--temp"]] * (2 if retried else 1) + ([["repro"]] if retried else [])  # then restore
+
+
 def test_only_stage_tasks_take_gpu_slots():
     """``dvc-repro`` waits for the stage tasks: tagged ``gpu`` it would hold the slot they wait for."""
     from flows.stages import STAGE_FLOWS, _task
