@@ -49,6 +49,7 @@ def retry_when(is_transient: Callable[[BaseException], bool]) -> Callable[..., b
 
     return condition
 
+
 PATH_EXPRESSION = re.compile(r"^\$\{paths\.(\w+)\}(?:/(.+))?$")
 """``${paths.NAME}`` or ``${paths.NAME}/sub/path``: a location under a ``paths`` entry of params.yaml, as DVC
 interpolates it in ``dvc.yaml``."""

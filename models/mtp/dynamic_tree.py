@@ -85,10 +85,6 @@ class MTPTreeDrafter(PolicyTrail):
             raise ValueError(f"a dynamic tree verifies at least one node besides the root, got budget {budget}")
         super().__init__(base, tree.depth)
         self.base, self.module, self.shape, self.budget = base, module, tree, budget
-        # the last tree's nodes' places in the re-ranking, and every drafted node's depth in that order (read by
-        # calibrate_budget)
-        self.value_ranks: list[int] = []
-        self.ranked_depths: list[int] = []
 
     def propose(self, room: int) -> Draft:
         tree, tokens = self.draft()
@@ -135,12 +131,8 @@ class MTPTreeDrafter(PolicyTrail):
         """Re-ranking (§4.2): the tree of the ``budget`` drafted nodes of highest value and their tokens in its node
         order. A child is never worth more than its parent, and among equals the shallower node comes first, so the
         choice is prefix-closed."""
-        ranked = sorted(range(len(paths)), key=lambda i: (-values[i], len(paths[i])))
-        token_of = {paths[i]: tokens[i] for i in ranked[: self.budget]}
+        token_of = {paths[i]: tokens[i] for i in value_order(paths, values)[: self.budget]}
         tree = build_tree(list(token_of))
-        position = {path: rank for rank, path in enumerate(token_of)}
-        self.value_ranks = [position[path] for path in tree.choices]  # node i + 1's place in the re-ranking
-        self.ranked_depths = [len(paths[i]) for i in ranked]
         return tree, [token_of[path] for path in tree.choices]
 
     def _depth_forward(self, d: int, path_tokens: torch.Tensor, path_states: torch.Tensor) -> torch.Tensor:
@@ -187,6 +179,12 @@ class MTPTreeDrafter(PolicyTrail):
         visible = torch.cat([torch.ones(len(group), cached, dtype=torch.bool, device=device),
                              same_path_before | catch_up_key], dim=1)  # (Q, cached + Q)
         return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+
+
+def value_order(paths: Sequence[tuple[int, ...]], values: Sequence[float]) -> list[int]:
+    """The drafted nodes (``paths``, their ``values``) in re-ranking order: highest value first, the shallower first
+    among equals."""
+    return sorted(range(len(paths)), key=lambda i: (-values[i], len(paths[i])))
 
 
 class MTPBatchTreeDrafter(BatchPolicyTrail):
@@ -409,6 +407,8 @@ class _RecordingTreeDrafter(MTPTreeDrafter):
         self.draft_seconds: list[list[float]] = []
         self.cycle_seconds: list[float] = []
         self._starts: list[float] = []  # this draft's: each depth's start, then the re-ranking's
+        self._drafted: tuple[list[tuple[int, ...]], list[float]] = ([], [])  # this draft's paths and values
+        self.value_ranks: list[int] = []  # the last accepted tree's nodes' places in the re-ranking
 
     def propose(self, room: int) -> Draft:
         now = self.clock()
@@ -426,13 +426,18 @@ class _RecordingTreeDrafter(MTPTreeDrafter):
 
     def _rerank(self, paths, tokens, values):
         self._starts.append(self.clock())
+        self._drafted = paths, values  # ranked in accept, outside the timed draft
         return super()._rerank(paths, tokens, values)
 
     def accept(self, draft: Draft, out, verdict) -> None:
         super().accept(draft, out, verdict)
+        paths, values = self._drafted
+        order = value_order(paths, values)
+        place = {paths[i]: rank for rank, i in enumerate(order)}
+        self.value_ranks = [place[path] for path in draft.tree.choices]  # node i + 1's place in the re-ranking
         nodes = verdict.path[1 : len(verdict.tokens)]
         self.accepted_drafts.append([(self.value_ranks[node - 1], int(draft.tree.depths[node])) for node in nodes])
-        self.ranked.append(self.ranked_depths)
+        self.ranked.append([len(paths[i]) for i in order])
 
 
 def kept_drafts(accepted: Sequence[tuple[int, int]], ranked_depths: Sequence[int], nodes: int, depth: int) -> int:
