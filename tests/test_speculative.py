@@ -577,7 +577,7 @@ def test_a_measured_cost_needs_the_margin_a_configured_one_does_not(margin):
     measured.record(False, 1, 1.0)
     for gain in (2, 1, 2, 1):
         measured.record(True, gain, 1.5)
-    assert statistics.fmean(measured.gains) == 1.5 and measured.cost() == 1.5
+    assert measured.tau() == 1.5 and measured.cost() == 1.5
     assert measured.paying is (margin == 0.0)
     configured = AdaptiveDrafting(Adaptation(window=4, first_decision=4, cycle_cost=1.5, margin=margin))
     for gain in (2, 1, 2, 1):
@@ -611,13 +611,46 @@ def test_a_paying_drafter_re_times_a_plain_step_every_plain_every_cycles():
         steps.append(drafts)
         drafting.record(drafts, 1.5 if drafts else 1, 2.0 if drafts else 1.0)
     assert steps == [True] * 4 + [False] + [True] * 4 + [False]  # plain, timed, after every four cycles
-    assert list(drafting.plain_seconds) == [3.0, 1.0, 1.0] and drafting.cost() == 2.0
+    assert list(drafting.plain_seconds) == [(1, 3.0), (1, 1.0), (1, 1.0)] and drafting.cost() == 2.0
     drafting.record(True, 1.5, 2.0)
     assert not drafting.paying
     configured = AdaptiveDrafting(Adaptation(window=8, first_decision=4, plain_every=4, cycle_cost=1.0))
     for _ in range(12):
         assert configured.drafts()
         configured.record(True, 1.5, 0.0)
+
+
+def test_tau_counts_tokens_per_row_so_a_batchs_last_row_weighs_as_one_row():
+    """c = 2.9 (configured). Seven cycles of 16 rows gaining 48 tokens (3 per row), then one of the last row alone
+    gaining 1: per row over the window τ = (7 · 48 + 1) / (7 · 16 + 1) = 337 / 113 ≈ 2.98 ≥ 2.9, drafting pays; the
+    mean of the cycles' per-row gains, (7 · 3 + 1) / 8 = 2.75, would have stopped it. Then six more cycles of that row
+    gaining 1 each leave one 16-row cycle in the window: τ = (48 + 7) / (16 + 7) ≈ 2.39, it stops; the next batch's
+    first cycle, 16 rows gaining 4 each, brings τ to (64 + 7) / (16 + 7) ≈ 3.09: it pays again, at once."""
+    drafting = AdaptiveDrafting(Adaptation(window=8, first_decision=4, cycle_cost=2.9))
+    for _ in range(7):
+        drafting.record(True, 48, 0.0, rows=16)
+    drafting.record(True, 1, 0.0, rows=1)
+    assert drafting.tau() == pytest.approx(337 / 113) and drafting.paying
+    for _ in range(6):
+        drafting.record(True, 1, 0.0, rows=1)
+    assert drafting.tau() == pytest.approx(55 / 23) and not drafting.paying
+    drafting.record(True, 64, 0.0, rows=16)
+    assert drafting.tau() == pytest.approx(71 / 23) and drafting.paying
+
+
+def test_a_measured_cost_compares_a_cycle_with_a_plain_step_of_as_many_rows():
+    """Plain steps timed at 1 row (20 ms, three of them) and at 16 rows (30 ms); cycles at 16 rows take 90 ms: c =
+    90 / 30 = 3, and cycles gaining 3.5 tokens per row pay (3.5 ≥ 3 · 1.1). Against the median of every plain step
+    (20 ms) c would be 4.5 and they would not. A cycle at 3 rows (40 ms) reads the plain step of the nearest row count
+    measured, 1 row: 40 / 20 = 2; at 9 rows, as near 1 as 16, the larger: 16 rows."""
+    drafting = AdaptiveDrafting(Adaptation(window=8, first_decision=4))
+    for rows, seconds in ((1, 0.020), (1, 0.020), (1, 0.020), (16, 0.030)):
+        drafting.record(False, rows, seconds, rows=rows)
+    for _ in range(4):
+        drafting.record(True, 3.5 * 16, 0.090, rows=16)
+    assert drafting.cost() == pytest.approx(3.0) and drafting.paying
+    assert drafting.plain_step_seconds(3) == 0.020 and drafting.plain_step_seconds(9) == 0.030
+    assert drafting.plain_tokens == 0 and drafting.drafts()
 
 
 def _ticks(stats: SpeculativeStats, drafts: Scripted):

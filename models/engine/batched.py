@@ -29,10 +29,11 @@ Randomness: under sampling each prompt has its own generator, which draws its dr
 and its verdicts, so a prompt's output does not depend on which prompts share its batch.
 
 Adapting (:class:`models.engine.config.Adaptation`): the batch drafts a step or runs it plainly (every row's root
-alone, one token each) as one. A cycle's gain is the mean over the rows of the tokens it gave them, and its cost,
-measured, is the cycle's time over a plain step's *at this batch size*: a bigger batch makes a tree forward cost
-more plain steps (the forward stops being memory-bound), which is where drafting stops paying, and the rule
-follows it.
+alone, one token each) as one. τ counts the tokens a cycle gave per row it ran, pooled over the window's cycles
+(a cycle of 16 rows weighs 16 times one of the batch's last row), and a cycle's cost, measured, is its time over a
+plain step's *with as many rows*: a bigger batch makes a tree forward cost more plain steps (the forward stops
+being memory-bound), which is where drafting stops paying, and the rule follows it as rows end and leave
+(:class:`~models.engine.speculative.AdaptiveDrafting`).
 
 Scope: full-attention models (every cache layer a plain ``DynamicLayer``: Llama, SmolLM2; sliding-window and
 other layers are refused, naming the layer); speculative sampling on chains drafted from a law, and on any tree of
@@ -298,8 +299,8 @@ def batched_speculative_generate(model, drafter: BatchDrafter, verifier: BatchVe
         if adapter is not None:
             if timed and device.type == "cuda":
                 torch.cuda.synchronize(device)
-            gain = sum(len(step) for step in steps) / len(steps)  # tokens per row (a plain step: 1)
-            adapter.record(drafts, gain, clock() - started if timed else 0.0)
+            adapter.record(drafts, sum(len(step) for step in steps), clock() - started if timed else 0.0,
+                           rows=len(steps))
     return outputs, stats
 
 

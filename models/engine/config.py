@@ -173,7 +173,8 @@ class Adaptation(Knobs):
     """When speculative decoding drafts (:func:`models.engine.speculative.speculative_stream`): while it pays.
 
     A draft–verify cycle costs ``c`` plain one-token steps and gains τ tokens; drafting pays while τ ≥ c. The
-    engine keeps τ as the mean tokens gained per cycle over the last ``window`` cycles; once ``first_decision``
+    engine keeps τ as the tokens gained per cycle over the last ``window`` cycles (per row they ran, in a batch:
+    :class:`models.engine.speculative.AdaptiveDrafting`); once ``first_decision``
     cycles are measured and τ < c, it decodes plainly (the root alone, no drafter forward), and after
     ``probe_every`` plain tokens it drafts one cycle again, which re-measures τ; each probe that still does not pay
     doubles the gap to the next (up to ``max_probe_every``), one that pays resets it; a decision state carried to
@@ -182,7 +183,7 @@ class Adaptation(Knobs):
     """
 
     window: int = 8
-    """Draft cycles whose mean gain is τ: fewer react sooner, more are steadier. Measured on the 2-core CPU (Medusa,
+    """Draft cycles whose gain per row is τ: fewer react sooner, more are steadier. Measured on the 2-core CPU (Medusa,
     bf16, 8 prompts × 3, interleaved): with 4, short hard stretches inside task responses (four cycles gaining one
     token each) sent 27 % of the steps plain and left Medusa at 1.89× greedy, against 2.08× drafting always; 6 and 8
     drafted on 99.7 % of the steps (2.10×, 2.07×) and still decoded general instructions 96 % plain, at 0.99×
@@ -202,8 +203,9 @@ class Adaptation(Knobs):
     2.1, for τ ≈ 1.5 per cycle), probes every 8 tokens cost ~10 % of the decoding time; doubling gaps bound that
     waste by (c − τ) / ``max_probe_every``."""
     cycle_cost: float | None = None
-    """c, a draft–verify cycle's cost in plain steps; null = measured during the run. Measured: the median wall time
-    of the window's cycles over that of the last plain steps (the first step is plain, to time one). A fixed c makes
+    """c, a draft–verify cycle's cost in plain steps; null = measured during the run. Measured: the median over the
+    window's cycles of each one's wall time over that of the last plain steps with as many rows (the nearest row
+    count timed; the first step is plain, to time one). A fixed c makes
     the decisions depend on acceptance alone, so sampled output repeats exactly under a seed."""
     margin: float = Field(0.1, ge=0.0, le=1.0)
     """With c measured (``cycle_cost`` null): drafting pays while τ ≥ c · (1 + margin). c is a ratio of two medians of

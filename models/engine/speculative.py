@@ -710,11 +710,22 @@ class SpeculativeStats:
 class AdaptiveDrafting:
     """The decisions of :class:`models.engine.config.Adaptation` for a decoder: draft the next step, or not.
 
-    τ = the mean gain of the last ``window`` cycles; c = the configured cycle cost, or the median wall time of the
-    window's cycles over the median of the last ``window`` plain steps. Drafting continues while fewer than
-    ``first_decision`` cycles are measured or τ ≥ c (a measured c: τ ≥ c · (1 + ``margin``), and a timed plain step
-    after every ``plain_every`` cycles); else plain steps, with a probing cycle after ``gap`` plain tokens
-    (``probe_every``, doubled by each probe that does not pay, up to ``max_probe_every``; reset by one that pays).
+    τ = the tokens the last ``window`` cycles gained per row they ran (a cycle of B rows counts B times); c = the
+    configured cycle cost, or the median over the window's cycles of each cycle's wall time over that of a plain step
+    of as many rows (the median of the last ``window`` plain steps' of the nearest row count). Drafting continues
+    while fewer than ``first_decision`` cycles are measured or τ ≥ c (a measured c: τ ≥ c · (1 + ``margin``), and a
+    timed plain step after every ``plain_every`` cycles); else plain steps, with a probing cycle after ``gap`` plain
+    steps (``probe_every``, doubled by each probe that does not pay, up to ``max_probe_every``; reset by one that
+    pays). At batch 1 (one row throughout) this is the mean gain of the window's cycles over the ratio of their
+    median time to the plain steps'.
+
+    Rows matter in a batch (:func:`models.engine.batched.batched_speculative_generate`), where rows leave as they end:
+    a step's time falls with its rows, the cycle's faster than the plain step's, and the last rows of a batch are few
+    and may be the hard ones. Measured (MTP chains at batch 16, 2-core CPU): cycles of 90–100 ms at 16 rows against
+    35 ms at 1 row, plain steps of 31–39 ms against 25 ms; timings pooled over row counts put c at 2.8 where it was
+    2.2, and the last row of one batch, accepting nothing for 7 cycles, left the next batch's window averaging under
+    1.4 tokens per cycle although its first cycle gained 4 tokens in each of 16 rows: that batch decoded 17 plain
+    steps before its next probe. Drafting always ran 1.36× HF greedy on those three batches, the adaptive rule 1.10×.
 
     One object passed to several :func:`speculative_stream` calls carries all this from prompt to prompt (a
     server keeps it per model and drafter): each rollout or prompt then starts from what the last ones measured,
@@ -724,12 +735,12 @@ class AdaptiveDrafting:
 
     def __init__(self, adaptation: Adaptation):
         self.adaptation = adaptation
-        self.gains: deque[int] = deque(maxlen=adaptation.window)  # tokens gained per recent cycle
-        self.cycle_seconds: deque[float] = deque(maxlen=adaptation.window)
-        self.plain_seconds: deque[float] = deque(maxlen=adaptation.window)
+        self.gains: deque[tuple[float, int]] = deque(maxlen=adaptation.window)  # recent cycles' (tokens, rows)
+        self.cycle_seconds: deque[tuple[int, float]] = deque(maxlen=adaptation.window)  # (rows, seconds)
+        self.plain_seconds: deque[tuple[int, float]] = deque(maxlen=adaptation.window)  # (rows, seconds)
         self.paying = True  # the last decision: drafting pays
-        self.plain_tokens = 0  # plain tokens since the last cycle
-        self.gap = adaptation.probe_every  # plain tokens before the next probe
+        self.plain_tokens = 0  # plain steps since the last cycle (tokens per row)
+        self.gap = adaptation.probe_every  # plain steps before the next probe
         self.cycles_since_plain = 0  # draft cycles since the last plain step (a measured c re-times one now and then)
 
     @property
@@ -751,32 +762,43 @@ class AdaptiveDrafting:
         task prompts 27 %). A drafter that never pays spends one probe per prompt."""
         self.plain_tokens = max(self.plain_tokens, self.gap)
 
+    def tau(self) -> float:
+        """τ: the window's tokens gained per row and cycle."""
+        return sum(tokens for tokens, _ in self.gains) / sum(rows for _, rows in self.gains)
+
+    def plain_step_seconds(self, rows: int) -> float:
+        """A plain step's time at ``rows`` rows: the median of the timed plain steps of the nearest row count (on a
+        tie, the larger)."""
+        nearest = min((abs(r - rows), -r) for r, _ in self.plain_seconds)
+        return statistics.median(s for r, s in self.plain_seconds if (abs(r - rows), -r) == nearest)
+
     def cost(self) -> float:
-        """c: a cycle's cost in plain steps; measured, never below 1. A cycle runs the plain step's forward over the
-        root and its drafts, and drafts first, so a measured ratio below 1 is a timing artefact: the plain steps are
-        timed only while drafting does not pay (and the first step), and one slow sample stands for them all while it
-        does. Measured (MTP chains at batch 16, 2-core CPU): a first plain step of 43 ms against 29 ms for later ones
-        put c at 0.8, and a batch whose last row accepted nothing drafted on for 12 cycles gaining 1 token each."""
+        """c: a cycle's cost in plain steps of as many rows; measured, never below 1. A cycle runs the plain step's
+        forward over the root and its drafts, and drafts first, so a measured ratio below 1 is a timing artefact:
+        plain steps are timed only now and then (:meth:`drafts`), and one slow sample stands for them in between.
+        Measured (MTP chains at batch 16, 2-core CPU): a first plain step of 43 ms against 29 ms for later ones put c
+        at 0.8, and a batch whose last row accepted nothing drafted on for 12 cycles gaining 1 token each."""
         if not self.measures:
             return self.adaptation.cycle_cost
-        return max(1.0, statistics.median(self.cycle_seconds) / max(statistics.median(self.plain_seconds), 1e-9))
+        return max(1.0, statistics.median(seconds / max(self.plain_step_seconds(rows), 1e-9)
+                                          for rows, seconds in self.cycle_seconds))
 
-    def record(self, drafted: bool, tokens: int, seconds: float) -> None:
-        """A finished step: a cycle's gain and time update τ (and c), the decision and the probe gap; a plain step
-        counts."""
+    def record(self, drafted: bool, tokens: float, seconds: float, rows: int = 1) -> None:
+        """A finished step of ``rows`` rows that gave ``tokens`` tokens in all: a cycle's gain and time update τ (and
+        c), the decision and the probe gap; a plain step counts, and its time is kept with its rows."""
         if not drafted:
-            self.plain_seconds.append(seconds)
-            self.plain_tokens += tokens
+            self.plain_seconds.append((rows, seconds))
+            self.plain_tokens += tokens / rows
             self.cycles_since_plain = 0
             return
         self.cycles_since_plain += 1
         probe = not self.paying
-        self.gains.append(tokens)
-        self.cycle_seconds.append(seconds)
+        self.gains.append((tokens, rows))
+        self.cycle_seconds.append((rows, seconds))
         self.plain_tokens = 0
         decided = len(self.gains) >= min(self.adaptation.first_decision, self.adaptation.window)
         margin = self.adaptation.margin if self.measures else 0.0  # a measured c is noisy, a configured one exact
-        self.paying = not decided or statistics.fmean(self.gains) >= self.cost() * (1 + margin)
+        self.paying = not decided or self.tau() >= self.cost() * (1 + margin)
         if self.paying:
             self.gap = self.adaptation.probe_every
         elif probe:
