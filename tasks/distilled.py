@@ -79,6 +79,27 @@ def sft_responses(cfg: Config, source: str, key: str, further: bool = False) -> 
     return responses
 
 
+def sampled_responses(cfg: Config, per_prompt: int, key: str) -> pd.DataFrame:
+    """The ``generate`` stage's first ``per_prompt`` samples of each prompt (as the ``label`` stage scored them), as
+    rows that join :func:`sft_responses`' distilled ones and always train (``distilled_row`` −1, ``prompt_set``
+    ``task``): those of the prompts whose distilled responses the split holds out are left out, so that no held-out
+    prompt's text is learnt from. ``key`` names the setting."""
+    path = cfg.path(cfg.paths.scores)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run the generate and label stages ({key} reads it)")
+    samples = read_table(path, "scored samples")
+    distilled = shared_distilled_responses(cfg, key)
+    split = distilled_dir(cfg) / DISTILLED_SPLIT_FILE
+    if not split.is_file():
+        raise FileNotFoundError(f"{split} is missing: run the distill stage first")
+    held_out = set(distilled.loc[distilled.index.isin(load_file(split)["eval_samples"].numpy()), "prompt_id"])
+    kept = samples[(samples["sample_index"] < per_prompt) & ~samples["prompt_id"].isin(held_out)]
+    if kept.empty:
+        raise ValueError(f"{path} has no sample of a training prompt to learn from ({key}: {per_prompt})")
+    return kept[["prompt_id", "sample_index", "prompt", "response", "finish_reason"]].assign(
+        prompt_set="task", further_prompt=False, self_instruct=False, distilled_row=-1).reset_index(drop=True)
+
+
 def drafter_split(cfg: Config, responses: pd.DataFrame, eval_fraction: float, seed: int):
     """Row indices of training and held-out ``responses`` (from :func:`sft_responses`). Distilled responses take
     the ``distill`` stage's split (:data:`DISTILLED_SPLIT_FILE`), so that every drafter's accuracy and acceptance are

@@ -70,7 +70,7 @@ from tasks.common import (
     stage_logger,
     table_artifact,
 )
-from tasks.distilled import drafter_split, sft_responses, validation_split
+from tasks.distilled import drafter_split, sampled_responses, sft_responses, validation_split
 
 if TYPE_CHECKING:
     from foresight.config import Config
@@ -101,9 +101,11 @@ def train_mtp_task(cfg: Config) -> StageResult:
     policy.model.requires_grad_(False).eval()
     accelerator = stage_accelerator(policy.device, m.mixed_precision, m.gradient_accumulation_steps)
     # rows too long for mtp.max_length are dropped whole, never truncated (models/common/sequences.py)
-    responses, sequences, too_long = fitting_sft(
-        policy.tokenizer, sft_responses(cfg, m.data, "mtp.data", further=m.further_prompts), m.max_length,
-        "mtp.max_length")
+    responses = sft_responses(cfg, m.data, "mtp.data", further=m.further_prompts)
+    if m.samples_per_prompt:
+        responses = pd.concat([responses, sampled_responses(cfg, m.samples_per_prompt, "mtp.samples_per_prompt")],
+                              ignore_index=True)
+    responses, sequences, too_long = fitting_sft(policy.tokenizer, responses, m.max_length, "mtp.max_length")
     if too_long:
         logger.warning("dropped %d responses longer than mtp.max_length %d tokens", too_long, m.max_length)
     train_rows, eval_rows = drafter_split(cfg, responses, m.eval_fraction, m.seed)

@@ -148,3 +148,40 @@ def test_self_instruct_responses_all_train_and_the_benchmark_instructions_stay_o
     benchmark = general_instructions("eval")
     assert not set(benchmark["prompt_id"]) & set(after["prompt_id"])
     assert not [q for q in benchmark["question"] for prompt in after["prompt"] if q in prompt]
+
+
+def test_sampled_responses_join_the_mtp_data_and_no_held_out_prompt_is_learnt_from(tiny_llama, tmp_path):
+    """``mtp.samples_per_prompt``: the first n scored samples of each training prompt join the MTP module's
+    distilled responses as rows that always train; the samples of the prompts the distilled split holds out stay
+    out, so the held-out sequences (and so every drafter's measured acceptance) are those of the run without them;
+    with ``mtp.data: correct`` the setting is an error."""
+    from foresight.config import parse_config
+    from foresight.params import load_params
+    from foresight.storage import write_table
+    from tasks.distill import distill_task
+    from tasks.distilled import drafter_split, sampled_responses, sft_responses
+
+    cfg = _distill_cfg(tmp_path, tiny_llama)
+    distill_task.fn(cfg)
+    responses = pd.read_parquet(tmp_path / "data/distill/responses.parquet")
+    held_out = set(responses["prompt_id"][load_file(tmp_path / "data/distill/split.safetensors")["eval_samples"]
+                                          .tolist()])
+    task_prompts = responses[~responses["further_prompt"] & (responses["prompt_set"] == "task")]
+    assert held_out & set(task_prompts["prompt_id"]) and set(task_prompts["prompt_id"]) - held_out
+    samples = pd.DataFrame([{"sample_id": f"{row.prompt_id}-{i}", "prompt_id": row.prompt_id, "sample_index": i,
+                             "prompt": row.prompt, "response": f"sample {i}", "finish_reason": "stop", "score": 0.0}
+                            for row in task_prompts.itertuples() for i in range(3)])
+    mtp_cfg = load_params(tmp_path / "params.yaml", keys=_stage("train_mtp").config_keys)
+    write_table(samples, mtp_cfg.path(mtp_cfg.paths.scores))
+
+    sampled = sampled_responses(mtp_cfg, 2, "mtp.samples_per_prompt")
+    kept = sorted(set(task_prompts["prompt_id"]) - held_out)
+    assert sorted(sampled["prompt_id"].unique()) == kept and len(sampled) == 2 * len(kept)
+    assert set(sampled["response"]) == {"sample 0", "sample 1"} and sampled["prompt_set"].eq("task").all()
+    distilled = sft_responses(mtp_cfg, "distilled", "mtp.data", further=True)
+    joined = pd.concat([distilled, sampled], ignore_index=True)
+    train, evaluation = drafter_split(mtp_cfg, joined, 0.2, 0)
+    assert evaluation.tolist() == drafter_split(mtp_cfg, distilled, 0.2, 0)[1].tolist()  # the same held-out rows
+    assert set(range(len(distilled), len(joined))) <= set(train.tolist())  # every sample trains
+    with pytest.raises(ValueError, match="samples_per_prompt"):
+        parse_config({"mtp": {"data": "correct", "samples_per_prompt": 2}}, root=tmp_path)
