@@ -128,7 +128,10 @@ def batch_speed_curve(decoders: Sequence[str], prompts: Sequence[Any],
     (:func:`interleaved_decoding`), ``decode(decoder, batch, max_new_tokens) → (each row's tokens, each row's
     SpeculativeStats or None)``. One row per (B, decoder): tokens/s; the speedup over ``reference`` with its
     interval over the batches (paired); ``tokens_per_forward`` (Σ tokens / Σ forwards over the batch's rows, an
-    interval over the batches; NaN for a decoder without counters); the share of plain (non-draft) forwards; and
+    interval over the batches; NaN for a decoder without counters); ``slowest_row_tokens_per_forward``, the same for
+    each batch's row that took part in the most forwards (the fewest tokens among ties): a batch runs until its last
+    row ends, so that row's tokens per forward, not the mean, sets how many steps the batch takes; the share of
+    plain (non-draft) forwards; and
     ``identical_to_reference``, the share of rows whose output equals the reference decoder's on the same batch,
     compared token for token (``compare_outputs``; not for samplers, whose outputs differ by design). The
     reference's row has its tokens/s only."""
@@ -144,6 +147,7 @@ def batch_speed_curve(decoders: Sequence[str], prompts: Sequence[Any],
             forwards = [sum(s.forwards for s in stats) for stats in counted]
             generated = [sum(s.generated_tokens for s in stats) for stats in counted]
             plain = sum(s.plain_forwards for stats in counted for s in stats)
+            slowest = [max(stats, key=lambda s: (s.forwards, -s.generated_tokens)) for stats in counted]
             if decoder == reference:  # its own speed; ratios to itself would be 1 by construction
                 timer = timers[decoder]
                 rows.append({"batch": size, "decoder": decoder, "batches": batches,
@@ -158,6 +162,8 @@ def batch_speed_curve(decoders: Sequence[str], prompts: Sequence[Any],
                          **speed_row(timers[decoder], timers[reference]),
                          **statistics.interval_columns("tokens_per_forward", statistics.ratio_of_sums(generated,
                                                                                                       forwards)),
+                         **statistics.interval_columns("slowest_row_tokens_per_forward", statistics.ratio_of_sums(
+                             [s.generated_tokens for s in slowest], [s.forwards for s in slowest])),
                          "plain_share": plain / sum(forwards) if sum(forwards) else float("nan"), **identity})
     return rows
 

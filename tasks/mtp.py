@@ -302,10 +302,10 @@ ROLLOUT_COLUMNS = ["variant", "steps", "nonzero_advantage_share", "tau_window", 
 JUDGED = ("reward", "accuracy")  # what the held-out greedy responses are judged by
 HELD_OUT_COLUMNS = [f"{key}_{when}" for key in JUDGED for when in ("before", "after", "change")]
 SUMMARY_COLUMNS = ROLLOUT_COLUMNS + HELD_OUT_COLUMNS
-CURVE_COLUMNS = ["batch", "decoder", "speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "plain_share",
-                 "identical_to_reference", "batches"]
-CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "plain_share",
-                 "identical_to_reference")
+CURVE_COLUMNS = ["batch", "decoder", "speedup_vs_reference", "tokens_per_s", "tokens_per_forward",
+                 "slowest_row_tokens_per_forward", "plain_share", "identical_to_reference", "batches"]
+CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "slowest_row_tokens_per_forward",
+                 "plain_share", "identical_to_reference")
 INTERVAL_ENDS = ("", "_low", "_high")  # a figure's columns with its interval
 RL_CURVES = ("tau", "acceptance_rate", "tokens_per_forward", "rollout_seconds", "reward_seconds", "reward",
              "nonzero_advantage_share")

@@ -450,8 +450,9 @@ DIVERGENCE_FIELDS = ["prompt_set", "decoder", "prompt_index", "position", "greed
                      "float32_choice"]
 METRIC_COLUMNS = ("tau", "speedup_vs_reference", "tokens_per_s", "identical_to_greedy", "plain_share")
 CURVE_COLUMNS = ["prompt_set", "batch", "decoder", "speedup_vs_reference", "tokens_per_s", "tokens_per_forward",
-                 "plain_share", "identical_to_reference", "batches"]
-CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "plain_share", "identical_to_reference")
+                 "slowest_row_tokens_per_forward", "plain_share", "identical_to_reference", "batches"]
+CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "slowest_row_tokens_per_forward",
+                 "plain_share", "identical_to_reference")
 
 
 def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergences: list[dict], curve: list[dict],

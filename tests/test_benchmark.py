@@ -7,6 +7,7 @@ import torch
 
 from foresight.benchmark import (
     DecodeTimer,
+    batch_speed_curve,
     cell,
     display_rows,
     interleaved_decoding,
@@ -80,6 +81,34 @@ def test_interleaved_decoding_times_every_decoder_prompt_by_prompt():
     assert calls == [("a", 1, 4), ("b", 1, 4)] + [(d, p, 9) for p in (1, 2, 3) for d in ("a", "b")]
     assert timers["a"].call_tokens == timers["b"].call_tokens == [2, 3, 4]
     assert [(r["prompt_index"], r["decoder"]) for r in records] == [(i, d) for i in range(3) for d in ("a", "b")]
+
+
+def test_the_speed_curve_counts_tokens_per_forward_of_all_rows_and_of_each_batchs_slowest_row():
+    """Two batches of two rows. Batch 0: rows of 10 tokens in 4 forwards and 3 in 2; batch 1: 6 in 5 and 8 in 5 (a
+    tie on forwards: the row with fewer tokens is the slowest). All rows: (13 + 14) / (6 + 10) = 27 / 16 tokens per
+    forward; slowest rows: (10 + 6) / (4 + 5) = 16 / 9, between batch 1's alone (1.2) and batch 0's (2.5). Plain
+    forwards 1 of 16; the reference (no counters) has its speed alone."""
+    from models.engine.speculative import SpeculativeStats
+
+    counters = {0: [(10, 4, 1), (3, 2, 0)], 1: [(6, 5, 0), (8, 5, 0)]}  # (tokens, forwards, plain) per row
+
+    def decode(decoder, batch, max_new_tokens):
+        if max_new_tokens < 10:  # the warm-up call
+            return [[0]] * len(batch), None
+        rows = counters[batch[0]]
+        if decoder == "reference":
+            return [[0] * tokens for tokens, _, _ in rows], None
+        return ([[0] * tokens for tokens, _, _ in rows],
+                [SpeculativeStats(forwards=f, generated_tokens=n, plain_forwards=p) for n, f, p in rows])
+
+    rows = batch_speed_curve(["reference", "drafter"], [0, 0, 1, 1], decode, "reference", [2], 2, 10, "test",
+                             compare_outputs=False)
+    reference, drafter = rows
+    assert set(reference) == {"batch", "decoder", "batches", "tokens_per_s", "ms_per_token"}
+    assert drafter["tokens_per_forward"] == pytest.approx(27 / 16) and drafter["plain_share"] == pytest.approx(1 / 16)
+    assert drafter["slowest_row_tokens_per_forward"] == pytest.approx(16 / 9)
+    assert 1.2 - 1e-9 <= drafter["slowest_row_tokens_per_forward_low"] <= 16 / 9
+    assert 16 / 9 <= drafter["slowest_row_tokens_per_forward_high"] <= 2.5 + 1e-9
 
 
 def test_markdown_table():
