@@ -650,7 +650,7 @@ def test_a_measured_cost_compares_a_cycle_with_a_plain_step_of_as_many_rows():
         drafting.record(True, 3.5 * 16, 0.090, rows=16)
     assert drafting.cost() == pytest.approx(3.0) and drafting.paying
     assert drafting.plain_step_seconds(3) == 0.020 and drafting.plain_step_seconds(9) == 0.030
-    assert drafting.plain_tokens == 0 and drafting.drafts()
+    assert drafting.plain_steps == 0 and drafting.drafts()
 
 
 def _ticks(stats: SpeculativeStats, drafts: Scripted):

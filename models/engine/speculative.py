@@ -739,7 +739,7 @@ class AdaptiveDrafting:
         self.cycle_seconds: deque[tuple[int, float]] = deque(maxlen=adaptation.window)  # (rows, seconds)
         self.plain_seconds: deque[tuple[int, float]] = deque(maxlen=adaptation.window)  # (rows, seconds)
         self.paying = True  # the last decision: drafting pays
-        self.plain_tokens = 0  # plain steps since the last cycle (tokens per row)
+        self.plain_steps = 0  # plain steps since the last cycle
         self.gap = adaptation.probe_every  # plain steps before the next probe
         self.cycles_since_plain = 0  # draft cycles since the last plain step (a measured c re-times one now and then)
 
@@ -753,14 +753,14 @@ class AdaptiveDrafting:
         timed, nor after ``plain_every`` cycles without one."""
         if self.measures and (not self.plain_seconds or self.cycles_since_plain >= self.adaptation.plain_every):
             return False
-        return self.paying or self.plain_tokens >= self.gap
+        return self.paying or self.plain_steps >= self.gap
 
     def start_prompt(self) -> None:
         """A new prompt: if drafting was not paying, its first step probes. What stopped paying on one prompt may pay
         on the next (another text), and the gap the last prompt doubled would otherwise keep the new one plain for
         up to ``max_probe_every`` tokens (measured: one hard task prompt left the next two 45 % plain, the 8 timed
         task prompts 27 %). A drafter that never pays spends one probe per prompt."""
-        self.plain_tokens = max(self.plain_tokens, self.gap)
+        self.plain_steps = max(self.plain_steps, self.gap)
 
     def tau(self) -> float:
         """τ: the window's tokens gained per row and cycle."""
@@ -788,14 +788,14 @@ class AdaptiveDrafting:
         c), the decision and the probe gap; a plain step counts, and its time is kept with its rows."""
         if not drafted:
             self.plain_seconds.append((rows, seconds))
-            self.plain_tokens += tokens / rows
+            self.plain_steps += 1
             self.cycles_since_plain = 0
             return
         self.cycles_since_plain += 1
         probe = not self.paying
         self.gains.append((tokens, rows))
         self.cycle_seconds.append((rows, seconds))
-        self.plain_tokens = 0
+        self.plain_steps = 0
         decided = len(self.gains) >= min(self.adaptation.first_decision, self.adaptation.window)
         margin = self.adaptation.margin if self.measures else 0.0  # a measured c is noisy, a configured one exact
         self.paying = not decided or self.tau() >= self.cost() * (1 + margin)
