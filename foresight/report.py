@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from foresight.claims import FAILS, HOLDS, NOT_MEASURED, UNDECIDED, Metrics, claims_table
+from foresight.claims import CLAIMS, FAILS, HOLDS, NOT_MEASURED, UNDECIDED, Metrics, claims_table
 from foresight.stages import STAGES, resolve_path, sync_block
 from models.common.files import atomic_path
 
@@ -294,8 +294,9 @@ def write_report(cfg, metrics: Metrics) -> tuple[Path, Path, Report]:
 
 
 def readme_block(metrics: Metrics) -> str:
-    """The README's headline block, markers included: at most :data:`MAX_README_ROWS` rows."""
-    rows = readme_rows(claims_table(metrics))
+    """The README's headline block, markers included: the headline claims (``Claim.headline``), at most
+    :data:`MAX_README_ROWS` rows."""
+    rows = readme_rows([row for claim, row in zip(CLAIMS, claims_table(metrics), strict=True) if claim.headline])
     if len(rows) > MAX_README_ROWS:
         raise ValueError(f"{len(rows)} claims for the README's headline table (at most {MAX_README_ROWS}): merge "
                          "rows in foresight/report.py readme_rows")

@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from flows.cli import main
+from foresight.claims import CLAIMS
 from foresight.report import HEADLINE_BEGIN, HEADLINE_END, MAX_README_ROWS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,6 +109,9 @@ def test_readme_headline_block_regenerates_from_the_metrics(tmp_path, capsys):
     rows = _check_headline_block(_block(first))
     assert ["Medusa", "Greedy-verified Medusa heads decode faster than greedy, output unchanged",
             "Medusa-1 ≈ 2.2× (Vicuna-7B, A100)", "task prompts 2.2 [1.9, 2.5]×", "holds"] in rows
+    # the claims off the headline (Claim.headline false) stay out of the README (the report shows every claim)
+    details = [c.claim for c in CLAIMS if not c.headline]
+    assert details and not [row for row in rows if row[1] in details]
     capsys.readouterr()
     assert main(["report", "--readme", "--params", str(params)]) == 0  # the same metrics: byte-identical
     assert "up to date" in capsys.readouterr().out and readme.read_text() == first
