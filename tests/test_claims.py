@@ -84,6 +84,10 @@ def test_a_rollout_speedup_beyond_what_drafting_can_give_is_not_credited_to_draf
     assert row((1.5, 1.3, 1.7), (1.9, 1.8, 2.0))["verdict"] == "holds"
     beyond = row((1.2, 1.12, 1.29), (1.04, 1.01, 1.07))  # the fresh-clone run's figures
     assert beyond["verdict"] == "undecided" and "not attributable" in beyond["reason"]
+    # a speed-up whose point estimate passes the most drafting could give, though its interval reaches back into it
+    overlap = row((1.25, 1.09, 1.42), (1.1, 1.04, 1.24))  # the fd70916 run's figures
+    assert overlap["verdict"] == "undecided" and "not attributable" in overlap["reason"]
+    assert row((1.2, 1.05, 1.3), (1.1, 1.04, 1.24))["verdict"] == "holds"
     assert row((0.9, 0.8, 0.95), (1.5, 1.4, 1.6))["verdict"] == "does not hold"
     # where the rollout curve ran, its interleaved figures (drafting's own speed-up) stand beside, batch by batch
     metrics = {"train_mtp_rl": {**_interval("mtp_rl.rollout_speedup", 1.2, 1.12, 1.29),
