@@ -119,6 +119,11 @@ def interleaved_decoding(decoders: Sequence[str], prompts: Sequence[Any],
     return timers, records
 
 
+CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "slowest_row_tokens_per_forward",
+                 "plain_share", "identical_to_reference")
+"""The figures of :func:`batch_speed_curve`'s rows that a stage logs as metrics (each with its interval)."""
+
+
 def batch_speed_curve(decoders: Sequence[str], prompts: Sequence[Any],
                       decode: Callable[[str, list, int], tuple[list[list[int]], list | None]], reference: str,
                       batch_sizes: Sequence[int], batches: int, max_new_tokens: int, desc: str,

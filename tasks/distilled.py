@@ -89,10 +89,7 @@ def sampled_responses(cfg: Config, per_prompt: int, key: str) -> pd.DataFrame:
         raise FileNotFoundError(f"{path} is missing: run the generate and label stages ({key} reads it)")
     samples = read_table(path, "scored samples")
     distilled = shared_distilled_responses(cfg, key)
-    split = distilled_dir(cfg) / DISTILLED_SPLIT_FILE
-    if not split.is_file():
-        raise FileNotFoundError(f"{split} is missing: run the distill stage first")
-    held_out = set(distilled.loc[distilled.index.isin(load_file(split)["eval_samples"].numpy()), "prompt_id"])
+    held_out = set(distilled.loc[distilled.index.isin(held_out_distilled_rows(cfg)), "prompt_id"])
     kept = samples[(samples["sample_index"] < per_prompt) & ~samples["prompt_id"].isin(held_out)]
     if kept.empty:
         raise ValueError(f"{path} has no sample of a training prompt to learn from ({key}: {per_prompt})")
@@ -106,14 +103,19 @@ def drafter_split(cfg: Config, responses: pd.DataFrame, eval_fraction: float, se
     measured on the same held-out sequences; ``eval_fraction`` and ``seed`` split other responses by prompt."""
     if "distilled_row" not in responses:
         return split_responses(responses, eval_fraction, seed)
+    # a copy, as in split_distilled
+    is_eval = torch.from_numpy(responses["distilled_row"].isin(held_out_distilled_rows(cfg)).to_numpy(copy=True))
+    rows = torch.arange(len(responses))
+    return rows[~is_eval], rows[is_eval]
+
+
+def held_out_distilled_rows(cfg: Config):
+    """The rows of the ``distill`` stage's ``responses.parquet`` its split holds out (:data:`DISTILLED_SPLIT_FILE`'s
+    ``eval_samples``, a numpy array)."""
     path = distilled_dir(cfg) / DISTILLED_SPLIT_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: run the distill stage first")
-    # a copy, as in split_distilled
-    is_eval = torch.from_numpy(
-        responses["distilled_row"].isin(load_file(path)["eval_samples"].numpy()).to_numpy(copy=True))
-    rows = torch.arange(len(responses))
-    return rows[~is_eval], rows[is_eval]
+    return load_file(path)["eval_samples"].numpy()
 
 
 def validation_split(responses: pd.DataFrame, train_rows, fraction: float, seed: int):

@@ -35,7 +35,7 @@ from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
 from foresight import statistics
-from foresight.benchmark import batch_speed_curve, curve_bars, display_rows, markdown_table
+from foresight.benchmark import CURVE_METRICS, batch_speed_curve, curve_bars, display_rows, markdown_table
 from foresight.plots import bar_panels, bar_plot, interval_bar, line_panels, line_plot
 from foresight.storage import atomic_path, read_table, write_json, write_table
 from models.common.lora import trained_weight_names
@@ -304,8 +304,6 @@ HELD_OUT_COLUMNS = [f"{key}_{when}" for key in JUDGED for when in ("before", "af
 SUMMARY_COLUMNS = ROLLOUT_COLUMNS + HELD_OUT_COLUMNS
 CURVE_COLUMNS = ["batch", "decoder", "speedup_vs_reference", "tokens_per_s", "tokens_per_forward",
                  "slowest_row_tokens_per_forward", "plain_share", "identical_to_reference", "batches"]
-CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "slowest_row_tokens_per_forward",
-                 "plain_share", "identical_to_reference")
 INTERVAL_ENDS = ("", "_low", "_high")  # a figure's columns with its interval
 RL_CURVES = ("tau", "acceptance_rate", "tokens_per_forward", "rollout_seconds", "reward_seconds", "reward",
              "nonzero_advantage_share")

@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 
 from foresight import statistics
 from foresight.benchmark import (
+    CURVE_METRICS,
     batch_speed_curve,
     curve_bars,
     display_rows,
@@ -451,8 +452,6 @@ DIVERGENCE_FIELDS = ["prompt_set", "decoder", "prompt_index", "position", "greed
 METRIC_COLUMNS = ("tau", "speedup_vs_reference", "tokens_per_s", "identical_to_greedy", "plain_share")
 CURVE_COLUMNS = ["prompt_set", "batch", "decoder", "speedup_vs_reference", "tokens_per_s", "tokens_per_forward",
                  "slowest_row_tokens_per_forward", "plain_share", "identical_to_reference", "batches"]
-CURVE_METRICS = ("speedup_vs_reference", "tokens_per_s", "tokens_per_forward", "slowest_row_tokens_per_forward",
-                 "plain_share", "identical_to_reference")
 
 
 def _medusa_report(cfg: Config, records: list[dict], rows: list[dict], divergences: list[dict], curve: list[dict],

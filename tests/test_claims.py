@@ -156,7 +156,8 @@ def test_dynamic_tree_claim_needs_three_times_greedy_and_quotes_the_cycle_cost()
                                      "mtp_tree.budget": 7, "mtp_tree.depth": 4}}
 
     assert _row(bench((3.2, 2.6, 3.8)), "EAGLE-2", "ours", "An autoregressive")["verdict"] == "holds"
-    assert _row(bench((3.2, 2.4, 3.8)), "EAGLE-2", "ours", "An autoregressive")["verdict"] == "undecided"  # lower end under 2.5×
+    # the lower end under 2.5×
+    assert _row(bench((3.2, 2.4, 3.8)), "EAGLE-2", "ours", "An autoregressive")["verdict"] == "undecided"
     failed = _row(bench((2.0, 1.8, 2.7)), "EAGLE-2", "ours", "An autoregressive")
     assert failed["verdict"] == "does not hold"
     # τ 3.4 in the time of 2.0 greedy tokens: a cycle costs 1.70 steps, so 3× would need τ ≥ 5.10
